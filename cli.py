@@ -1,0 +1,95 @@
+"""The `onboard` command: argument parsing and printing only; every verb calls into `onboard/`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _quiet_libraries() -> None:
+    # transformers and torch warn about things the user did not ask about (missing fast kernels, etc.)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="HuggingFace id, local directory with config.json, or catalogue name")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model's own modeling code")
+    p.add_argument("--online", action="store_true", help="allow downloading config.json from the Hub")
+
+
+def cmd_inspect(args) -> int:
+    from onboard.accounting import costs
+    from onboard.inspection import inspect_model
+    from onboard.report import summary
+
+    if args.online:
+        os.environ["HF_HUB_OFFLINE"] = "0"
+    spec, timings = inspect_model(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    if args.json:
+        data = spec.to_dict()
+        data["costs"] = vars(costs(spec, args.seq_len))
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(summary(spec, args.seq_len, timings))
+    return 0
+
+
+def cmd_catalogue(args) -> int:
+    from onboard.source import catalogue_index
+
+    index = catalogue_index()
+    if args.json:
+        print(json.dumps(index, indent=2, sort_keys=True))
+        return 0
+    width = max(len(slug) for slug in index)
+    for slug, meta in index.items():
+        pub = meta.get("published", {})
+        figures = ""
+        if pub.get("params_total"):
+            figures = f"{pub['params_total'] / 1e9:.1f}B / {pub.get('params_active', 0) / 1e9:.1f}B active"
+        print(f"{slug:<{width}}  {meta.get('hf_id', 'bundled remote-code model'):<42} {figures}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onboard", description="Onboard MoE models onto the training runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="what a model is made of, at full scale")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print the ModelSpec as JSON")
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOP counts (default 4096)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("catalogue", help="list the bundled model configs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_catalogue)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    if getattr(args, "seq_len", 1) is not None and getattr(args, "seq_len", 1) <= 0:
+        print("onboard: error: --seq-len must be a positive number of tokens", file=sys.stderr)
+        return 2
+    from onboard.errors import OnboardError
+
+    try:
+        return args.func(args)
+    except OnboardError as exc:
+        print(f"onboard: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("onboard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

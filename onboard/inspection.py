@@ -1,0 +1,294 @@
+"""`onboard inspect`: source -> twin -> capture -> patterns -> full-scale ModelSpec.
+
+Patterns run on the twin's graphs and give structure plus twin-scale numbers. Full-scale numbers come
+from two places that never allocate the model: parameter shapes of the full model built on the meta
+device (at the same module paths the matchers found), and the twin's record of which config fields it
+shrank, which maps a number seen in the twin graph (top-k 4, window 8) back to its full value.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from onboard.capture import Capture, Graph, capture
+from onboard.errors import OnboardError
+from onboard.graph import GraphView, op_name
+from onboard.patterns.attention import AttentionMatch, match_attention
+from onboard.patterns.dense import DenseMatch, match_dense_mlp, norm_kinds
+from onboard.patterns.moe import MoEMatch, match_moe
+from onboard.source import ModelSource, resolve
+from onboard.spec import MLP, Attention, Layer, ModelSpec, Unmatched
+from onboard.twin import TEST_SEQ_LEN, Twin, build_twin, find_layer_stack, meaning_of, _walk
+
+
+@dataclass
+class LayerMatch:
+    """What the matchers found in one captured twin layer (twin-scale numbers, module paths)."""
+
+    attention: AttentionMatch | None
+    moe: MoEMatch | None
+    dense: DenseMatch | None
+    norms: dict[str, str]
+    unmatched: list[Unmatched] = field(default_factory=list)
+
+
+def match_layer(graph: Graph, hidden: int) -> LayerMatch:
+    if graph.gm is None:
+        return LayerMatch(None, None, None, {}, [Unmatched(graph.module_path, f"capture failed: {graph.error}")])
+    view = GraphView(graph)
+    moes = match_moe(view)
+    moe = moes[0] if moes else None
+    exclude = [moe.path] if moe else []
+    attention = match_attention(view, graph.inputs, TEST_SEQ_LEN, exclude)
+    if attention is not None:
+        exclude.append(attention.path)
+    dense = None if moe else match_dense_mlp(view, exclude, hidden)
+    if dense is not None:
+        exclude.append(dense.path)
+    norms = norm_kinds(view, exclude)
+    covered = exclude + list(norms)
+    unmatched = []
+    for path in sorted({p.rsplit(".", 1)[0] for p in view.param_shapes if "." in p}):
+        if not any(path == c or path.startswith(c + ".") for c in covered if c):
+            unmatched.append(Unmatched(f"{graph.module_path}.{path}", "no pattern recognises this module"))
+    if attention is None:
+        unmatched.append(Unmatched(graph.module_path, "no token mixer (attention, linear attention, SSM) recognised"))
+    if moe is None and dense is None:
+        unmatched.append(Unmatched(graph.module_path, "no channel mixer (MoE or dense MLP) recognised"))
+    return LayerMatch(attention, moe, dense, norms, unmatched)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Full scale
+
+
+class FullScale:
+    """Full-size parameter shapes (meta device) and config values by meaning."""
+
+    def __init__(self, source: ModelSource, twin: Twin):
+        self.twin = twin
+        try:
+            self.model = source.build(device="meta")
+        except OnboardError:
+            raise
+        self.layers_path, self.stack = find_layer_stack(self.model, len(twin.full_layer_signatures))
+        self.config_values: dict[str, list] = {}
+        for _, key, value in _walk(source.config.to_dict()):
+            meaning = meaning_of(key)
+            if meaning and isinstance(value, int) and not isinstance(value, bool):
+                self.config_values.setdefault(meaning, []).append(value)
+
+    def config(self, meaning: str):
+        values = self.config_values.get(meaning)
+        return values[0] if values else None
+
+    def value(self, meanings, observed):
+        """Map a twin observation to full scale through the first meaning whose field the twin changed."""
+        if observed is None:
+            return None
+        for meaning in (meanings if isinstance(meanings, (list, tuple)) else [meanings]):
+            for s in self.twin.shrunk(meaning):
+                if s.twin == observed:
+                    return s.full
+        return observed
+
+    def layer_params(self, i: int) -> dict[str, tuple]:
+        return {n: tuple(p.shape) for n, p in self.stack[i].named_parameters()}
+
+
+def _inner_width(shapes, hidden: int) -> int | None:
+    """The narrowest non-hidden dimension among projection weights (the FFN width)."""
+    dims = []
+    for s in shapes:
+        rest = list(s[1:] if len(s) == 3 else s)
+        if hidden in rest:
+            rest.remove(hidden)
+        dims.extend(rest)
+    return min(dims) if dims else None
+
+
+def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: int) -> MLP:
+    expert_shapes = [s for p, s in params.items() if p.startswith(m.experts.path + ".")]
+    if m.experts.layout == "fused":
+        expert_shapes = [s for s in expert_shapes if len(s) == 3]  # weights, not per-expert biases
+        E = expert_shapes[0][0] if expert_shapes else None
+        ffn = _inner_width(expert_shapes, hidden)
+    else:
+        ids = {p[len(m.experts.path) + 1:].split(".")[0] for p in params if p.startswith(m.experts.path + ".")}
+        E = len(ids)
+        ffn = _inner_width([s for p, s in params.items() if p.startswith(f"{m.experts.path}.0.") and len(s) == 2],
+                           hidden)
+    shared_shapes = [s for p, s in params.items() if any(p.startswith(x + ".") for x in m.shared_paths)]
+    shared_ffn = None
+    if shared_shapes:
+        shared_ffn = sum(_inner_width([s], hidden) or 0 for s in shared_shapes if s[0] == hidden) or None
+    n_shared = 0
+    if m.shared_paths:
+        declared = full.config("n_shared")
+        if declared:
+            n_shared = declared
+        elif shared_ffn and ffn and shared_ffn % ffn == 0:
+            n_shared = shared_ffn // ffn
+        else:
+            n_shared = len(m.shared_paths)
+    router = m.router
+    router.n_group = full.value("n_group", router.n_group)
+    router.topk_group = full.value("topk_group", router.topk_group)
+    if router.group_limited and (router.n_group or 1) <= 1:
+        router.group_limited, router.n_group, router.topk_group = False, None, None  # one group selects nothing
+    return MLP(
+        kind="moe", path=m.path, activation=m.activation, gated=m.gated, num_experts=E,
+        top_k=full.value("top_k", m.top_k), expert_ffn=ffn, expert_layout=m.experts.layout,
+        experts_path=m.experts.path, num_shared_experts=n_shared, shared_expert_ffn=shared_ffn,
+        shared_expert_gated=m.shared_gate, shared_path=",".join(m.shared_paths) or None, router=router,
+    )
+
+
+def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_cfg) -> Attention:
+    if a is None:
+        return Attention(kind="none")
+    f = a.facts
+    if a.kind.startswith(("linear", "ssm", "conv")):
+        heads = full.value(["linear_v_heads", "linear_heads", "ssm_heads", "heads"], f.get("num_heads"))
+        return Attention(kind=a.kind, path=a.path, num_heads=heads, conv_kernel=f.get("conv_kernel"),
+                         gate=f.get("gate"),
+                         head_dim=full.config("linear_head_dim") or full.config("ssm_head_dim"))
+    attn = Attention(
+        kind=a.kind, path=a.path, num_heads=full.value("heads", f.get("num_heads")),
+        num_kv_heads=full.value(["kv_heads", "heads"], f.get("num_kv_heads")),
+        head_dim=full.value("head_dim", f.get("head_dim")),
+        v_head_dim=full.value(["v_head_dim", "head_dim"], f.get("v_head_dim")),
+        window=full.value("window", f.get("window")), sinks=bool(f.get("sinks")),
+        output_gate=bool(f.get("output_gate")), qk_norm=bool(f.get("qk_norm")),
+    )
+    twin_heads = f.get("num_heads")
+    if (full.config("head_dim") is None and twin_heads and attn.num_heads
+            and f.get("head_dim") == twin_cfg.hidden_size // twin_heads):
+        # head size derived as hidden / heads by the model: derive it the same way at full scale
+        attn.head_dim = full.value("hidden", twin_cfg.hidden_size) // attn.num_heads
+        if f.get("v_head_dim") == f.get("head_dim"):
+            attn.v_head_dim = attn.head_dim
+    if f.get("kv_lora_rank"):
+        attn.kv_lora_rank = full.value("kv_lora_rank", f["kv_lora_rank"])
+        attn.q_lora_rank = full.value("q_lora_rank", f.get("q_lora_rank"))
+        attn.rope_head_dim = full.config("rope_head_dim")
+        nope = full.config("nope_head_dim")
+        if nope and attn.rope_head_dim:
+            attn.head_dim = nope + attn.rope_head_dim
+        attn.v_head_dim = full.config("v_head_dim") or attn.v_head_dim
+        attn.num_kv_heads = attn.num_heads  # keys/values are decompressed per head; only the rope key is shared
+    if a.kind == "sparse:dsa":
+        attn.index_topk = full.value("index_topk", f.get("index_topk"))
+        attn.index_heads = full.config("index_heads")
+        attn.index_head_dim = full.config("index_head_dim")
+    return attn
+
+
+def _head_facts(graph: Graph) -> dict:
+    if graph.gm is None:
+        return {"captured": False, "error": graph.error}
+    view = GraphView(graph)
+    nodes = view.under("")
+    facts: dict = {"captured": True}
+    losses = [n for n in nodes if op_name(n) in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d")]
+    facts["loss"] = "cross_entropy" if losses else None
+    logits = [n for n in nodes if view.linear_weight(n) and (view.shape(n) or (0,))[-1] >= 64]
+    if logits:
+        head = max(logits, key=lambda n: view.index[n])
+        facts["path"] = view.path(head)
+        tanh = [n for n in view.descendants(head) if op_name(n) == "tanh"]
+        if tanh:
+            divs = [a for n in view.ancestors(tanh[0]) & view.descendants(head) for a in n.args
+                    if op_name(n) == "div" and isinstance(a, (int, float))]
+            facts["logit_softcap"] = float(divs[0]) if divs else True
+    return facts
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def inspect_source(source: ModelSource) -> tuple[ModelSpec, dict]:
+    timings = {}
+    t0 = time.perf_counter()
+    twin = build_twin(source)
+    timings["twin_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    cap = capture(twin)
+    timings["capture_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    spec = build_spec(source, twin, cap)
+    timings["match_s"] = time.perf_counter() - t2
+    timings["total_s"] = time.perf_counter() - t0
+    return spec, timings
+
+
+def inspect_model(ref: str, *, trust_remote_code: bool = False, online: bool = False) -> tuple[ModelSpec, dict]:
+    return inspect_source(resolve(ref, trust_remote_code=trust_remote_code, online=online))
+
+
+def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
+    twin_hidden = twin.config.hidden_size
+    matches = {i: match_layer(g, twin_hidden) for i, g in cap.layers.items()}
+    full = FullScale(source, twin)
+    cfg = source.config
+    hidden = full.value("hidden", twin_hidden)
+    layers = []
+    unmatched: list[Unmatched] = []
+    for i, sig in enumerate(twin.full_layer_signatures):
+        j = cap.layer_of_signature[sig]
+        m = matches[j]
+        params = full.layer_params(i)
+        if m.moe is not None:
+            mlp = _scale_moe(m.moe, params, full, hidden)
+        elif m.dense is not None:
+            mlp = MLP(kind="dense", path=m.dense.path, activation=m.dense.activation, gated=m.dense.gated,
+                      ffn=_inner_width([s for p, s in params.items() if p.startswith(m.dense.path + ".")
+                                        and len(s) == 2], hidden))
+        else:
+            mlp = MLP(kind="none")
+        total = sum(_numel(s) for s in params.values())
+        active = total
+        if mlp.kind == "moe" and mlp.num_experts and mlp.top_k:
+            routed = sum(_numel(s) for p, s in params.items() if p.startswith(mlp.experts_path + "."))
+            active = total - routed + routed * min(mlp.top_k, mlp.num_experts) // mlp.num_experts
+        layers.append(Layer(index=i, attention=_scale_attention(m.attention, full, twin.config), mlp=mlp,
+                            norms=sorted(set(m.norms.values())), params=total, params_active=active,
+                            twin_layer=j))
+    for j, m in sorted(matches.items()):
+        unmatched.extend(m.unmatched)
+
+    model = full.model
+    unique = {id(p): p for p in model.parameters()}
+    params_total = sum(p.numel() for p in unique.values())
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = bool(twin.model.get_output_embeddings() is not None and
+                twin.model.get_output_embeddings().weight is twin.model.get_input_embeddings().weight)
+    emb_params = sum(p.numel() for p in emb.parameters()) if emb is not None else 0
+    head_params = 0 if tied or head is None else sum(p.numel() for p in head.parameters())
+    routed_inactive = sum(layer.params - layer.params_active for layer in layers)
+    head_facts = _head_facts(cap.head)
+    head_facts["tied"] = tied
+    return ModelSpec(
+        name=source.name, model_type=cfg.model_type, vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
+        hidden_size=int(hidden), num_layers=len(layers), tie_embeddings=tied, layers=layers,
+        # the input embedding is a lookup, not arithmetic; a tied table still works as the LM head
+        params_total=params_total,
+        params_active=params_total - routed_inactive - (0 if tied else emb_params),
+        params_embedding=emb_params,
+        params_head=head_params, max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
+        head=head_facts,
+        capture={g.name: g.method for g in [*cap.layers.values(), cap.head]},
+        unmatched=unmatched,
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

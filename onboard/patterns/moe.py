@@ -1,0 +1,231 @@
+"""Recognise Mixture-of-Experts blocks from what the graph computes.
+
+An MoE block is: a projection of the hidden state to one logit per expert (the router), a top-k over
+those scores, and expert weights that come as E-way stacks (3-D parameters) or E identical sub-MLPs, whose
+outputs are combined with the routing weights. Router details are read off the ops between the router
+projection and the expert computation: which of softmax / sigmoid, before or after top-k; a second top-k
+over groups (group-limited routing); a 1-D per-expert term added only for selection (bias correction); a
+sum-and-divide of the chosen weights (renormalisation); a constant multiplier (routed scaling factor).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from onboard.graph import GraphView, common_prefix, op_name, parent
+from onboard.spec import Router
+
+ACTIVATIONS = ("silu", "gelu", "relu", "sigmoid", "tanh", "elu", "leaky_relu", "mish", "hardswish", "relu6")
+
+
+@dataclass
+class ExpertGroup:
+    path: str  # module that holds the expert weights
+    num_experts: int
+    layout: str  # "fused" | "modules"
+    params: dict[str, tuple] = field(default_factory=dict)
+
+
+@dataclass
+class MoEMatch:
+    path: str
+    experts: ExpertGroup
+    router: Router
+    router_weight: str
+    top_k: int
+    activation: str | None
+    gated: bool | None
+    shared_paths: list[str]
+    shared_gate: bool
+    aux_params: list[str] = field(default_factory=list)  # params of the block that are neither experts nor shared
+
+
+def expert_groups(view: GraphView) -> list[ExpertGroup]:
+    """E-way expert weight stacks: modules with 3-D parameters, or lists of identical sub-modules."""
+    groups: dict[str, ExpertGroup] = {}
+    shapes = view.param_shapes
+    conv_weights = {view.param(a) for n in view.ops(view.under(""), "conv1d", "convolution", "conv2d")
+                    for a in view.inputs(n)}
+    for path, shape in shapes.items():
+        if shape is None or len(shape) != 3 or path in conv_weights or shape[0] < 2:
+            continue
+        owner = parent(path)
+        group = groups.setdefault(owner, ExpertGroup(owner, shape[0], "fused"))
+        group.params[path] = shape
+    for path, group in list(groups.items()):
+        if len({s[0] for s in group.params.values()}) != 1:
+            del groups[path]
+    # one sub-module per expert: "<owner>.<i>.<rest>" with the same parameter shapes for every i
+    numbered: dict[str, dict[int, dict[str, tuple]]] = {}
+    for path, shape in shapes.items():
+        m = re.match(r"^(.*?)\.(\d+)\.(.+)$", path)
+        if m and shape is not None:
+            numbered.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = shape
+    for owner, members in numbered.items():
+        if len(members) < 2 or owner in groups:
+            continue
+        layouts = {tuple(sorted(v.items())) for v in members.values()}
+        if len(layouts) == 1 and any(len(s) == 2 for s in next(iter(members.values())).values()):
+            params = {f"{owner}.{i}.{k}": s for i, v in members.items() for k, s in v.items()}
+            groups[owner] = ExpertGroup(owner, len(members), "modules", params)
+    return list(groups.values())
+
+
+def _feeds_experts(view: GraphView, topk, expert_params: set[str]) -> bool:
+    """True when the choices of this top-k reach a computation with the expert weights."""
+    for node in view.descendants(topk):
+        for arg in view.inputs(node):
+            if view.param(arg) in expert_params:
+                return True
+    return False
+
+
+def _router_linear(view: GraphView, topk, num_experts: int):
+    """The projection to one logit per expert that feeds this top-k."""
+    best = None
+    for node in view.ancestors(topk):
+        weight = view.linear_weight(node)
+        if weight is None:
+            continue
+        shape = view.param_shapes[weight]
+        if shape[0] >= num_experts and shape[0] <= 2 * num_experts:  # zero / null experts may widen it
+            if best is None or view.index[node] > view.index[best[0]]:
+                best = (node, weight)
+    return best
+
+
+def _find_activation(view: GraphView, nodes) -> tuple[str | None, bool | None]:
+    acts = [n for n in nodes if op_name(n) in ACTIVATIONS]
+    if not acts:
+        return None, None
+    act = acts[0]
+    name = op_name(act)
+    if name == "gelu" and act.kwargs.get("approximate", "none") == "tanh":
+        name = "gelu_tanh"
+    if name == "sigmoid":  # x * sigmoid(a x): SiLU-like gating written by hand (e.g. clamped SwiGLU)
+        name = "swiglu_sigmoid"
+    gated = any(
+        op_name(u) == "mul" and any(i is not act and i not in view.descendants(act) for i in view.inputs(u))
+        for u in view.descendants(act) if op_name(u) == "mul"
+    )
+    return name, gated
+
+
+def match_moe(view: GraphView) -> list[MoEMatch]:
+    layer_nodes = view.under("")
+    topks = view.ops(layer_nodes, "topk")
+    matches = []
+    for group in expert_groups(view):
+        E = group.num_experts
+        expert_params = set(group.params)
+        feeding = [t for t in topks if _feeds_experts(view, t, expert_params)]
+        if not feeding:
+            continue
+        final = max(feeding, key=lambda n: view.index[n])
+        found = _router_linear(view, final, E)
+        if found is None:
+            continue
+        router_node, router_weight = found
+        k = int(final.args[1])
+        block = common_prefix([parent(router_weight), group.path])
+        router = _read_router(view, router_node, final, E, block)
+        experts_nodes = view.under(group.path) if group.layout == "fused" else [
+            n for n in view.under(group.path)]
+        activation, gated = _find_activation(view, experts_nodes)
+        if gated is None:
+            gated = any("gate" in p for p in group.params)
+        shared, shared_gate = _shared(view, block, group.path, parent(router_weight))
+        aux = [p for p in view.params_under(block) if not p.startswith(group.path + ".")
+               and not any(p.startswith(s + ".") for s in shared)]
+        matches.append(MoEMatch(block, group, router, router_weight, k, activation, gated, shared, shared_gate, aux))
+    return matches
+
+
+def _read_router(view: GraphView, router_node, final, E: int, block: str) -> Router:
+    path = view.path(router_node)
+    span = view.between(router_node, final) | {final}
+    region = view.descendants(router_node)
+    scores_before = [n for n in span if op_name(n) in ("softmax", "_softmax", "sigmoid", "log_softmax")]
+    after = [n for n in view.descendants(final)
+             if op_name(n) in ("softmax", "_softmax", "sigmoid") and view.path(n).startswith(block)]
+    if scores_before:
+        score = op_name(min(scores_before, key=lambda n: view.index[n])).lstrip("_")
+        order = "score_then_topk"
+    elif after:
+        score = op_name(min(after, key=lambda n: view.index[n])).lstrip("_")
+        order = "topk_then_score"
+    else:
+        score, order = "identity", "score_then_topk"
+    if score == "log_softmax":
+        score = "softmax"
+    other_topks = [n for n in span if op_name(n) == "topk" and n is not final]
+    group_limited = bool(other_topks)
+    n_group = topk_group = None
+    if group_limited:
+        for t in sorted(other_topks, key=lambda n: view.index[n]):
+            shape = view.shape(view.inputs(t)[0]) or ()
+            if len(shape) >= 2 and shape[-1] * shape[-2] == E:
+                n_group = shape[-2]
+            elif shape and shape[-1] < E:
+                topk_group = int(t.args[1])
+                n_group = n_group or shape[-1]
+    bias = False
+    for n in span:
+        if op_name(n) in ("add", "sub"):
+            for arg in view.inputs(n):
+                p = view.param(arg)
+                if p is not None and view.param_shapes.get(p) in ((E,), (1, E)):
+                    bias = True
+    # weights that leave the router: descendants of the final top-k (values, or a gather by its indices)
+    weights = view.descendants(final)
+    local = [n for n in weights if view.path(n).startswith(block) and view.index[n] < _first_expert_use(view, final)]
+    renorm = order == "topk_then_score" and score == "softmax"
+    for n in local:
+        if op_name(n) == "div":
+            divisor = view.inputs(n)[1:] if len(view.inputs(n)) > 1 else []
+            if any(op_name(d) == "sum" or any(op_name(a) == "sum" for a in view.ancestors(d) & region)
+                   for d in divisor):
+                renorm = True
+    scaling = None
+    for n in local:
+        if op_name(n) == "mul":
+            consts = [a for a in n.args if isinstance(a, float) and a != 1.0]
+            if consts:
+                scaling = float(consts[0])
+    return Router(score=score, order=order, renormalize=renorm, group_limited=group_limited,
+                  n_group=n_group, topk_group=topk_group, bias_correction=bias, scaling=scaling, path=path)
+
+
+def _first_expert_use(view: GraphView, final) -> int:
+    """Graph position where expert weights are first touched (end of the router's region)."""
+    positions = []
+    for n in view.descendants(final):
+        for arg in view.inputs(n):
+            p = view.param(arg)
+            shape = view.param_shapes.get(p) if p else None
+            if shape is not None and len(shape) == 3:
+                positions.append(view.index[n])
+    return min(positions) if positions else len(view.nodes)
+
+
+def _shared(view: GraphView, block: str, experts_path: str, router_path: str) -> tuple[list[str], bool]:
+    """Dense sub-MLPs of the block that every token goes through, and whether a sigmoid gate scales them."""
+    owners: dict[str, list[str]] = {}
+    for p, shape in view.params_under(block).items():
+        if p.startswith(experts_path + ".") or p.startswith(router_path + ".") or p == router_path:
+            continue
+        if shape is not None and len(shape) == 2:
+            owners.setdefault(parent(parent(p)) if parent(p) != block else parent(p), []).append(p)
+    shared, gated = [], False
+    for owner, params in owners.items():
+        if owner == block:
+            # a lone 1-output projection directly under the block: the shared experts' sigmoid gate
+            if any(view.param_shapes[p][0] == 1 for p in params):
+                gated = True
+            continue
+        if len(params) >= 2:
+            shared.append(owner)
+        elif len(params) == 1 and view.param_shapes[params[0]][0] == 1:
+            gated = True
+    return sorted(shared), gated

@@ -1,0 +1,225 @@
+"""Where a model comes from: a local directory, the local HuggingFace cache, or the bundled catalogue.
+
+Offline first: nothing is downloaded unless the caller passes ``online=True``, and then only config.json
+(and remote modeling files when the user also trusts remote code). Every failure is an `OnboardError`
+with one line saying what was wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onboard.errors import OnboardError
+
+CATALOGUE_DIR = Path(__file__).parent / "catalogue"
+
+
+@dataclass
+class ModelSource:
+    """A resolved model reference: its config (the causal-LM part) and how to build it."""
+
+    ref: str
+    kind: str  # "catalogue" | "local" | "hf-cache" | "hub"
+    name: str
+    path: Path
+    raw: dict
+    config: object
+    trust_remote_code: bool = False
+    published: dict = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    def build(self, config=None, *, device: str | None = None):
+        """Instantiate the causal LM for `config` (default: the source's own) with random weights."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = config if config is not None else self.config
+        kwargs = {"trust_remote_code": self.trust_remote_code, "dtype": torch.float32}
+        try:
+            if device == "meta":
+                with torch.device("meta"):
+                    return AutoModelForCausalLM.from_config(config, **kwargs)
+            return AutoModelForCausalLM.from_config(config, **kwargs)
+        except OnboardError:
+            raise
+        except Exception as exc:  # model code we do not own: say which model and why, in one line
+            raise OnboardError(f"{self.name}: building the model failed: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def catalogue_index() -> dict:
+    """The bundled catalogue: slug -> metadata (hf_id, config source, published totals)."""
+    index_path = CATALOGUE_DIR / "catalogue.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {}
+    for entry in sorted(p for p in CATALOGUE_DIR.iterdir() if (p / "config.json").exists()):
+        index.setdefault(entry.name, {})
+    return dict(sorted(index.items()))
+
+
+def _catalogue_lookup(ref: str) -> str | None:
+    wanted = ref.strip().lower()
+    for slug, meta in catalogue_index().items():
+        if wanted == slug.lower() or wanted == str(meta.get("hf_id", "")).lower():
+            return slug
+    return None
+
+
+def _hf_cache_dir(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # malformed repo ids are simply "not cached"
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _hub_download(repo_id: str, trust_remote_code: bool) -> Path:
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        if trust_remote_code:
+            return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.py"]))
+        return Path(hf_hub_download(repo_id, "config.json")).parent
+    except Exception as exc:
+        raise OnboardError(f"could not download the config of '{repo_id}': {_one_line(exc)}") from exc
+
+
+def _read_config_json(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise OnboardError(f"{path} has no config.json: point MODEL at a model directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise OnboardError(f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OnboardError(f"cannot read {cfg_path}: {_one_line(exc)}")
+    if not isinstance(raw, dict):
+        raise OnboardError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
+    if not raw.get("model_type"):
+        raise OnboardError(f"{cfg_path} has no model_type: cannot tell which architecture it describes")
+    return raw
+
+
+def _is_native(model_type: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+def _causal_lm_config(config, name: str, trust_remote_code: bool):
+    """The config that a causal-LM head is built from: the config itself or its text part."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    def has_head(cfg) -> bool:
+        if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return True
+        return trust_remote_code and "AutoModelForCausalLM" in (getattr(cfg, "auto_map", None) or {})
+
+    if has_head(config):
+        return config
+    text = getattr(config, "text_config", None)
+    if text is not None and has_head(text):
+        return text
+    raise OnboardError(
+        f"{name}: model_type '{config.model_type}' has no causal-LM head in transformers "
+        "(onboard handles decoder language models)"
+    )
+
+
+def _load_config(path: Path, raw: dict, name: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = raw["model_type"]
+    native = model_type in CONFIG_MAPPING_NAMES
+    remote = "AutoConfig" in (raw.get("auto_map") or {})
+    if not native and not remote:
+        raise OnboardError(
+            f"{name}: unknown model_type '{model_type}': transformers has no such model "
+            "and config.json has no auto_map to its own code"
+        )
+    if not native and not trust_remote_code:
+        raise OnboardError(
+            f"{name} runs its own modeling code (auto_map in config.json); review it, then pass --trust-remote-code"
+        )
+    clean = {k: v for k, v in raw.items() if k != "quantization_config"}  # random fp32 twins are never quantised
+    try:
+        if native:
+            config = AutoConfig.for_model(**clean)
+        else:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+    except Exception as exc:
+        raise OnboardError(f"{name}: config.json does not describe a valid '{model_type}' model: {_one_line(exc)}")
+    config._name_or_path = str(path)
+    return config
+
+
+def resolve(ref: str, *, trust_remote_code: bool = False, online: bool = False) -> ModelSource:
+    """Turn MODEL (directory, HF id, or catalogue name) into a `ModelSource`."""
+    if not ref or not ref.strip():
+        raise OnboardError("MODEL is empty: give a directory, a HuggingFace id or a catalogue name")
+    path = Path(os.path.expanduser(ref))
+    looks_like_path = ref.startswith((".", "/", "~")) or os.sep in ref and path.exists()
+    published: dict = {}
+    if path.is_dir():
+        kind, name = "local", path.name
+    elif path.exists():
+        raise OnboardError(f"{ref} is a file: MODEL must be a directory holding config.json")
+    elif looks_like_path:
+        raise OnboardError(f"{ref}: no such directory")
+    elif (slug := _catalogue_lookup(ref)) is not None:
+        kind, name, path = "catalogue", slug, CATALOGUE_DIR / slug
+        published = catalogue_index()[slug].get("published", {})
+        # the catalogue's own remote code ships with (and is reviewed in) onboard; native types use transformers
+        trust_remote_code = not _is_native(_read_config_json(path)["model_type"])
+    elif (cached := _hf_cache_dir(ref)) is not None:
+        kind, name, path = "hf-cache", ref, cached
+    elif online:
+        kind, name, path = "hub", ref, _hub_download(ref, trust_remote_code)
+    else:
+        raise OnboardError(
+            f"model '{ref}' not found offline: not a directory, not in the catalogue (see `onboard catalogue`), "
+            "not in the HuggingFace cache; pass a local directory, or --online to fetch its config"
+        )
+    raw = _read_config_json(path)
+    config = _load_config(path, raw, name, trust_remote_code)
+    config = _causal_lm_config(config, name, trust_remote_code)
+    return ModelSource(
+        ref=ref, kind=kind, name=name, path=path, raw=raw, config=config,
+        trust_remote_code=trust_remote_code, published=published,
+    )
+
+
+def clone_config(config, **overrides):
+    """A deep copy of a config with attributes overridden (the same class, remote code included)."""
+    new = copy.deepcopy(config)
+    for key, value in overrides.items():
+        setattr(new, key, value)
+    return new
+
+
+def from_config(config, name: str | None = None, *, trust_remote_code: bool = False) -> ModelSource:
+    """A source for an in-memory config (tests and families discovered from transformers itself)."""
+    name = name or config.model_type
+    config = _causal_lm_config(config, name, trust_remote_code)
+    return ModelSource(
+        ref=name, kind="config", name=name, path=Path(getattr(config, "_name_or_path", "") or "."),
+        raw=config.to_dict(), config=config, trust_remote_code=trust_remote_code,
+    )

@@ -1,0 +1,150 @@
+"""ModelSpec: what a model is made of, at full scale, as JSON with a schema version.
+
+Field names read by other tools (keep them stable): model_type, num_layers, params_total, params_active,
+layers[i].attention.kind, layers[i].mlp.kind, and for MoE layers mlp.num_experts, mlp.top_k,
+mlp.num_shared_experts, mlp.router.score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Router:
+    score: str = "softmax"  # "softmax" | "sigmoid" | other op name
+    order: str = "score_then_topk"  # or "topk_then_score" (softmax over the chosen logits)
+    renormalize: bool = False
+    group_limited: bool = False
+    n_group: int | None = None
+    topk_group: int | None = None
+    bias_correction: bool = False  # aux-loss-free balancing: a per-expert bias added only for selection
+    scaling: float | None = None  # routed scaling factor
+    path: str = ""
+
+
+@dataclass
+class MLP:
+    kind: str = "dense"  # "dense" | "moe" | "none"
+    path: str = ""
+    activation: str | None = None
+    gated: bool | None = None
+    ffn: int | None = None  # dense MLP inner width
+    num_experts: int | None = None
+    top_k: int | None = None
+    expert_ffn: int | None = None
+    expert_layout: str | None = None  # "fused" (3-D weights) | "modules" (one sub-MLP per expert)
+    experts_path: str | None = None
+    num_shared_experts: int = 0
+    shared_expert_ffn: int | None = None
+    shared_expert_gated: bool = False  # shared output scaled by sigmoid(linear(x))
+    shared_path: str | None = None
+    router: Router | None = None
+
+
+@dataclass
+class Attention:
+    kind: str = "softmax"
+    path: str = ""
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    rope_head_dim: int | None = None
+    window: int | None = None
+    sinks: bool = False
+    output_gate: bool = False
+    qk_norm: bool = False
+    index_topk: int | None = None
+    index_heads: int | None = None
+    index_head_dim: int | None = None
+    conv_kernel: int | None = None
+    gate: str | None = None  # linear attention decay: "scalar" per head or "channel" per key channel
+
+
+@dataclass
+class Layer:
+    index: int
+    attention: Attention
+    mlp: MLP
+    norms: list[str] = field(default_factory=list)
+    params: int = 0
+    params_active: int = 0
+    twin_layer: int = 0
+
+
+@dataclass
+class Unmatched:
+    path: str
+    reason: str
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tie_embeddings: bool
+    layers: list[Layer]
+    params_total: int = 0
+    params_active: int = 0
+    params_embedding: int = 0
+    params_head: int = 0
+    max_position_embeddings: int | None = None
+    head: dict = field(default_factory=dict)  # path, loss, logit softcap
+    capture: dict = field(default_factory=dict)  # how each graph was captured
+    unmatched: list[Unmatched] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelSpec":
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"spec schema version {data.get('schema_version')} is not {SCHEMA_VERSION}")
+        data = dict(data)
+        layers = []
+        for raw in data.pop("layers"):
+            raw = dict(raw)
+            mlp = dict(raw.pop("mlp"))
+            router = mlp.pop("router")
+            layers.append(Layer(
+                attention=Attention(**raw.pop("attention")),
+                mlp=MLP(**mlp, router=Router(**router) if router else None),
+                **raw,
+            ))
+        unmatched = [Unmatched(**u) for u in data.pop("unmatched", [])]
+        return cls(layers=layers, unmatched=unmatched, **data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelSpec":
+        return cls.from_dict(json.loads(text))
+
+    # -- summaries --------------------------------------------------------------------------------
+    def layer_pattern(self) -> list[tuple[str, int]]:
+        """Run-length encoding of per-layer (attention kind / mlp kind) labels."""
+        out: list[tuple[str, int]] = []
+        for layer in self.layers:
+            label = f"{layer.attention.kind}+{layer.mlp.kind}"
+            if out and out[-1][0] == label:
+                out[-1] = (label, out[-1][1] + 1)
+            else:
+                out.append((label, 1))
+        return out
+
+
+def asdict_shallow(obj: Any) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -1,0 +1,1 @@
+"""Hardware specs, cost model and learned throughput predictors. Never imports `onboard`."""
