@@ -3,16 +3,19 @@
 Each decoder layer is exported on the exact inputs it received in a real forward pass of the twin
 (recorded with forward pre-hooks), so masks, rotary tables and per-layer flags are the real ones.
 `torch.export` (non-strict) is tried first; where a block has data-dependent Python control flow that
-export refuses, `make_fx` in real mode records the path these inputs take. Both give ATen graphs whose
-nodes carry ``nn_module_stack`` metadata, which is all the pattern matchers read.
+export refuses, an eager run under a dispatch-mode recorder writes down the ATen ops these inputs take.
+Both give ATen graphs whose nodes carry ``nn_module_stack`` metadata, which is all the matchers read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import operator
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from onboard.errors import OnboardError
 from onboard.source import _one_line
@@ -26,7 +29,7 @@ class Graph:
     name: str  # "layer 3" or "embedding+head"
     module_path: str  # path of the captured module inside the model ("" for the whole model)
     gm: torch.fx.GraphModule | None
-    method: str  # "export" | "make_fx" | "failed"
+    method: str  # "export" | "recorded" | "failed"
     params: dict[str, str] = field(default_factory=dict)  # placeholder name -> parameter / buffer path
     inputs: dict = field(default_factory=dict)  # the recorded keyword inputs (masks and friends)
     error: str = ""
@@ -78,23 +81,94 @@ def _export(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.Grap
     return ep.graph_module, params
 
 
-def _make_fx(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, dict[str, str]]:
-    from torch.fx.experimental.proxy_tensor import make_fx
+class _OpRecorder(TorchFunctionMode):
+    """Records every torch call of an eager run into an FX graph, with the module stack at each call.
 
-    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    Used where `torch.export` refuses a block because of data-dependent Python control flow (an expert
+    loop over the experts that received tokens): the eager run simply takes the path these inputs take.
+    Calls are caught at the torch-function level, so `linear`, `scaled_dot_product_attention`, `topk`
+    and friends appear as themselves, as in export's graphs; nested calls inside them are not repeated.
+    """
 
-    def call(state, args, kwargs):
-        return torch.func.functional_call(module, state, args, kwargs)
+    def __init__(self, graph: torch.fx.Graph, env: dict, keep: list, stack: list):
+        super().__init__()
+        self.graph, self.env, self.keep, self.stack = graph, env, keep, stack
 
-    gm = make_fx(call, tracing_mode="real", record_module_stack=True)(state, args, kwargs)
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return gm, dict(zip(placeholders, state.keys()))
+    def _node_for(self, value):
+        if isinstance(value, torch.Tensor):
+            return self.env.get(id(value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._node_for(v) if isinstance(v, (torch.Tensor, list, tuple)) else v for v in value)
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not any(isinstance(o, torch.Tensor) for o in outs):
+            return out  # shape queries and the like
+        node = self.graph.call_function(
+            func, tuple(self._node_for(a) for a in args), {k: self._node_for(v) for k, v in kwargs.items()})
+        node.meta["nn_module_stack"] = {path: (path, cls) for path, cls in self.stack}
+        self.keep.append(out)  # ids stay unique while the tensors are alive
+        if isinstance(out, torch.Tensor):
+            node.meta["val"] = out
+            self.env[id(out)] = node
+        else:
+            for i, item in enumerate(outs):
+                if isinstance(item, torch.Tensor):
+                    item_node = self.graph.call_function(operator.getitem, (node, i))
+                    item_node.meta["val"] = item
+                    item_node.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+                    self.env[id(item)] = item_node
+        return out
+
+
+def _record_ops(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+    graph = torch.fx.Graph()
+    env: dict = {}
+    keep: list = []
+    params: dict[str, str] = {}
+    for i, (name, tensor) in enumerate([*module.named_parameters(), *module.named_buffers()]):
+        node = graph.placeholder(f"p_{i}")
+        node.meta["val"] = tensor.detach()
+        env[id(tensor)] = node
+        params[node.name] = name
+    flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+    for i, value in enumerate(flat):
+        if isinstance(value, torch.Tensor) and id(value) not in env:
+            node = graph.placeholder(f"input_{i}")
+            node.meta["val"] = value
+            env[id(value)] = node
+    stack: list = []
+    handles = []
+
+    def enter(path):
+        def hook(module, args):
+            stack.append((path, type(module)))
+        return hook
+
+    def leave(module, args, output):
+        stack.pop()  # returning None keeps the module's output as it is
+
+    for path, sub in module.named_modules():
+        if path:
+            handles.append(sub.register_forward_pre_hook(enter(path)))
+            handles.append(sub.register_forward_hook(leave))
+    try:
+        with torch.no_grad(), _OpRecorder(graph, env, keep, stack):
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    graph.output(None)
+    return torch.fx.GraphModule(module, graph), params
 
 
 def capture_module(name: str, path: str, module: nn.Module, args: tuple, kwargs: dict) -> Graph:
-    """Export `module` on these inputs; fall back to real-mode make_fx; never raise."""
+    """Export `module` on these inputs; fall back to recording an eager run; never raise."""
     errors = []
-    for method, fn in (("export", _export), ("make_fx", _make_fx)):
+    for method, fn in (("export", _export), ("recorded", _record_ops)):
         try:
             with torch.no_grad():
                 gm, params = fn(module, args, kwargs)

@@ -13,18 +13,29 @@ from onboard.capture import Graph
 TRANSPARENT = {
     "to", "view", "reshape", "_reshape_alias", "transpose", "t", "contiguous", "unsqueeze", "squeeze", "expand",
     "clone", "permute", "type_as", "_to_copy", "alias", "detach", "flatten", "unflatten", "getitem",
-    "_assert_tensor_metadata", "lift_fresh_copy", "repeat_interleave",
+    "_assert_tensor_metadata", "lift_fresh_copy", "repeat_interleave", "select", "_unsafe_view",
+    "float", "double", "half", "bfloat16", "type", "view_as", "reshape_as", "expand_as",
 }
+
+
+# Python operator spellings (from eager recordings) -> ATen names
+_ALIASES = {"truediv": "div", "rtruediv": "div", "radd": "add", "rmul": "mul", "rsub": "sub", "iadd": "add",
+            "imul": "mul", "isub": "sub", "itruediv": "div", "neg": "neg", "invert": "bitwise_not",
+            "and": "bitwise_and", "or": "bitwise_or", "rpow": "pow", "floordiv": "floor_divide"}
 
 
 def op_name(node) -> str:
     if node.op != "call_function":
         return node.op
     target = node.target
-    name = getattr(target, "__name__", str(target))
-    if hasattr(target, "_opname"):
-        name = target._opname
-    return name.split(".")[0].rstrip("_") if name != "getitem" else "getitem"
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    name = name.split(".")[0]
+    if name in ("getitem", "__getitem__"):
+        return "getitem"
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+    name = name.rstrip("_") if not name.startswith("_") else "_" + name.strip("_")
+    return _ALIASES.get(name, name)
 
 
 class GraphView:
@@ -50,7 +61,8 @@ class GraphView:
     def shape(node) -> tuple | None:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return tuple(int(s) for s in val.shape)
+            # data-dependent sizes (unbacked symbols) have no value; -1 stands for "unknown"
+            return tuple(s if isinstance(s, int) else _concrete(s) for s in val.shape)
         return None
 
     def param(self, node) -> str | None:
@@ -79,6 +91,17 @@ class GraphView:
             if hasattr(arg, "op"):
                 out.append(arg)
         return out
+
+    @staticmethod
+    def arg(node, index: int, name: str, default=None):
+        """A call's argument by position or keyword (eager recordings keep the caller's spelling)."""
+        if len(node.args) > index:
+            return node.args[index]
+        return node.kwargs.get(name, default)
+
+    @staticmethod
+    def topk_k(node) -> int:
+        return int(GraphView.arg(node, 1, "k"))
 
     @staticmethod
     def scalars(node) -> list:
@@ -138,6 +161,13 @@ class GraphView:
             if p is not None and len(self.param_shapes.get(p) or ()) == 2:
                 return p
         return None
+
+
+def _concrete(size) -> int:
+    try:
+        return int(size)
+    except Exception:
+        return -1
 
 
 def _within(path: str, prefix: str) -> bool:

@@ -35,13 +35,24 @@ class ModelSource:
     def model_type(self) -> str:
         return self.config.model_type
 
-    def build(self, config=None, *, device: str | None = None):
-        """Instantiate the causal LM for `config` (default: the source's own) with random weights."""
+    def build(self, config=None, *, device: str | None = None, experts_implementation: str | None = None):
+        """Instantiate the causal LM for `config` (default: the source's own) with random weights.
+
+        `experts_implementation` picks transformers' expert kernel where the model supports the choice
+        ("grouped_mm" has no data-dependent Python loop, so it exports as one graph); models that do not
+        support it are built as they are.
+        """
         import torch
         from transformers import AutoModelForCausalLM
 
         config = config if config is not None else self.config
         kwargs = {"trust_remote_code": self.trust_remote_code, "dtype": torch.float32}
+        if experts_implementation:
+            try:
+                return AutoModelForCausalLM.from_config(
+                    copy.deepcopy(config), experts_implementation=experts_implementation, **kwargs)
+            except Exception:  # the model has no choice of experts implementation: build it plainly
+                pass
         try:
             if device == "meta":
                 with torch.device("meta"):

@@ -414,15 +414,15 @@ def _make_config(source: ModelSource, cfg_dict: dict):
     return config
 
 
-def _signatures(model: nn.Module, cfg: dict, layers_path: str, num_layers: int) -> list[str]:
+def _signatures(model: nn.Module, cfg: dict, layers_path: str, list_paths: list[str]) -> list[str]:
     stack = dict(model.named_modules())[layers_path]
-    lists = [_get(cfg, p) for p in _per_layer_lists(cfg, num_layers)]
+    lists = [_get(cfg, p) for p in list_paths]
     return [layer_signature(layer, tuple(lst[i] for lst in lists)) for i, layer in enumerate(stack)]
 
 
 def _build_real(source: ModelSource, cfg: dict) -> nn.Module:
     torch.manual_seed(0)
-    model = source.build(_make_config(source, cfg))
+    model = source.build(_make_config(source, cfg), experts_implementation="grouped_mm")
     model.eval()  # no dropout: capture and verification need deterministic numbers
     return model
 
@@ -438,7 +438,8 @@ def build_twin(source: ModelSource, *, run_check: bool = True) -> Twin:
     wide = source.build(_make_config(source, cfg), device="meta")
     layers_path, stack = find_layer_stack(wide, full_layers)
     full_layers = len(stack)
-    full_sigs = _signatures(wide, cfg, layers_path, full_layers)
+    list_paths = _per_layer_lists(cfg, full_layers)  # decided at full depth: short lists are ambiguous
+    full_sigs = _signatures(wide, cfg, layers_path, list_paths)
     del wide
 
     # 2. shortest prefix holding every distinct signature.
@@ -460,7 +461,7 @@ def build_twin(source: ModelSource, *, run_check: bool = True) -> Twin:
         _truncate_layers(short, layers_key, full_layers, keep)
         try:
             model = _build_real(source, short)
-            twin_sigs = _signatures(model, short, layers_path, keep)
+            twin_sigs = _signatures(model, short, layers_path, list_paths)
         except OnboardError:
             model = None
         if model is not None and twin_sigs == full_sigs[:keep]:
@@ -473,7 +474,7 @@ def build_twin(source: ModelSource, *, run_check: bool = True) -> Twin:
             raise OnboardError(f"{source.name}: no short twin reproduces the layer structure of {full_layers} layers")
         keep = full_layers
         model = _build_real(source, cfg)
-        twin_sigs = _signatures(model, cfg, layers_path, keep)
+        twin_sigs = _signatures(model, cfg, layers_path, list_paths)
     config = model.config
     twin = Twin(source, config, model, shrinks, twin_sigs, full_sigs, layers_path)
     if run_check:

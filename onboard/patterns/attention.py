@@ -118,9 +118,11 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
         kind = "mla"
         facts["kv_lora_rank"] = lora["kv"]
         facts["q_lora_rank"] = lora.get("q")
-    dsa = [n for n in region if op_name(n) == "topk" and int(n.args[1]) < seq_len]
+    # sparse attention: a top-k over key positions (not over experts or heads) picks each query's keys
+    dsa = [n for n in region if op_name(n) == "topk" and view.topk_k(n) < seq_len
+           and (view.shape(view.inputs(n)[0]) or (0,))[-1] == seq_len]
     if dsa:
-        facts["index_topk"] = int(dsa[0].args[1])
+        facts["index_topk"] = view.topk_k(dsa[0])
         kind = "sparse:dsa"
     window_kind, window = _mask_window(inputs, seq_len)
     if window_kind and kind == "softmax":

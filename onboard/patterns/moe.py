@@ -89,7 +89,7 @@ def _router_linear(view: GraphView, topk, num_experts: int):
         if weight is None:
             continue
         shape = view.param_shapes[weight]
-        if shape[0] >= num_experts and shape[0] <= 2 * num_experts:  # zero / null experts may widen it
+        if shape[0] >= num_experts:  # zero / null experts may widen it
             if best is None or view.index[node] > view.index[best[0]]:
                 best = (node, weight)
     return best
@@ -127,7 +127,7 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         if found is None:
             continue
         router_node, router_weight = found
-        k = int(final.args[1])
+        k = view.topk_k(final)
         block = common_prefix([parent(router_weight), group.path])
         router = _read_router(view, router_node, final, E, block)
         experts_nodes = view.under(group.path) if group.layout == "fused" else [
@@ -168,7 +168,7 @@ def _read_router(view: GraphView, router_node, final, E: int, block: str) -> Rou
             if len(shape) >= 2 and shape[-1] * shape[-2] == E:
                 n_group = shape[-2]
             elif shape and shape[-1] < E:
-                topk_group = int(t.args[1])
+                topk_group = view.topk_k(t)
                 n_group = n_group or shape[-1]
     bias = False
     for n in span:
