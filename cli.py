@@ -52,8 +52,9 @@ def cmd_catalogue(args) -> int:
         pub = meta.get("published", {})
         figures = ""
         if pub.get("params_total"):
-            figures = f"{pub['params_total'] / 1e9:.1f}B / {pub.get('params_active', 0) / 1e9:.1f}B active"
-        print(f"{slug:<{width}}  {meta.get('hf_id', 'bundled remote-code model'):<42} {figures}")
+            figures = f"{pub['params_total'] / 1e9:,.1f}B total" + (
+                f", {pub['params_active'] / 1e9:.1f}B active" if pub.get("params_active") else "")
+        print(f"{slug:<{width}}  {meta.get('hf_id') or 'bundled remote-code model':<42} {figures}")
     return 0
 
 

@@ -279,6 +279,7 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
         # the input embedding is a lookup, not arithmetic; a tied table still works as the LM head
         params_total=params_total,
         params_active=params_total - routed_inactive - (0 if tied else emb_params),
+        params_active_with_embedding=params_total - routed_inactive,
         params_embedding=emb_params,
         params_head=head_params, max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
         head=head_facts,

@@ -97,6 +97,7 @@ class ModelSpec:
     layers: list[Layer]
     params_total: int = 0
     params_active: int = 0
+    params_active_with_embedding: int = 0  # the convention some model cards use (Qwen, Mistral)
     params_embedding: int = 0
     params_head: int = 0
     max_position_embeddings: int | None = None
