@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import contextlib
+import io
 import operator
 
 import torch
@@ -170,7 +172,8 @@ def capture_module(name: str, path: str, module: nn.Module, args: tuple, kwargs:
     errors = []
     for method, fn in (("export", _export), ("recorded", _record_ops)):
         try:
-            with torch.no_grad():
+            # export prints the whole graph when it gives up; the reason is kept, the print is not
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
                 gm, params = fn(module, args, kwargs)
             return Graph(name, path, gm, method, params, kwargs, "; ".join(errors))
         except Exception as exc:  # model code we do not own; the reason is kept for the spec
@@ -181,9 +184,13 @@ def capture_module(name: str, path: str, module: nn.Module, args: tuple, kwargs:
 class _Passthrough(nn.Module):
     """Stands in for a decoder layer when capturing embedding + head: returns its input unchanged."""
 
-    def __init__(self, returns_tuple: bool):
+    def __init__(self, returns_tuple: bool, original: nn.Module):
         super().__init__()
         self.returns_tuple = returns_tuple
+        # models read plain attributes of their layers (layer_type, attention_type, ...): keep them
+        for key, value in vars(original).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, (bool, int, float, str, type(None))):
+                setattr(self, key, value)
 
     def forward(self, hidden_states, *args, **kwargs):
         return (hidden_states,) if self.returns_tuple else hidden_states
@@ -193,7 +200,7 @@ def _capture_head(twin: Twin, stack: nn.ModuleList, layer_returns_tuple: bool) -
     original = list(stack)
     try:
         for i in range(len(stack)):
-            stack[i] = _Passthrough(layer_returns_tuple)
+            stack[i] = _Passthrough(layer_returns_tuple, original[i])
         batch = twin.example_batch()
         return capture_module("embedding+head", "", twin.model, (), {**batch, "use_cache": False})
     finally:

@@ -17,6 +17,7 @@ from torch import nn
 from onboard.capture import Capture, Graph, capture
 from onboard.errors import OnboardError
 from onboard.graph import GraphView, op_name
+from onboard.graph import parent as parent_path
 from onboard.patterns.attention import AttentionMatch, match_attention
 from onboard.patterns.dense import DenseMatch, match_dense_mlp, norm_kinds
 from onboard.patterns.moe import MoEMatch, match_moe
@@ -46,9 +47,12 @@ def match_layer(graph: Graph, hidden: int) -> LayerMatch:
     attention = match_attention(view, graph.inputs, TEST_SEQ_LEN, exclude)
     if attention is not None:
         exclude.append(attention.path)
-    dense = None if moe else match_dense_mlp(view, exclude, hidden)
+    dense = match_dense_mlp(view, exclude, hidden)
     if dense is not None:
         exclude.append(dense.path)
+        if moe is not None:  # an always-on MLP beside the routed experts is a shared expert
+            moe.shared_paths = sorted({*moe.shared_paths, dense.path})
+            dense = None
     norms = norm_kinds(view, exclude)
     covered = exclude + list(norms)
     unmatched = []
@@ -115,17 +119,23 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
     expert_shapes = [s for p, s in params.items() if p.startswith(m.experts.path + ".")]
     if m.experts.layout == "fused":
         expert_shapes = [s for s in expert_shapes if len(s) == 3]  # weights, not per-expert biases
-        E = expert_shapes[0][0] if expert_shapes else None
+        E = min(s[0] for s in expert_shapes) if expert_shapes else None
         ffn = _inner_width(expert_shapes, hidden)
     else:
         ids = {p[len(m.experts.path) + 1:].split(".")[0] for p in params if p.startswith(m.experts.path + ".")}
         E = len(ids)
         ffn = _inner_width([s for p, s in params.items() if p.startswith(f"{m.experts.path}.0.") and len(s) == 2],
                            hidden)
-    shared_shapes = [s for p, s in params.items() if any(p.startswith(x + ".") for x in m.shared_paths)]
-    shared_ffn = None
-    if shared_shapes:
-        shared_ffn = sum(_inner_width([s], hidden) or 0 for s in shared_shapes if s[0] == hidden) or None
+    # shared width: the inner width of every projection back to hidden (a stack of n counts n times)
+    shared_ffn = 0
+    for p, s in params.items():
+        if not any(p.startswith(x + ".") or p == x or parent_path(p) == x for x in m.shared_paths):
+            continue
+        if len(s) == 2 and s[0] == hidden and s[1] != hidden:
+            shared_ffn += s[1]
+        elif len(s) == 3 and s[1] == hidden and s[2] != hidden:
+            shared_ffn += s[0] * s[2]
+    shared_ffn = shared_ffn or None
     n_shared = 0
     if m.shared_paths:
         declared = full.config("n_shared")
@@ -142,7 +152,7 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
         router.group_limited, router.n_group, router.topk_group = False, None, None  # one group selects nothing
     return MLP(
         kind="moe", path=m.path, activation=m.activation, gated=m.gated, num_experts=E,
-        top_k=full.value("top_k", m.top_k), expert_ffn=ffn, expert_layout=m.experts.layout,
+        top_k=full.value("top_k", m.top_k) if m.top_k else full.config("top_k"), expert_ffn=ffn, expert_layout=m.experts.layout,
         experts_path=m.experts.path, num_shared_experts=n_shared, shared_expert_ffn=shared_ffn,
         shared_expert_gated=m.shared_gate, shared_path=",".join(m.shared_paths) or None, router=router,
     )

@@ -87,6 +87,30 @@ def _ranges(indices: list[int]) -> str:
     return ",".join(out)
 
 
+def compress_pattern(labels: list[str], max_period: int = 8) -> list[tuple[list[str], int]]:
+    """Describe a layer sequence as (unit, repeats) pieces: a prefix of runs, then a repeating unit.
+
+    [a, a, b, c, c, c, d, c, c, c, d] -> [([a], 2), ([b], 1), ([c, c, c, d], 2)]
+    """
+    n = len(labels)
+    for start in range(n):
+        rest = labels[start:]
+        for period in range(1, min(max_period, len(rest)) + 1):
+            if len(rest) % period == 0 and len(rest) // period >= 2 and rest == rest[:period] * (len(rest) // period):
+                return _runs(labels[:start]) + [(rest[:period], len(rest) // period)]
+    return _runs(labels)
+
+
+def _runs(labels: list[str]) -> list[tuple[list[str], int]]:
+    out: list[tuple[list[str], int]] = []
+    for label in labels:
+        if out and out[-1][0] == [label]:
+            out[-1] = ([label], out[-1][1] + 1)
+        else:
+            out.append(([label], 1))
+    return out
+
+
 def summary(spec: ModelSpec, seq_len: int = 4096, timings: dict | None = None) -> str:
     c = costs(spec, seq_len)
     lines = [
@@ -106,11 +130,13 @@ def summary(spec: ModelSpec, seq_len: int = 4096, timings: dict | None = None) -
     lines.append("")
     lines.append("layer pattern:")
     position = 0
-    for label, count in spec.layer_pattern()[:24]:
-        lines.append(f"  {position:>4}-{position + count - 1:<4} {label} x{count}")
-        position += count
-    if len(spec.layer_pattern()) > 24:
-        lines.append(f"  ... {len(spec.layer_pattern()) - 24} more runs")
+    labels = [f"{layer.attention.kind}+{layer.mlp.kind}" for layer in spec.layers]
+    for unit, repeats in compress_pattern(labels):
+        end = position + len(unit) * repeats - 1
+        span = f"{position}-{end}" if end > position else f"{position}"
+        body = unit[0] if len(unit) == 1 else "[" + ", ".join(f"{k} x{n}" for (k,), n in _runs(unit)) + "]"
+        lines.append(f"  {span:>9}  {body} x{repeats}")
+        position = end + 1
     lines.append("")
     lines.append("layer kinds:")
     groups: dict[str, list[int]] = {}

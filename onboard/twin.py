@@ -31,7 +31,8 @@ MAX_TWIN_LAYERS = 48
 # Each entry: (meaning, regex on the key).
 MEANINGS: list[tuple[str, str]] = [
     ("shared_ffn", r"(moe_)?shared_expert_intermediate_size|shared_expert_ffn.*|moe_shared_expert_intermediate_size"),
-    ("expert_ffn", r"moe_intermediate_size|expert_intermediate_size|moe_ffn_hidden_size|expert_ffn_size|moe_dim|moe_hidden_size"),
+    ("expert_ffn", r"moe_intermediate_size|expert_intermediate_size|moe_ffn_hidden_size|expert_ffn_size|moe_dim|moe_hidden_size|expert_ffn_hidden_size"),
+    ("zero_experts", r"zero_expert_num|num_zero_experts|n_null_experts"),
     ("ffn", r"intermediate_size|ffn_hidden_size|ffn_dim|n_inner|dense_intermediate_size"),
     ("n_shared", r"n_shared_experts|num_shared_experts|moe_num_shared_experts|shared_expert_count"),
     ("experts", r"num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_routed_experts|n_experts"),
@@ -55,6 +56,7 @@ MEANINGS: list[tuple[str, str]] = [
     ("ssm_heads", r"mamba_n_heads|mamba_num_heads|n_mamba_heads"),
     ("ssm_head_dim", r"mamba_head_dim|mamba_d_head|mamba_headdim"),
     ("ssm_groups", r"mamba_n_groups|n_groups|mamba_ngroups"),
+    ("ssm_inner", r"mamba_d_ssm|mamba_d_inner|d_inner|ssm_intermediate_size"),
     ("dt_rank", r"time_step_rank|mamba_dt_rank|dt_rank"),
     ("kv_heads", r"num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num|num_global_key_value_heads"),
     ("heads", r"num_attention_heads|n_head|num_heads|n_heads"),
@@ -167,7 +169,14 @@ class _Plan:
         old = _get(self.cfg, path)
         if old != value:
             _set(self.cfg, path, value)
-            self.shrinks.append(Shrink(path, meaning, old, value))
+            earlier = next((s for s in self.shrinks if s.path == path), None)
+            if earlier is not None:  # a later rule refines an earlier one: keep the original full value
+                earlier.twin = value
+            else:
+                self.shrinks.append(Shrink(path, meaning, old, value))
+
+    def shrunk_meaning(self, meaning: str) -> Shrink | None:
+        return next((s for s in self.shrinks if s.meaning == meaning), None)
 
     def put_all(self, meaning: str, value_of) -> None:
         for path, old in self.fields(meaning):
@@ -199,20 +208,21 @@ def _routing(plan: _Plan) -> None:
     if top_k is not None:
         plan.put_all("top_k", lambda old: min(old, k))
     plan.put_all("n_shared", lambda old: min(old, 2))
+    plan.put_all("zero_experts", lambda old: min(old, 2))
 
 
 def _heads(plan: _Plan) -> None:
-    heads = plan.first("heads")
-    if heads is None:
-        return
-    plan.put_all("heads", lambda _: SIZES["heads"])
-
-    def kv(old):
-        if old >= heads:
-            return SIZES["heads"]
-        return 1 if old == 1 else 2
-
-    plan.put_all("kv_heads", kv)
+    """Attention heads to 4; key/value heads keep their relation (MHA, GQA or MQA) to the heads beside them."""
+    for path, key, value in list(_walk(plan.cfg)):
+        if meaning_of(key) != "heads" or not _is_size(value):
+            continue
+        prefix = path[: -len(key)]
+        plan.put(path, "heads", SIZES["heads"])
+        for kv_path, kv_key, kv_value in list(_walk(plan.cfg)):
+            if kv_path[: -len(kv_key)] != prefix or meaning_of(kv_key) != "kv_heads" or not _is_size(kv_value):
+                continue
+            twin = SIZES["heads"] if kv_value >= value else (1 if kv_value == 1 else 2)
+            plan.put(kv_path, "kv_heads", twin)
 
 
 def _linear_heads(plan: _Plan) -> None:
@@ -289,6 +299,19 @@ def _derived_sizes(plan: _Plan) -> None:
             plan.put(path, "derived", twin)
 
 
+def _split_head_dims(plan: _Plan) -> None:
+    """A head dim that was nope + rope at full size (MLA-style split heads) stays their sum."""
+    nope = plan.shrunk_meaning("nope_head_dim")
+    rope = plan.shrunk_meaning("rope_head_dim")
+    if not nope or not rope:
+        return
+    for path, key, value in list(_walk(plan.cfg)):
+        if meaning_of(key) == "head_dim" and _is_size(value):
+            full = next((s.full for s in plan.shrinks if s.path == path), value)
+            if full == nope.full + rope.full:
+                plan.put(path, "head_dim", nope.twin + rope.twin)
+
+
 def _ssm_heads(plan: _Plan) -> None:
     """Mamba-2 style blocks need heads x head_dim == expand x hidden."""
     heads = plan.fields("ssm_heads")
@@ -299,6 +322,12 @@ def _ssm_heads(plan: _Plan) -> None:
         return
     head_dim = head_dims[0][1] if head_dims else None
     if head_dim is None:
+        return
+    inner = plan.fields("ssm_inner")
+    if inner:  # an explicit inner width: make it heads x head_dim
+        n = heads[0][1]
+        for path, _ in inner:
+            plan.put(path, "ssm_inner", n * head_dim)
         return
     n = max(1, expand * hidden // head_dim)
     for path, _ in heads:
@@ -321,6 +350,7 @@ def shrink_config_dict(full: dict) -> tuple[dict, list[Shrink]]:
         target = SIZES[meaning]
         plan.put_all(meaning, lambda old, t=target: min(old, t))
     _tie_equal_head_dims(plan)
+    _split_head_dims(plan)
     _derived_sizes(plan)
     _ssm_heads(plan)
     _token_ids(plan.cfg, plan.first("vocab") or SIZES["vocab"])

@@ -119,11 +119,22 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
         facts["kv_lora_rank"] = lora["kv"]
         facts["q_lora_rank"] = lora.get("q")
     # sparse attention: a top-k over key positions (not over experts or heads) picks each query's keys
-    dsa = [n for n in region if op_name(n) == "topk" and view.topk_k(n) < seq_len
-           and (view.shape(view.inputs(n)[0]) or (0,))[-1] == seq_len]
+    dsa = [n for n in region if op_name(n) == "topk" and len(view.shape(view.inputs(n)[0]) or ()) >= 2
+           and view.shape(view.inputs(n)[0])[-2] == seq_len and view.topk_k(n) < view.shape(view.inputs(n)[0])[-1]]
     if dsa:
         facts["index_topk"] = view.topk_k(dsa[0])
         kind = "sparse:dsa"
+    else:
+        # indices chosen elsewhere (an indexer shared with an earlier layer) scattered into a query x key mask
+        for n in region:
+            shape = view.shape(n) or ()
+            if op_name(n) == "scatter" and len(shape) >= 2 and shape[-1] == shape[-2] == seq_len:
+                index = view.arg(n, 2, "index")
+                k = (view.shape(index) or (seq_len,))[-1] if hasattr(index, "op") else seq_len
+                if k < seq_len:
+                    facts["index_topk"], kind = k, "sparse:dsa"
+                    facts["shared_indexer"] = True
+                    break
     window_kind, window = _mask_window(inputs, seq_len)
     if window_kind and kind == "softmax":
         kind = window_kind

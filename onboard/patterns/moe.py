@@ -53,9 +53,8 @@ def expert_groups(view: GraphView) -> list[ExpertGroup]:
         owner = parent(path)
         group = groups.setdefault(owner, ExpertGroup(owner, shape[0], "fused"))
         group.params[path] = shape
-    for path, group in list(groups.items()):
-        if len({s[0] for s in group.params.values()}) != 1:
-            del groups[path]
+        # some models allocate extra rows for "zero" (identity) experts in one of the stacks
+        group.num_experts = min(group.num_experts, shape[0])
     # one sub-module per expert: "<owner>.<i>.<rest>" with the same parameter shapes for every i
     numbered: dict[str, dict[int, dict[str, tuple]]] = {}
     for path, shape in shapes.items():
@@ -72,12 +71,23 @@ def expert_groups(view: GraphView) -> list[ExpertGroup]:
     return list(groups.values())
 
 
-def _feeds_experts(view: GraphView, topk, expert_params: set[str]) -> bool:
-    """True when the choices of this top-k reach a computation with the expert weights."""
-    for node in view.descendants(topk):
-        for arg in view.inputs(node):
-            if view.param(arg) in expert_params:
+def _feeds_experts(view: GraphView, start, expert_params: set[str]) -> bool:
+    """True when this choice reaches a computation with the expert weights directly: the search stops at
+    any other projection, so a top-k inside attention (which reaches the experts only through the
+    attention output projection and the residual stream) does not count."""
+    seen, frontier = set(), [start]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            params = {view.param(a) for a in view.inputs(user)} - {None}
+            if params & expert_params:
                 return True
+            if view.linear_weight(user) is not None:
+                continue
+            frontier.append(user)
     return False
 
 
@@ -112,34 +122,70 @@ def _find_activation(view: GraphView, nodes) -> tuple[str | None, bool | None]:
     return name, gated
 
 
+SELECTIONS = ("topk", "max", "argmax")
+
+
+def _selection_k(view: GraphView, node) -> int | None:
+    """How many experts a selection op picks per token: k for top-k, 1 for an arg-max along a dim."""
+    if op_name(node) == "topk":
+        return view.topk_k(node)
+    if len(node.args) > 1 or "dim" in node.kwargs:
+        return 1
+    return None  # a global max, not a per-token choice
+
+
 def match_moe(view: GraphView) -> list[MoEMatch]:
     layer_nodes = view.under("")
-    topks = view.ops(layer_nodes, "topk")
+    selections = [n for n in layer_nodes if op_name(n) in SELECTIONS and _selection_k(view, n)]
     matches = []
-    for group in expert_groups(view):
+    unrouted = []
+    claimed: set = set()
+    # largest stacks first: a selection picks among the biggest set of experts it reaches; a smaller stack
+    # reached only through choices already claimed is computed for every token (shared experts)
+    for group in sorted(expert_groups(view), key=lambda g: -g.num_experts):
         E = group.num_experts
         expert_params = set(group.params)
-        feeding = [t for t in topks if _feeds_experts(view, t, expert_params)]
+        # choices made over (at least) the E experts whose results reach the expert weights; a top-k over
+        # groups of experts is narrower than E and only shapes which experts stay eligible
+        feeding = [n for n in selections if (view.shape(view.inputs(n)[0]) or (0,))[-1] >= E
+                   and n not in claimed and _feeds_experts(view, n, expert_params)]
+        claimed.update(feeding)
         if not feeding:
+            unrouted.append(group)
             continue
-        final = max(feeding, key=lambda n: view.index[n])
+        topks = [n for n in feeding if op_name(n) == "topk"]
+        final = max(topks or feeding, key=lambda n: view.index[n])
         found = _router_linear(view, final, E)
         if found is None:
             continue
         router_node, router_weight = found
-        k = view.topk_k(final)
+        # one top-k picks all k experts; arg-max rounds (sparse mixers) pick one expert each
+        k = view.topk_k(final) if topks else len(feeding)
         block = common_prefix([parent(router_weight), group.path])
         router = _read_router(view, router_node, final, E, block)
-        experts_nodes = view.under(group.path) if group.layout == "fused" else [
-            n for n in view.under(group.path)]
-        activation, gated = _find_activation(view, experts_nodes)
+        activation, gated = _find_activation(view, view.under(group.path))
         if gated is None:
             gated = any("gate" in p for p in group.params)
         shared, shared_gate = _shared(view, block, group.path, parent(router_weight))
         aux = [p for p in view.params_under(block) if not p.startswith(group.path + ".")
                and not any(p.startswith(s + ".") for s in shared)]
         matches.append(MoEMatch(block, group, router, router_weight, k, activation, gated, shared, shared_gate, aux))
+    for group in unrouted:
+        owner = next((m for m in matches if group.path.startswith(m.path + ".") or not m.path), None)
+        if owner is not None:  # stacked weights that every token goes through: shared experts
+            owner.shared_paths = sorted({*owner.shared_paths, group.path})
+        elif not matches:
+            matches.append(_static_moe(view, group))
     return matches
+
+
+def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:
+    """Experts chosen without a learned router (e.g. by a hash of the token id): no top-k to read."""
+    block = parent(group.path)
+    activation, gated = _find_activation(view, view.under(group.path))
+    shared, shared_gate = _shared(view, block, group.path, group.path)
+    router = Router(score="static", order="static", path="")
+    return MoEMatch(block, group, router, "", 0, activation, gated, shared, shared_gate, [])
 
 
 def _read_router(view: GraphView, router_node, final, E: int, block: str) -> Router:
