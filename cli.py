@@ -58,6 +58,23 @@ def cmd_catalogue(args) -> int:
     return 0
 
 
+def cmd_families(args) -> int:
+    from onboard.families import discover, markdown, support_row
+
+    rows = []
+    for family in discover():
+        row = support_row(family)
+        rows.append(row)
+        if not args.markdown and not args.json:
+            detail = row.get("why") or f"{', '.join(row['attention'])} | {', '.join(row['mlp'])} ({row['seconds']}s)"
+            print(f"{family:<24} {row['status']:<12} {detail}", flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(markdown(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onboard", description="Onboard MoE models onto the training runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the ModelSpec as JSON")
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOP counts (default 4096)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("families", help="inspect every MoE / hybrid family the installed transformers ships")
+    p.add_argument("--markdown", action="store_true", help="print README's support table")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_families)
 
     p = sub.add_parser("catalogue", help="list the bundled model configs")
     p.add_argument("--json", action="store_true")

@@ -175,10 +175,10 @@ def capture_module(name: str, path: str, module: nn.Module, args: tuple, kwargs:
             # export prints the whole graph when it gives up; the reason is kept, the print is not
             with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
                 gm, params = fn(module, args, kwargs)
-            return Graph(name, path, gm, method, params, kwargs, "; ".join(errors))
+            return Graph(name, path, gm, method, params, {"args": args, **kwargs}, "; ".join(errors))
         except Exception as exc:  # model code we do not own; the reason is kept for the spec
             errors.append(f"{method}: {_one_line(exc)}")
-    return Graph(name, path, None, "failed", {}, kwargs, "; ".join(errors))
+    return Graph(name, path, None, "failed", {}, {"args": args, **kwargs}, "; ".join(errors))
 
 
 class _Passthrough(nn.Module):

@@ -1,20 +1,17 @@
 """Every MoE or hybrid causal-LM family that the pinned transformers ships is inspected through its tiny twin.
 
-Families are discovered from transformers itself (its causal-LM registry and each family's default config),
-never from a hand-picked list. The expectations below come from what each *config* says (expert count,
+Families are discovered from transformers itself (`onboard.families.discover`: its causal-LM registry and each
+family's default config), never from a hand-picked list. The expectations below come from what each *config* says (expert count,
 top-k, shared experts, scoring function, per-layer types) and from the full-size module tree on the meta
 device (which layers hold expert weights); none of it reuses the matchers under test.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from onboard.families import UNSUPPORTED, default_config, discover, layer_types
 from onboard.inspection import inspect_source
 from onboard.source import from_config
 
@@ -22,7 +19,6 @@ EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 TOPK_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "moe_top_k")
 SHARED_COUNT_FIELDS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 SHARED_WIDTH_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
-HYBRID_LAYER_WORDS = ("linear", "mamba", "indexed", "sparse", "hybrid", "conv", "ssm", "recurrent")
 
 # Layer-type names in configs and the spec kinds they must map to.
 LAYER_TYPE_KINDS = {
@@ -35,23 +31,6 @@ LAYER_TYPE_KINDS = {
     "mamba": ("ssm:mamba",),
 }
 
-# Values that transformers' default configs leave as None, taken from the released models of the family.
-COMPLETIONS = {
-    "deepseek_v2": {"num_experts_per_tok": 6},  # DeepSeek-V2(-Lite): 6 routed experts per token
-    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},  # dots.llm1 release
-    "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
-}
-
-# Families that cannot be inspected, and why (mirrored in README's support table).
-UNSUPPORTED = {
-    "dots3_note_text": "per-layer config overrides tie the sliding layers' head_dim to a per-layer nope dim the twin cannot follow",
-    "lfm2_moe": "transformers' default config has layer_types=None and does not build",
-    "qwen4_exp_text": "transformers' default config leaves the indexer sizes None and does not build",
-    "zamba": "shared transformer blocks tied across 76 layers: no short twin reproduces the stack",
-    "zamba2": "shared transformer blocks tied across 54 layers: no short twin reproduces the stack",
-    "gemma4_assistant": "transformers' default config fails its own validation",
-}
-
 
 def _value(cfg: dict, names):
     for name in names:
@@ -59,43 +38,6 @@ def _value(cfg: dict, names):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
-
-
-def _layer_types(cfg: dict):
-    for key in ("layer_types", "layers_block_type"):
-        value = cfg.get(key)
-        if isinstance(value, list) and value:
-            return value
-    return None
-
-
-def _is_moe_or_hybrid(cfg: dict) -> bool:
-    if cfg.get("is_moe") is False or cfg.get("enable_moe_block") is False:
-        return False
-    experts = _value(cfg, EXPERT_FIELDS)
-    if experts and experts > 1:
-        return True
-    types = _layer_types(cfg) or []
-    if any(any(word in str(t) for word in HYBRID_LAYER_WORDS) for t in set(types)):
-        return True
-    return "index_topk" in cfg
-
-
-def discover() -> list[str]:
-    found = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-            try:
-                cfg = CONFIG_MAPPING[model_type]().to_dict()
-            except Exception:
-                if model_type in UNSUPPORTED:
-                    found.append(model_type)
-                continue
-            cfg.update(COMPLETIONS.get(model_type, {}))
-            if _is_moe_or_hybrid(cfg):
-                found.append(model_type)
-    return found
 
 
 FAMILIES = discover()
@@ -136,10 +78,7 @@ def _family_params():
 
 @pytest.mark.parametrize("family", _family_params())
 def test_family_spec_agrees_with_config(family):
-    cfg_obj = CONFIG_MAPPING[family]()
-    for key, value in COMPLETIONS.get(family, {}).items():
-        setattr(cfg_obj, key, value)
-    source = from_config(cfg_obj, family)
+    source = from_config(default_config(family), family)
     spec, _ = inspect_source(source)
     cfg = source.config.to_dict()
     assert spec.num_layers == len(spec.layers) > 0
@@ -173,7 +112,7 @@ def test_family_spec_agrees_with_config(family):
                     and mlp.router.order == "score_then_topk"):
                 assert mlp.router.renormalize == cfg["norm_topk_prob"]
 
-    types = _layer_types(cfg)
+    types = layer_types(cfg)
     if types and len(types) == spec.num_layers:
         for layer, layer_type in zip(spec.layers, types):
             allowed = LAYER_TYPE_KINDS.get(layer_type)

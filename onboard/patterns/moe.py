@@ -71,10 +71,16 @@ def expert_groups(view: GraphView) -> list[ExpertGroup]:
     return list(groups.values())
 
 
-def _feeds_experts(view: GraphView, start, expert_params: set[str]) -> bool:
-    """True when this choice reaches a computation with the expert weights directly: the search stops at
-    any other projection, so a top-k inside attention (which reaches the experts only through the
-    attention output projection and the residual stream) does not count."""
+def _downstream_of(view: GraphView, params: set[str]) -> set:
+    """Every node computed from these parameters."""
+    return view.descendants([n for n in view.nodes if n.op == "placeholder" and view.param_of.get(n.name) in params])
+
+
+def _feeds_experts(view: GraphView, start, downstream: set) -> bool:
+    """True when this choice reaches the expert computation directly: the expert weights themselves
+    (dispatch) or anything computed from them (combine, as in dense "compute all, mask after" MoEs).
+    The search stops at any other projection, so a top-k inside attention (which reaches the experts
+    only through the attention output projection and the residual stream) does not count."""
     seen, frontier = set(), [start]
     while frontier:
         node = frontier.pop()
@@ -82,8 +88,7 @@ def _feeds_experts(view: GraphView, start, expert_params: set[str]) -> bool:
             if user in seen:
                 continue
             seen.add(user)
-            params = {view.param(a) for a in view.inputs(user)} - {None}
-            if params & expert_params:
+            if user in downstream:
                 return True
             if view.linear_weight(user) is not None:
                 continue
@@ -144,11 +149,11 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
     # reached only through choices already claimed is computed for every token (shared experts)
     for group in sorted(expert_groups(view), key=lambda g: -g.num_experts):
         E = group.num_experts
-        expert_params = set(group.params)
+        downstream = _downstream_of(view, set(group.params))
         # choices made over (at least) the E experts whose results reach the expert weights; a top-k over
         # groups of experts is narrower than E and only shapes which experts stay eligible
         feeding = [n for n in selections if (view.shape(view.inputs(n)[0]) or (0,))[-1] >= E
-                   and n not in claimed and _feeds_experts(view, n, expert_params)]
+                   and n not in claimed and _feeds_experts(view, n, downstream)]
         claimed.update(feeding)
         if not feeding:
             unrouted.append(group)

@@ -1,0 +1,121 @@
+"""The MoE and hybrid-attention causal-LM families the installed transformers ships.
+
+Discovered from transformers' own causal-LM registry and each family's default config, so a new
+transformers release brings its new families in without a code change here. `onboard families` inspects
+each one and prints the support table that README carries.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+HYBRID_LAYER_WORDS = ("linear", "mamba", "indexed", "sparse", "hybrid", "conv", "ssm", "recurrent")
+
+# Values that transformers' default configs leave as None, taken from the released models of the family.
+COMPLETIONS = {
+    "deepseek_v2": {"num_experts_per_tok": 6},  # DeepSeek-V2(-Lite): 6 routed experts per token
+    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},  # dots.llm1 release
+    "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
+}
+
+# Families that cannot be inspected, and why.
+UNSUPPORTED = {
+    "dots3_note_text": "per-layer config overrides tie the sliding layers' head_dim to a per-layer nope dim "
+                       "that the twin does not follow",
+    "lfm2_moe": "transformers' default config has layer_types=None and does not build",
+    "qwen4_exp_text": "transformers' default config leaves the indexer sizes None and does not build",
+    "zamba": "transformer blocks shared across 76 layers: no short twin reproduces the stack",
+    "zamba2": "transformer blocks shared across 54 layers: no short twin reproduces the stack",
+    "gemma4_assistant": "transformers' default config fails its own validation",
+}
+
+
+def _int(cfg: dict, names) -> int | None:
+    for name in names:
+        value = cfg.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def layer_types(cfg: dict) -> list | None:
+    for key in ("layer_types", "layers_block_type"):
+        value = cfg.get(key)
+        if isinstance(value, list) and value:
+            return value
+    return None
+
+
+def is_moe_or_hybrid(cfg: dict) -> bool:
+    """What the config declares: routed experts, or layers of linear / state-space / sparse attention."""
+    if cfg.get("is_moe") is False or cfg.get("enable_moe_block") is False:
+        return False
+    experts = _int(cfg, EXPERT_FIELDS)
+    if experts and experts > 1:
+        return True
+    if any(any(word in str(t) for word in HYBRID_LAYER_WORDS) for t in set(layer_types(cfg) or [])):
+        return True
+    return "index_topk" in cfg
+
+
+def default_config(model_type: str):
+    """transformers' default config of a family, with the completions above applied."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    for key, value in COMPLETIONS.get(model_type, {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def discover() -> list[str]:
+    """Model types with a causal-LM head whose default config is MoE or hybrid (or known unsupported)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                cfg = default_config(model_type).to_dict()
+            except Exception:  # a default config that fails its own validation
+                if model_type in UNSUPPORTED:
+                    found.append(model_type)
+                continue
+            if is_moe_or_hybrid(cfg):
+                found.append(model_type)
+    return found
+
+
+def support_row(model_type: str) -> dict:
+    """Inspect one family through its tiny twin; never raises."""
+    from onboard.inspection import inspect_source
+    from onboard.source import from_config
+
+    if model_type in UNSUPPORTED:
+        return {"family": model_type, "status": "unsupported", "why": UNSUPPORTED[model_type]}
+    start = time.perf_counter()
+    try:
+        spec, _ = inspect_source(from_config(default_config(model_type), model_type))
+    except Exception as exc:  # report, do not stop the table
+        return {"family": model_type, "status": "error", "why": " ".join(str(exc).split())[:200]}
+    attention = sorted({layer.attention.kind for layer in spec.layers})
+    mlp = sorted({layer.mlp.kind for layer in spec.layers})
+    return {
+        "family": model_type, "status": "inspected" if not spec.unmatched else "partial",
+        "attention": attention, "mlp": mlp, "unmatched": len(spec.unmatched),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| family | inspect | attention kinds | MLP kinds | notes |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] in ("unsupported", "error"):
+            lines.append(f"| {r['family']} | no | | | {r['why']} |")
+            continue
+        note = f"{r['unmatched']} module(s) left as HuggingFace code" if r["unmatched"] else ""
+        lines.append(f"| {r['family']} | yes | {', '.join(r['attention'])} | {', '.join(r['mlp'])} | {note} |")
+    return "\n".join(lines)
