@@ -1,0 +1,67 @@
+"""The tiny twin keeps the architecture and shrinks the sizes."""
+
+import pytest
+import torch
+
+from onboard.source import resolve
+from onboard.twin import TEST_SEQ_LEN, build_twin, check_runs, meaning_of, shrink_config_dict
+
+
+def test_meanings_by_field_name():
+    assert meaning_of("n_routed_experts") == "experts"
+    assert meaning_of("moe_intermediate_size") == "expert_ffn"
+    assert meaning_of("num_key_value_heads") == "kv_heads"
+    assert meaning_of("index_topk") == "index_topk"
+    assert meaning_of("rope_theta") is None
+
+
+def test_deepseek_v3_twin_keeps_features():
+    twin = build_twin(resolve("deepseek-v3"))
+    cfg = twin.config
+    assert cfg.hidden_size == 64 and cfg.num_attention_heads == 4
+    # dense-first layers and MoE layers are both present, in the original order
+    assert cfg.num_hidden_layers == 4 and cfg.first_k_dense_replace == 3
+    assert len(set(twin.layer_signatures)) == 2 == len(set(twin.full_layer_signatures))
+    assert len(twin.full_layer_signatures) == 61
+    # group-limited routing still selects a strict subset of groups, with several experts per group
+    assert 1 < cfg.topk_group < cfg.n_group and cfg.n_routed_experts // cfg.n_group >= 2
+    assert cfg.num_experts_per_tok <= cfg.topk_group * (cfg.n_routed_experts // cfg.n_group)
+    # MLA ranks stay low-rank and the rope head dim still equals the rotary head_dim
+    assert cfg.kv_lora_rank < cfg.hidden_size and cfg.head_dim == cfg.qk_rope_head_dim
+    assert twin.full_value("top_k", cfg.num_experts_per_tok) == 8
+    assert twin.full_value("experts", cfg.n_routed_experts) == 256
+
+
+def test_windows_and_index_topk_are_below_the_test_sequence():
+    twin = build_twin(resolve("deepseek-v3.2"))
+    assert twin.config.index_topk < TEST_SEQ_LEN
+    twin = build_twin(resolve("gpt-oss-120b"))
+    assert twin.config.sliding_window < TEST_SEQ_LEN
+    assert twin.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+
+
+def test_hybrid_twin_keeps_one_period_of_layer_kinds():
+    twin = build_twin(resolve("qwen3-next-80b-a3b"))
+    assert twin.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    twin = build_twin(resolve("onboard-flagship-2.8t"))
+    assert twin.config.layer_types == ["linear_attention"] * 3 + ["sparse_attention"]
+
+
+def test_twin_trains_a_step():
+    twin = build_twin(resolve("qwen3-30b-a3b"))
+    n_params = sum(p.numel() for p in twin.model.parameters())
+    assert n_params < 2_000_000
+    loss = check_runs(twin)
+    assert torch.isfinite(torch.tensor(loss))
+
+
+def test_shrink_records_every_change():
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1e6,
+           "sliding_window": 4096}
+    twin, shrinks = shrink_config_dict(cfg)
+    assert twin["num_key_value_heads"] < twin["num_attention_heads"]  # GQA stays GQA
+    assert twin["num_experts_per_tok"] == 2 and twin["rope_theta"] == 1e6
+    changed = {s.path: (s.full, s.twin) for s in shrinks}
+    assert changed["hidden_size"] == (4096, 64) and changed["sliding_window"] == (4096, 8)
+    assert "rope_theta" not in changed and "num_experts_per_tok" not in changed
