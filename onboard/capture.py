@@ -19,8 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from onboard.errors import OnboardError
-from onboard.source import _one_line
+from onboard.errors import OnboardError, one_line
 from onboard.twin import Twin
 
 
@@ -177,7 +176,7 @@ def capture_module(name: str, path: str, module: nn.Module, args: tuple, kwargs:
                 gm, params = fn(module, args, kwargs)
             return Graph(name, path, gm, method, params, {"args": args, **kwargs}, "; ".join(errors))
         except Exception as exc:  # model code we do not own; the reason is kept for the spec
-            errors.append(f"{method}: {_one_line(exc)}")
+            errors.append(f"{method}: {one_line(exc)}")
     return Graph(name, path, None, "failed", {}, {"args": args, **kwargs}, "; ".join(errors))
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from onboard.errors import OnboardError
+from onboard.errors import OnboardError, one_line
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue"
 
@@ -47,26 +47,17 @@ class ModelSource:
 
         config = config if config is not None else self.config
         kwargs = {"trust_remote_code": self.trust_remote_code, "dtype": torch.float32}
-        if experts_implementation:
+        with torch.device(device or "cpu"):
+            if experts_implementation:
+                try:  # on a copy: a refused choice must not stay written into the config
+                    return AutoModelForCausalLM.from_config(
+                        copy.deepcopy(config), experts_implementation=experts_implementation, **kwargs)
+                except Exception:  # the model offers no choice of experts implementation: build it plainly
+                    pass
             try:
-                return AutoModelForCausalLM.from_config(
-                    copy.deepcopy(config), experts_implementation=experts_implementation, **kwargs)
-            except Exception:  # the model has no choice of experts implementation: build it plainly
-                pass
-        try:
-            if device == "meta":
-                with torch.device("meta"):
-                    return AutoModelForCausalLM.from_config(config, **kwargs)
-            return AutoModelForCausalLM.from_config(config, **kwargs)
-        except OnboardError:
-            raise
-        except Exception as exc:  # model code we do not own: say which model and why, in one line
-            raise OnboardError(f"{self.name}: building the model failed: {_one_line(exc)}") from exc
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"
+                return AutoModelForCausalLM.from_config(config, **kwargs)
+            except Exception as exc:  # model code we do not own: say which model and why, in one line
+                raise OnboardError(f"{self.name}: building the model failed: {one_line(exc)}") from exc
 
 
 def catalogue_index() -> dict:
@@ -106,7 +97,7 @@ def _hub_download(repo_id: str, trust_remote_code: bool) -> Path:
             return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.py"]))
         return Path(hf_hub_download(repo_id, "config.json")).parent
     except Exception as exc:
-        raise OnboardError(f"could not download the config of '{repo_id}': {_one_line(exc)}") from exc
+        raise OnboardError(f"could not download the config of '{repo_id}': {one_line(exc)}") from exc
 
 
 def _read_config_json(path: Path) -> dict:
@@ -118,7 +109,7 @@ def _read_config_json(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise OnboardError(f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
     except (OSError, UnicodeDecodeError) as exc:
-        raise OnboardError(f"cannot read {cfg_path}: {_one_line(exc)}")
+        raise OnboardError(f"cannot read {cfg_path}: {one_line(exc)}")
     if not isinstance(raw, dict):
         raise OnboardError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
     if not raw.get("model_type"):
@@ -177,7 +168,7 @@ def _load_config(path: Path, raw: dict, name: str, trust_remote_code: bool):
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
     except Exception as exc:
-        raise OnboardError(f"{name}: config.json does not describe a valid '{model_type}' model: {_one_line(exc)}")
+        raise OnboardError(f"{name}: config.json does not describe a valid '{model_type}' model: {one_line(exc)}")
     config._name_or_path = str(path)
     return config
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 SCHEMA_VERSION = 1
 
@@ -146,6 +145,3 @@ class ModelSpec:
                 out.append((label, 1))
         return out
 
-
-def asdict_shallow(obj: Any) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from onboard.errors import OnboardError
-from onboard.source import ModelSource, _one_line
+from onboard.errors import OnboardError, one_line
+from onboard.source import ModelSource
 
 TEST_SEQ_LEN = 32
 TEST_BATCH = 2
@@ -439,7 +439,7 @@ def _make_config(source: ModelSource, cfg_dict: dict):
     try:
         config = cls.from_dict(cfg_dict)
     except Exception as exc:
-        raise OnboardError(f"{source.name}: the twin config is invalid: {_one_line(exc)}") from exc
+        raise OnboardError(f"{source.name}: the twin config is invalid: {one_line(exc)}") from exc
     config._name_or_path = getattr(source.config, "_name_or_path", "")
     return config
 
@@ -520,7 +520,7 @@ def check_runs(twin: Twin) -> float:
         loss = out.loss
         loss.backward()
     except Exception as exc:
-        raise OnboardError(f"{twin.source.name}: the tiny twin does not run: {_one_line(exc)}") from exc
+        raise OnboardError(f"{twin.source.name}: the tiny twin does not run: {one_line(exc)}") from exc
     if loss is None or not torch.isfinite(loss):
         raise OnboardError(f"{twin.source.name}: the tiny twin's loss is not finite ({loss})")
     twin.model.zero_grad(set_to_none=True)
