@@ -40,6 +40,39 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _print_verification(spec, verification, out) -> int:
+    status = "PASSED" if verification.passed else "FAILED"
+    worst = max((r.logits_max_rel for r in verification.seeds), default=0.0)
+    grads = max((r.grad_worst_rel for r in verification.seeds), default=0.0)
+    print(f"{spec.name}: replaced {verification.replaced} MoE block(s) in the twin "
+          f"({sum(1 for layer in spec.layers if layer.mlp.kind == 'moe')} MoE layers at full scale); "
+          f"verification {status} over {len(verification.seeds)} seeds "
+          f"(max rel logits diff {worst:.1e}, worst grad rel diff {grads:.1e})")
+    if verification.note:
+        print(f"note: {verification.note}")
+    print(f"bundle: {out}")
+    return 0 if verification.passed else 3
+
+
+def cmd_adapt(args) -> int:
+    from pathlib import Path
+
+    from onboard.bundle import adapt
+    from onboard.source import resolve
+
+    source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
+    spec, verification = adapt(source, out, force=args.force)
+    return _print_verification(spec, verification, out)
+
+
+def cmd_verify(args) -> int:
+    from onboard.bundle import verify_bundle
+
+    spec, verification = verify_bundle(args.bundle)
+    return _print_verification(spec, verification, args.bundle)
+
+
 def cmd_catalogue(args) -> int:
     from onboard.source import catalogue_index
 
@@ -84,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the ModelSpec as JSON")
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOP counts (default 4096)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("adapt", help="generate, verify and write the adapter bundle")
+    _add_model_args(p)
+    p.add_argument("--out", help="bundle directory (default bundles/<model>)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.set_defaults(func=cmd_adapt)
+
+    p = sub.add_parser("verify", help="re-run a bundle's numerical verification against HuggingFace")
+    p.add_argument("bundle", help="bundle directory written by onboard adapt")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("families", help="inspect every MoE / hybrid family the installed transformers ships")
     p.add_argument("--markdown", action="store_true", help="print README's support table")

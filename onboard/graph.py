@@ -107,6 +107,14 @@ class GraphView:
     def scalars(node) -> list:
         return [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
 
+    @cached_property
+    def hidden_size(self) -> int | None:
+        """Width of the hidden state entering the captured module (its first non-parameter input)."""
+        for n in self.nodes:
+            if n.op == "placeholder" and n.name not in self.param_of and self.shape(n):
+                return self.shape(n)[-1]
+        return None
+
     # -- sets -------------------------------------------------------------------------------------
     def under(self, prefix: str) -> list:
         """Nodes computed inside the module at `prefix` (the whole layer for "")."""

@@ -81,10 +81,13 @@ class FullScale:
             raise
         self.layers_path, self.stack = find_layer_stack(self.model, len(twin.full_layer_signatures))
         self.config_values: dict[str, list] = {}
-        for _, key, value in _walk(source.config.to_dict()):
+        self.config_keys: dict[str, list[tuple[str, int]]] = {}
+        for path, key, value in _walk(source.config.to_dict()):
             meaning = meaning_of(key)
             if meaning and isinstance(value, int) and not isinstance(value, bool):
                 self.config_values.setdefault(meaning, []).append(value)
+                if "." not in path:
+                    self.config_keys.setdefault(meaning, []).append((path, value))
 
     def config(self, meaning: str):
         values = self.config_values.get(meaning)
@@ -95,13 +98,25 @@ class FullScale:
         if observed is None:
             return None
         for meaning in (meanings if isinstance(meanings, (list, tuple)) else [meanings]):
-            for s in self.twin.shrunk(meaning):
+            # several fields may share a twin value (a multimodal config's vision tower): prefer the
+            # language model's own fields, the least nested first
+            candidates = sorted(self.twin.shrunk(meaning), key=lambda s: (_foreign(s.path), s.path.count(".")))
+            for s in candidates:
                 if s.twin == observed:
                     return s.full
         return observed
 
+    def config_field(self, meaning: str, value) -> str | None:
+        """The top-level config attribute that holds `value` with this meaning (read again at adapt time)."""
+        return next((k for k, v in self.config_keys.get(meaning, []) if v == value), None)
+
     def layer_params(self, i: int) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in self.stack[i].named_parameters()}
+
+
+def _foreign(path: str) -> bool:
+    """Fields of a non-language tower in a multimodal config."""
+    return any(part in path for part in ("vision", "audio", "image", "visual", "speech"))
 
 
 def _inner_width(shapes, hidden: int) -> int | None:
@@ -115,7 +130,7 @@ def _inner_width(shapes, hidden: int) -> int | None:
     return min(dims) if dims else None
 
 
-def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: int) -> MLP:
+def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: int, outputs: int = 1) -> MLP:
     expert_shapes = [s for p, s in params.items() if p.startswith(m.experts.path + ".")]
     if m.experts.layout == "fused":
         expert_shapes = [s for s in expert_shapes if len(s) == 3]  # weights, not per-expert biases
@@ -150,11 +165,20 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
     router.topk_group = full.value("topk_group", router.topk_group)
     if router.group_limited and (router.n_group or 1) <= 1:
         router.group_limited, router.n_group, router.topk_group = False, None, None  # one group selects nothing
+    top_k = full.value("top_k", m.top_k) if m.top_k else full.config("top_k")
+    router.config_fields = {meaning: key for meaning, value in
+                            (("top_k", top_k), ("n_group", router.n_group), ("topk_group", router.topk_group))
+                            if value and (key := full.config_field(meaning, value))}
+    gate_up = params.get(m.expert_weights.get("gate_up") or m.expert_weights.get("gate") or "", ())
+    transposed = len(gate_up) == 3 and gate_up[1] == hidden and gate_up[2] != hidden
     return MLP(
         kind="moe", path=m.path, activation=m.activation, gated=m.gated, num_experts=E,
-        top_k=full.value("top_k", m.top_k) if m.top_k else full.config("top_k"), expert_ffn=ffn, expert_layout=m.experts.layout,
+        top_k=top_k, expert_ffn=ffn, expert_layout=m.experts.layout,
         experts_path=m.experts.path, num_shared_experts=n_shared, shared_expert_ffn=shared_ffn,
         shared_expert_gated=m.shared_gate, shared_path=",".join(m.shared_paths) or None, router=router,
+        shared_gate_weight=m.shared_gate_weight, expert_weights=dict(m.expert_weights),
+        expert_interleaved=m.interleaved, expert_transposed=transposed, weight_on_input=m.weight_on_input,
+        outputs=outputs,
     )
 
 
@@ -196,6 +220,26 @@ def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_cfg) -> Att
         attn.index_heads = full.config("index_heads")
         attn.index_head_dim = full.config("index_head_dim")
     return attn
+
+
+def _count_outputs(twin: Twin, blocks: set[tuple[int, str]]) -> dict[tuple[int, str], int]:
+    """How many values each matched block returns (a replacement must return the same)."""
+    modules = dict(twin.model.named_modules())
+    seen: dict[tuple[int, str], int] = {}
+    handles = []
+    for j, path in blocks:
+        module = modules[f"{twin.layers_path}.{j}" + (f".{path}" if path else "")]
+
+        def hook(mod, args, output, key=(j, path)):
+            seen[key] = len(output) if isinstance(output, tuple) else 1
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            twin.model(**twin.example_batch(), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
 
 
 def _head_facts(graph: Graph) -> dict:
@@ -244,8 +288,10 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
     twin_hidden = twin.config.hidden_size
     matches = {i: match_layer(g, twin_hidden) for i, g in cap.layers.items()}
     full = FullScale(source, twin)
+    block_outputs = _count_outputs(twin, {(j, m.moe.path) for j, m in matches.items() if m.moe is not None})
     cfg = source.config
-    hidden = full.value("hidden", twin_hidden)
+    embeddings = full.model.get_input_embeddings()
+    hidden = embeddings.weight.shape[-1] if embeddings is not None else full.value("hidden", twin_hidden)
     layers = []
     unmatched: list[Unmatched] = []
     for i, sig in enumerate(twin.full_layer_signatures):
@@ -253,7 +299,7 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
         m = matches[j]
         params = full.layer_params(i)
         if m.moe is not None:
-            mlp = _scale_moe(m.moe, params, full, hidden)
+            mlp = _scale_moe(m.moe, params, full, hidden, block_outputs.get((j, m.moe.path), 1))
         elif m.dense is not None:
             mlp = MLP(kind="dense", path=m.dense.path, activation=m.dense.activation, gated=m.dense.gated,
                       ffn=_inner_width([s for p, s in params.items() if p.startswith(m.dense.path + ".")
@@ -287,6 +333,7 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
         name=source.name, model_type=cfg.model_type, vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
         hidden_size=int(hidden), num_layers=len(layers), tie_embeddings=tied, layers=layers,
         # the input embedding is a lookup, not arithmetic; a tied table still works as the LM head
+        layers_path=twin.layers_path,
         params_total=params_total,
         params_active=params_total - routed_inactive - (0 if tied else emb_params),
         params_active_with_embedding=params_total - routed_inactive,

@@ -24,7 +24,12 @@ class Router:
     topk_group: int | None = None
     bias_correction: bool = False  # aux-loss-free balancing: a per-expert bias added only for selection
     scaling: float | None = None  # routed scaling factor
+    group_score_top: int | None = None  # a group is scored by the sum of its best N experts
     path: str = ""
+    weight: str | None = None  # parameter path (relative to the layer) of the router projection
+    bias: str | None = None  # parameter / buffer path of the selection-only expert bias
+    linear_bias: str | None = None  # bias of the router projection itself (added to every logit)
+    config_fields: dict = field(default_factory=dict)  # top_k / n_group / topk_group -> config attribute
 
 
 @dataclass
@@ -43,6 +48,12 @@ class MLP:
     shared_expert_ffn: int | None = None
     shared_expert_gated: bool = False  # shared output scaled by sigmoid(linear(x))
     shared_path: str | None = None
+    shared_gate_weight: str | None = None
+    expert_weights: dict = field(default_factory=dict)  # role (gate_up, gate, up, down, *_bias) -> param path
+    expert_interleaved: bool = False  # gate and up rows alternate instead of [gate; up]
+    expert_transposed: bool = False  # stacks stored (E, in, out) rather than (E, out, in)
+    weight_on_input: bool = False  # routing weight scales the token before the experts (Llama 4)
+    outputs: int = 1  # how many values the block returns (router logits ride second)
     router: Router | None = None
 
 
@@ -94,6 +105,7 @@ class ModelSpec:
     num_layers: int
     tie_embeddings: bool
     layers: list[Layer]
+    layers_path: str = ""  # module path of the decoder layer list
     params_total: int = 0
     params_active: int = 0
     params_active_with_embedding: int = 0  # the convention some model cards use (Qwen, Mistral)

@@ -39,6 +39,10 @@ class MoEMatch:
     shared_paths: list[str]
     shared_gate: bool
     aux_params: list[str] = field(default_factory=list)  # params of the block that are neither experts nor shared
+    expert_weights: dict[str, str] = field(default_factory=dict)  # role -> parameter path
+    interleaved: bool = False
+    weight_on_input: bool = False
+    shared_gate_weight: str | None = None
 
 
 def expert_groups(view: GraphView) -> list[ExpertGroup]:
@@ -167,14 +171,20 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         # one top-k picks all k experts; arg-max rounds (sparse mixers) pick one expert each
         k = view.topk_k(final) if topks else len(feeding)
         block = common_prefix([parent(router_weight), group.path])
-        router = _read_router(view, router_node, final, E, block)
+        router = _read_router(view, router_node, router_weight, final, E, block)
         activation, gated = _find_activation(view, view.under(group.path))
         if gated is None:
             gated = any("gate" in p for p in group.params)
         shared, shared_gate = _shared(view, block, group.path, parent(router_weight))
         aux = [p for p in view.params_under(block) if not p.startswith(group.path + ".")
                and not any(p.startswith(s + ".") for s in shared)]
-        matches.append(MoEMatch(block, group, router, router_weight, k, activation, gated, shared, shared_gate, aux))
+        match = MoEMatch(block, group, router, router_weight, k, activation, gated, shared, bool(shared_gate), aux)
+        match.shared_gate_weight = shared_gate
+        if group.layout == "fused":
+            match.expert_weights = _expert_roles(view, group)
+            match.interleaved = _interleaved(view, group)
+        match.weight_on_input = _weight_on_input(view, final, group)
+        matches.append(match)
     for group in unrouted:
         owner = next((m for m in matches if group.path.startswith(m.path + ".") or not m.path), None)
         if owner is not None:  # stacked weights that every token goes through: shared experts
@@ -184,16 +194,79 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
     return matches
 
 
+def _first_use(view: GraphView, param: str) -> int:
+    uses = [view.index[n] for n in view.nodes if n.op == "call_function"
+            and any(view.param(a) == param for a in view.inputs(n))]
+    return min(uses) if uses else len(view.nodes)
+
+
+def _expert_roles(view: GraphView, group: ExpertGroup) -> dict[str, str]:
+    """Which 3-D stack is the input projection (gate+up, or gate and up) and which the output one, by the
+    order the graph uses them and by which one feeds the activation; biases by their width."""
+    weights = sorted(group.params, key=lambda p: _first_use(view, p))
+    roles: dict[str, str] = {}
+    if len(weights) == 2:
+        roles = {"gate_up": weights[0], "down": weights[1]}
+    elif len(weights) == 3:
+        acts = [n for n in view.under(group.path) if op_name(n) in ACTIVATIONS]
+        feeds_act = set(view.ancestors(acts[0])) if acts else set()
+        first_two = weights[:2]
+        gate = next((w for w in first_two if any(view.param(a) == w for n in feeds_act for a in view.inputs(n))),
+                    first_two[0])
+        roles = {"gate": gate, "up": next(w for w in first_two if w != gate), "down": weights[2]}
+    # per-expert biases, (E, out): the output projection's bias is as wide as the hidden state
+    biases = sorted((p for p, shape in view.params_under(group.path).items()
+                     if shape is not None and len(shape) == 2 and p not in group.params), key=lambda p: _first_use(view, p))
+    inputs = [r for r in ("gate_up", "gate", "up") if r in roles]
+    for p in biases:
+        if view.param_shapes[p][1] == view.hidden_size and "down_bias" not in roles:
+            roles["down_bias"] = p
+        elif inputs:
+            roles[f"{inputs.pop(0)}_bias"] = p
+    return roles
+
+
+def _interleaved(view: GraphView, group: ExpertGroup) -> bool:
+    """Gate and up rows alternate when the fused projection's output is split with a stride of 2."""
+    for n in view.under(group.path):
+        if op_name(n) == "slice" and len(n.args) > 4 and n.args[4] == 2:
+            return True
+        if op_name(n) == "getitem" and any(isinstance(a, slice) and a.step == 2 for a in _flat(n.args)):
+            return True
+    return False
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _weight_on_input(view: GraphView, final, group: ExpertGroup) -> bool:
+    """The chosen scores multiply the token before the first expert projection (Llama 4 style)."""
+    first = min((n for n in view.nodes if n.op == "call_function"
+                 and any(view.param(a) in group.params for a in view.inputs(n))),
+                key=lambda n: view.index[n], default=None)
+    values = next((u for u in final.users if op_name(u) == "getitem" and u.args[1] == 0), None)
+    if first is None or values is None:
+        return False
+    hidden = (view.shape(view.inputs(first)[0]) or (0,))[-1]
+    between = view.ancestors(first) & view.descendants(values)
+    return any(op_name(n) == "mul" and (view.shape(n) or (0,))[-1] == hidden for n in between)
+
+
 def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:
     """Experts chosen without a learned router (e.g. by a hash of the token id): no top-k to read."""
     block = parent(group.path)
     activation, gated = _find_activation(view, view.under(group.path))
     shared, shared_gate = _shared(view, block, group.path, group.path)
     router = Router(score="static", order="static", path="")
-    return MoEMatch(block, group, router, "", 0, activation, gated, shared, shared_gate, [])
+    return MoEMatch(block, group, router, "", 0, activation, gated, shared, bool(shared_gate), [])
 
 
-def _read_router(view: GraphView, router_node, final, E: int, block: str) -> Router:
+def _read_router(view: GraphView, router_node, router_weight: str, final, E: int, block: str) -> Router:
     path = view.path(router_node)
     span = view.between(router_node, final) | {final}
     region = view.descendants(router_node)
@@ -221,13 +294,18 @@ def _read_router(view: GraphView, router_node, final, E: int, block: str) -> Rou
             elif shape and shape[-1] < E:
                 topk_group = view.topk_k(t)
                 n_group = n_group or shape[-1]
-    bias = False
+    bias = None
     for n in span:
         if op_name(n) in ("add", "sub"):
             for arg in view.inputs(n):
                 p = view.param(arg)
                 if p is not None and view.param_shapes.get(p) in ((E,), (1, E)):
-                    bias = True
+                    bias = p
+    group_top = None
+    for t in other_topks:
+        shape = view.shape(view.inputs(t)[0]) or ()
+        if len(shape) >= 2 and shape[-1] * shape[-2] == E:
+            group_top = view.topk_k(t)
     # weights that leave the router: descendants of the final top-k (values, or a gather by its indices)
     weights = view.descendants(final)
     local = [n for n in weights if view.path(n).startswith(block) and view.index[n] < _first_expert_use(view, final)]
@@ -245,7 +323,18 @@ def _read_router(view: GraphView, router_node, final, E: int, block: str) -> Rou
             if consts:
                 scaling = float(consts[0])
     return Router(score=score, order=order, renormalize=renorm, group_limited=group_limited,
-                  n_group=n_group, topk_group=topk_group, bias_correction=bias, scaling=scaling, path=path)
+                  n_group=n_group, topk_group=topk_group, bias_correction=bias is not None, scaling=scaling,
+                  path=path, weight=router_weight, linear_bias=_linear_bias(view, router_node, router_weight),
+                  bias=bias, group_score_top=group_top)
+
+
+def _linear_bias(view: GraphView, node, weight: str) -> str | None:
+    """A 1-D parameter added inside the router projection (F.linear's bias, or addmm's input)."""
+    for arg in view.inputs(node):
+        p = view.param(arg)
+        if p and p != weight and len(view.param_shapes.get(p) or ()) == 1:
+            return p
+    return None
 
 
 def _first_expert_use(view: GraphView, final) -> int:
@@ -260,23 +349,22 @@ def _first_expert_use(view: GraphView, final) -> int:
     return min(positions) if positions else len(view.nodes)
 
 
-def _shared(view: GraphView, block: str, experts_path: str, router_path: str) -> tuple[list[str], bool]:
-    """Dense sub-MLPs of the block that every token goes through, and whether a sigmoid gate scales them."""
+def _shared(view: GraphView, block: str, experts_path: str, router_path: str) -> tuple[list[str], str | None]:
+    """Dense sub-MLPs of the block that every token goes through, and the 1-output projection whose
+    sigmoid scales them (if any)."""
     owners: dict[str, list[str]] = {}
     for p, shape in view.params_under(block).items():
         if p.startswith(experts_path + ".") or p.startswith(router_path + ".") or p == router_path:
             continue
         if shape is not None and len(shape) == 2:
             owners.setdefault(parent(parent(p)) if parent(p) != block else parent(p), []).append(p)
-    shared, gated = [], False
+    shared, gate = [], None
     for owner, params in owners.items():
-        if owner == block:
-            # a lone 1-output projection directly under the block: the shared experts' sigmoid gate
-            if any(view.param_shapes[p][0] == 1 for p in params):
-                gated = True
+        ones = [p for p in params if view.param_shapes[p][0] == 1]
+        if owner == block or (len(params) == 1 and ones):
+            # a lone 1-output projection: the shared experts' sigmoid gate
+            gate = ones[0] if ones else gate
             continue
         if len(params) >= 2:
             shared.append(owner)
-        elif len(params) == 1 and view.param_shapes[params[0]][0] == 1:
-            gated = True
-    return sorted(shared), gated
+    return sorted(shared), gate

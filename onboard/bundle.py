@@ -1,0 +1,129 @@
+"""`onboard adapt`: inspect, render the adapter, verify it, and write the bundle atomically.
+
+Bundle: spec.json, adapter.py, verification.json, REVIEW.md, source.json. It is written into a fresh
+directory beside the target and moved into place only when complete; an existing bundle is replaced only
+with `force`, and then only after the new one is complete.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from onboard.capture import capture
+from onboard.codegen import environment, moe_kinds, render_adapter, replaceable
+from onboard.errors import OnboardError
+from onboard.inspection import build_spec
+from onboard.report import _ranges, compress_pattern, describe_mlp, human
+from onboard.source import ModelSource, resolve
+from onboard.spec import ModelSpec
+from onboard.twin import Twin, build_twin
+from onboard.verify import Verification, verify
+
+FILES = ("spec.json", "adapter.py", "verification.json", "REVIEW.md", "source.json")
+
+
+def load_adapter(directory: Path):
+    """Import a bundle's adapter.py as a module of its own."""
+    name = f"onboard_adapter_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, directory / "adapter.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def render_review(spec: ModelSpec, twin: Twin, verification: Verification) -> str:
+    kinds, skipped = moe_kinds(spec, twin)
+    for kind in kinds:
+        kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
+                                                    kind["router"].bias, kind["router"].linear_bias, kind["shared_gate_weight"], *kind["shared"]] if p})
+    labels = [f"{layer.attention.kind} + {describe_mlp(layer.mlp)}" for layer in spec.layers]
+    pattern, position = [], 0
+    for unit, repeats in compress_pattern(labels):
+        end = position + len(unit) * repeats - 1
+        pattern.append(f"layers {position}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
+                       + (f" (x{repeats})" if repeats > 1 else ""))
+        position = end + 1
+    return environment().get_template("REVIEW.md.j2").render(
+        spec=spec, kinds=kinds, skipped=sorted(skipped.items()), verification=verification, pattern=pattern,
+        params_total=human(spec.params_total), params_active=human(spec.params_active),
+        attention_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers})),
+        twin_hidden=twin.config.hidden_size, twin_layers=len(twin.layer_signatures),
+    )
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OnboardError(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise OnboardError(f"{out} already holds a bundle; pass --force to replace it")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():
+        raise OnboardError(f"{parent} does not exist: create it first or choose another --out")
+    try:
+        probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".onboard-probe-")
+        probe.close()
+    except OSError as exc:
+        raise OnboardError(f"cannot write to {parent}: {exc.strerror or exc}")
+
+
+def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[ModelSpec, Verification]:
+    out = Path(out)
+    _check_out(out, force)
+    twin = build_twin(source)
+    spec = build_spec(source, twin, capture(twin))
+    staging = Path(tempfile.mkdtemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.onboard-"))
+    try:
+        (staging / "spec.json").write_text(spec.to_json())
+        (staging / "adapter.py").write_text(render_adapter(spec, twin))
+        (staging / "source.json").write_text(json.dumps(
+            {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
+            indent=2, sort_keys=True) + "\n")
+        module = load_adapter(staging)
+        verification = verify(spec, twin, module.adapt, replaceable)
+        write_verification(staging, spec, twin, verification)
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return spec, verification
+
+
+def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification) -> None:
+    (directory / "verification.json").write_text(json.dumps(verification.to_dict(), indent=2, sort_keys=True) + "\n")
+    (directory / "REVIEW.md").write_text(render_review(spec, twin, verification))
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old)
+    else:
+        staging.rename(out)
+
+
+def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
+    """Re-run verification of an existing bundle (rewrites verification.json and REVIEW.md)."""
+    directory = Path(directory)
+    missing = [f for f in ("spec.json", "adapter.py", "source.json") if not (directory / f).is_file()]
+    if missing:
+        raise OnboardError(f"{directory} is not a bundle: missing {', '.join(missing)}")
+    try:
+        spec = ModelSpec.from_json((directory / "spec.json").read_text())
+        origin = json.loads((directory / "source.json").read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OnboardError(f"{directory}: unreadable bundle ({exc})")
+    source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
+    twin = build_twin(source)
+    module = load_adapter(directory)
+    verification = verify(spec, twin, module.adapt, replaceable)
+    write_verification(directory, spec, twin, verification)
+    return spec, verification

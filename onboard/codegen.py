@@ -1,0 +1,120 @@
+"""Render the bundle's code and pages from the Jinja2 templates in templates/ (package onboard.templates).
+
+Output depends only on the spec, the twin's module tree and the templates, so the same model and
+options give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from importlib import resources
+
+import jinja2
+
+from onboard.report import _ranges, describe_mlp, describe_router
+from onboard.spec import MLP, ModelSpec
+from onboard.twin import Twin
+
+# MLP fields that make two MoE layers need different construction code
+_KIND_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
+                "expert_weights", "expert_interleaved", "expert_transposed", "weight_on_input", "outputs",
+                "top_k", "router")
+
+
+def environment() -> jinja2.Environment:
+    loader = jinja2.FunctionLoader(lambda name: resources.files("onboard.templates").joinpath(name).read_text())
+    env = jinja2.Environment(loader=loader, keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
+                             trim_blocks=False, lstrip_blocks=False)
+    env.filters["tojson"] = lambda v: json.dumps(v)
+    return env
+
+
+def replaceable(mlp: MLP) -> str | None:
+    """Why a matched MoE block cannot be swapped yet (None when it can)."""
+    if mlp.kind != "moe":
+        return "not an MoE block"
+    if mlp.router is None or mlp.router.score == "static":
+        return "experts chosen without a learned router (static / hash routing): the runtime has no such router yet"
+    if mlp.router.score not in ("softmax", "sigmoid"):
+        return f"router score function {mlp.router.score!r} is not in the runtime yet"
+    if not mlp.path:
+        return "the MoE block is the whole decoder layer; nothing to swap it into"
+    if mlp.expert_layout == "fused" and not ({"gate_up", "down"} <= set(mlp.expert_weights)
+                                             or {"gate", "up", "down"} <= set(mlp.expert_weights)):
+        return "the expert weight stacks could not be told apart"
+    return None
+
+
+def _experts_module(twin: Twin, layer: int, path: str):
+    return twin.model.get_submodule(f"{twin.layers_path}.{layer}.{path}")
+
+
+def _activation_code(mlp: MLP, twin: Twin, layer: int) -> tuple[str, str | None]:
+    """Code for the activation (the experts' own act_fn where they have one) and any custom gating."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    module = _experts_module(twin, layer, mlp.experts_path)
+    own = f"layer.get_submodule({json.dumps(mlp.experts_path)})"
+    activation = f"{own}.act_fn" if callable(getattr(module, "act_fn", None)) else f"ACTIVATIONS[{json.dumps(mlp.activation)}]"
+    gate = getattr(type(module), "_apply_gate", None)
+    gate_fn = f"{own}._apply_gate" if gate is not None and gate is not _default_apply_gate else None
+    if gate_fn and not callable(getattr(module, "act_fn", None)):
+        activation = "None"  # the model's gating function applies its own activation
+    return activation, gate_fn
+
+
+def moe_kinds(spec: ModelSpec, twin: Twin) -> tuple[list[dict], dict[int, str]]:
+    """Group MoE layers that need the same construction code; also say which MoE layers stay as they are."""
+    groups: dict[str, list[int]] = {}
+    skipped: dict[int, str] = {}
+    for layer in spec.layers:
+        if layer.mlp.kind != "moe":
+            continue
+        why = replaceable(layer.mlp)
+        if why:
+            skipped[layer.index] = why
+            continue
+        key = json.dumps({f: asdict(layer.mlp)[f] for f in _KIND_FIELDS}, sort_keys=True)
+        groups.setdefault(key, []).append(layer.index)
+    kinds = []
+    for indices in groups.values():
+        layer = spec.layers[indices[0]]
+        mlp, r = layer.mlp, layer.mlp.router
+        activation, gate_fn = _activation_code(mlp, twin, layer.twin_layer)
+        fields = r.config_fields
+
+        def from_config(meaning, value):
+            return f"config.{fields[meaning]}" if meaning in fields else repr(value)
+
+        kinds.append({
+            "indices": indices, "ranges": _ranges(indices), "path": mlp.path,
+            "summary": describe_mlp(mlp) + "; " + describe_router(mlp),
+            "layout": mlp.expert_layout, "experts_path": mlp.experts_path, "weights": _Roles(mlp.expert_weights),
+            "top_k": from_config("top_k", mlp.top_k), "n_group": from_config("n_group", r.n_group),
+            "topk_group": from_config("topk_group", r.topk_group), "router": r,
+            "activation": activation, "gate_fn": gate_fn, "gated": bool(mlp.gated),
+            "transposed": mlp.expert_transposed, "interleaved": mlp.expert_interleaved,
+            "shared": [p for p in (mlp.shared_path or "").split(",") if p],
+            "shared_gate_weight": mlp.shared_gate_weight, "outputs": mlp.outputs,
+            "weight_on_input": mlp.weight_on_input,
+        })
+    return kinds, skipped
+
+
+class _Roles(dict):
+    """Expert weight roles; a missing role reads as None in templates."""
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+
+def render_adapter(spec: ModelSpec, twin: Twin) -> str:
+    kinds, _ = moe_kinds(spec, twin)
+    stays = ["attention", "norms", "embeddings", "LM head and loss"]
+    if any(layer.mlp.kind == "dense" for layer in spec.layers):
+        stays.insert(1, "dense MLPs")
+    return environment().get_template("adapter.py.j2").render(
+        spec=spec, kinds=kinds, stays=", ".join(stays),
+        moe_layer_count=sum(len(k["indices"]) for k in kinds),
+    )

@@ -1,0 +1,132 @@
+"""The runtime MoE layer: route, dispatch, grouped expert MLPs, combine, shared experts.
+
+Built around a HuggingFace model's own parameters (the same Parameter objects, no copies), so optimizer
+state, checkpoints and parameter names of the rest of the model are unaffected.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.moe.dispatch import Dispatch, permute, plan_dispatch, unpermute
+from runtime.moe.grouped import grouped_mm
+from runtime.moe.router import RouterSpec, Routing, route
+
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class GroupedExperts(nn.Module):
+    """Experts stored as 3-D stacks: (E, 2F, H) gate+up and (E, H, F) down, or their transposes."""
+
+    def __init__(self, gate_up: nn.Parameter, down: nn.Parameter, *, activation: Callable | None, gated: bool = True,
+                 transposed: bool = False, interleaved: bool = False, gate_up_bias: nn.Parameter | None = None,
+                 down_bias: nn.Parameter | None = None, gate_fn: Callable | None = None,
+                 up: nn.Parameter | None = None):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+        self.up = up  # separate up stack (gate_up then holds the gate alone)
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+        self.activation, self.gated = activation, gated
+        self.transposed, self.interleaved = transposed, interleaved
+        self.gate_fn = gate_fn  # a model-specific gating function (e.g. clamped SwiGLU), applied to gate+up
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    def _stack(self, w: torch.Tensor) -> torch.Tensor:
+        return w if self.transposed else w.transpose(-2, -1)  # as (E, in, out)
+
+    def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
+        h = grouped_mm(x, self._stack(self.gate_up), d.counts)
+        if self.up is not None:
+            h = torch.cat([h, grouped_mm(x, self._stack(self.up), d.counts)], dim=-1)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias.index_select(0, d.expert_ids)
+        if self.gate_fn is not None:
+            h = self.gate_fn(h)
+        elif self.gated:
+            gate, up = (h[..., ::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
+            h = self.activation(gate) * up
+        else:
+            h = self.activation(h)
+        y = grouped_mm(h, self._stack(self.down), d.counts)
+        if self.down_bias is not None:
+            y = y + self.down_bias.index_select(0, d.expert_ids)
+        return y
+
+
+class ModuleExperts(nn.Module):
+    """Experts kept as one sub-module each (the model's own code), run on their slices of sorted tokens."""
+
+    def __init__(self, experts: nn.ModuleList):
+        super().__init__()
+        self.experts = experts
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
+        outputs, start = [], 0
+        for expert, n in zip(self.experts, d.counts.tolist()):
+            if n:
+                outputs.append(expert(x[start:start + n]))
+            start += n
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
+class MoEBlock(nn.Module):
+    """Drop-in replacement for a model's MoE block."""
+
+    def __init__(self, router_weight: nn.Parameter, spec: RouterSpec, experts: nn.Module, *,
+                 router_bias: torch.Tensor | None = None, shared: list[nn.Module] | None = None,
+                 shared_gate_weight: nn.Parameter | None = None, capacity_factor: float | None = None,
+                 outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None):
+        super().__init__()
+        self.router_weight = router_weight
+        self.router_linear_bias = router_linear_bias
+        self.router_bias = router_bias  # selection-only expert bias (aux-loss-free balancing); a buffer upstream
+        self.spec = spec
+        self.experts = experts
+        self.shared = nn.ModuleList(shared or [])
+        self.shared_gate_weight = shared_gate_weight
+        self.capacity_factor = capacity_factor
+        self.outputs = outputs  # how many values the replaced block returned (logits ride second)
+        self.weight_on_input = weight_on_input
+        self.tokens_per_expert: torch.Tensor | None = None  # last step's counts, for run logs
+        self.last_routing: Routing | None = None
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        bias = self.router_linear_bias.float() if self.router_linear_bias is not None else None
+        logits = F.linear(x.float(), self.router_weight.float(), bias)
+        routing = route(logits, self.spec, self.router_bias)
+        d = plan_dispatch(routing.indices, self.experts.num_experts, self.capacity_factor)
+        tokens = permute(x, d)
+        weights = routing.weights
+        if self.weight_on_input:  # e.g. Llama 4: scale the token before the expert, sum outputs unweighted
+            tokens = tokens * weights.reshape(-1).index_select(0, d.order).unsqueeze(-1).to(tokens.dtype)
+            weights = torch.ones_like(weights)
+        # assignments dropped by a capacity limit contribute nothing; the residual stream carries the token
+        out = unpermute(self.experts(tokens, d), d, weights, x.shape[0]).to(x.dtype)
+        for module in self.shared:
+            s = module(x)
+            if self.shared_gate_weight is not None:
+                s = torch.sigmoid(F.linear(x, self.shared_gate_weight)) * s
+            out = out + s
+        self.tokens_per_expert = d.counts.detach()
+        self.last_routing = routing
+        out = out.reshape(shape)
+        return out if self.outputs == 1 else (out, logits) + (None,) * (self.outputs - 2)

@@ -1,0 +1,1 @@
+"""Jinja2 templates rendered by `onboard.codegen` (shipped as the package `onboard.templates`)."""
