@@ -1,0 +1,189 @@
+"""`onboard adapt`: bundles verify against HuggingFace, planted bugs are caught, writes are safe."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onboard.bundle import adapt, load_adapter
+from onboard.codegen import replaceable
+from onboard.capture import capture
+from onboard.inspection import build_spec
+from onboard.source import resolve
+from onboard.twin import build_twin
+from onboard.verify import verify
+from runtime.moe.grouped import grouped_mm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-120b", "mixtral-8x7b"])
+def test_catalogue_models_adapt_and_verify(model, tmp_path):
+    spec, result = adapt(resolve(model), tmp_path / "bundle")
+    assert result.passed, result.note or [r.grad_failures for r in result.seeds]
+    assert result.replaced == result.expected >= 1
+    assert all(r.runtime_calls == result.replaced and r.original_calls == 0 for r in result.seeds)
+    files = sorted(p.name for p in (tmp_path / "bundle").iterdir())
+    assert files == ["REVIEW.md", "adapter.py", "source.json", "spec.json", "verification.json"]
+    review = (tmp_path / "bundle" / "REVIEW.md").read_text()
+    assert "PASSED" in review and "runtime.moe.MoEBlock" in review
+
+
+def test_adapter_imports_only_runtime_torch_transformers(tmp_path):
+    adapt(resolve("olmoe-1b-7b"), tmp_path / "b")
+    source = (tmp_path / "b" / "adapter.py").read_text()
+    imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports <= {"json", "pathlib", "torch", "transformers", "runtime"}
+    module = load_adapter(tmp_path / "b")
+    assert module.SPEC["model_type"] == "olmoe" and callable(module.adapt)
+
+
+def test_parameters_are_reused_not_copied(tmp_path):
+    adapt(resolve("qwen3-30b-a3b"), tmp_path / "b")
+    module = load_adapter(tmp_path / "b")
+    twin = build_twin(resolve("qwen3-30b-a3b"))
+    before = {name: p for name, p in twin.model.named_parameters()}
+    module.adapt(twin.model)
+    after = {id(p) for p in twin.model.parameters()}
+    assert {id(p) for p in before.values()} == after
+    assert twin.model.onboard_replaced == 1
+
+
+def test_regeneration_is_byte_identical(tmp_path):
+    adapt(resolve("mixtral-8x7b"), tmp_path / "one")
+    adapt(resolve("mixtral-8x7b"), tmp_path / "two")
+    for name in ("spec.json", "adapter.py", "source.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    source = resolve("deepseek-v3")
+    twin = build_twin(source)
+    spec = build_spec(source, twin, capture(twin))
+    return spec, twin
+
+
+def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
+    """Adapt with one runtime piece replaced by a broken version; verification must fail."""
+    spec, twin = deepseek
+    from onboard.codegen import render_adapter
+
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
+    module = load_adapter(tmp_path)
+    owner, _, name = target.rpartition(".")
+    monkeypatch.setattr(sys.modules[owner], name, broken)
+    return verify(spec, twin, module.adapt, replaceable)
+
+
+def test_planted_wrong_renormalisation(deepseek, tmp_path, monkeypatch):
+    from runtime.moe.router import route as good
+
+    def no_renorm(logits, spec, bias=None):
+        return good(logits, spec.__class__(**{**spec.__dict__, "renormalize": False}), bias)
+
+    assert not _planted(deepseek, tmp_path, monkeypatch, "runtime.moe.block.route", no_renorm).passed
+
+
+def test_planted_gate_up_swapped(deepseek, tmp_path, monkeypatch):
+    from runtime.moe.block import GroupedExperts
+
+    def swapped(self, x, d):
+        up, gate = grouped_mm(x, self._stack(self.gate_up), d.counts).chunk(2, dim=-1)
+        return grouped_mm(self.activation(gate) * up, self._stack(self.down), d.counts)
+
+    monkeypatch.setattr(GroupedExperts, "forward", swapped)
+    spec, twin = deepseek
+    from onboard.codegen import render_adapter
+
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
+    assert not verify(spec, twin, load_adapter(tmp_path).adapt, replaceable).passed
+
+
+def test_planted_dropped_shared_expert(deepseek, tmp_path, monkeypatch):
+    from runtime.moe.block import MoEBlock
+
+    original = MoEBlock.__init__
+
+    def without_shared(self, *args, **kwargs):
+        kwargs["shared"] = []
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MoEBlock, "__init__", without_shared)
+    spec, twin = deepseek
+    from onboard.codegen import render_adapter
+
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
+    assert not verify(spec, twin, load_adapter(tmp_path).adapt, replaceable).passed
+
+
+def test_planted_wrong_bias_sign(deepseek, tmp_path, monkeypatch):
+    from runtime.moe.router import route as good
+
+    def flipped(logits, spec, bias=None):
+        return good(logits, spec, None if bias is None else -bias)
+
+    assert not _planted(deepseek, tmp_path, monkeypatch, "runtime.moe.block.route", flipped).passed
+
+
+def test_the_good_runtime_passes_the_same_harness(deepseek, tmp_path, monkeypatch):
+    from runtime.moe.router import route as good
+
+    assert _planted(deepseek, tmp_path, monkeypatch, "runtime.moe.block.route", good).passed
+
+
+def test_dense_model_gives_bundle_with_nothing_replaced(tmp_path):
+    spec, result = adapt(resolve("qwen3-8b"), tmp_path / "b")
+    assert result.passed and result.replaced == result.expected == 0
+    assert "no MoE block" in result.note
+    assert "Nothing" in (tmp_path / "b" / "REVIEW.md").read_text()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def test_existing_bundle_needs_force_and_is_not_touched(tmp_path):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    result = _cli("adapt", "olmoe-1b-7b", "--out", str(out))
+    assert result.returncode != 0 and "--force" in result.stderr and "Traceback" not in result.stderr
+    assert (out / "mine.txt").read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]  # no staging directory left behind
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_out(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    result = _cli("adapt", "olmoe-1b-7b", "--out", str(locked / "b"))
+    assert result.returncode != 0 and "cannot write" in result.stderr
+
+
+def test_out_under_a_file_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = _cli("adapt", "olmoe-1b-7b", "--out", str(blocker / "b"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert blocker.read_text() == "x"
+
+
+def test_cli_adapt_then_verify(tmp_path):
+    out = tmp_path / "b"
+    result = _cli("adapt", "qwen3-30b-a3b", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "verification PASSED" in result.stdout
+    again = _cli("verify", str(out))
+    assert again.returncode == 0 and "PASSED" in again.stdout
+    data = json.loads((out / "verification.json").read_text())
+    assert data["passed"] and len(data["seeds"]) == 3
