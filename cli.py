@@ -94,9 +94,12 @@ def cmd_catalogue(args) -> int:
 def cmd_families(args) -> int:
     from onboard.families import discover, markdown, support_row
 
+    import tempfile
+
     rows = []
+    scratch = tempfile.mkdtemp(prefix="onboard-families-") if args.adapt else None
     for family in discover():
-        row = support_row(family)
+        row = support_row(family, scratch)
         rows.append(row)
         if not args.markdown and not args.json:
             detail = row.get("why") or f"{', '.join(row['attention'])} | {', '.join(row['mlp'])} ({row['seconds']}s)"
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("families", help="inspect every MoE / hybrid family the installed transformers ships")
     p.add_argument("--markdown", action="store_true", help="print README's support table")
+    p.add_argument("--adapt", action="store_true", help="also adapt and verify each family (bundles in a temp dir)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_families)
 

@@ -50,8 +50,12 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification) -> st
         pattern.append(f"layers {position}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
                        + (f" (x{repeats})" if repeats > 1 else ""))
         position = end + 1
+    kept: dict[str, list[int]] = {}
+    for index, why in sorted(skipped.items()):
+        kept.setdefault(why, []).append(index)
     return environment().get_template("REVIEW.md.j2").render(
-        spec=spec, kinds=kinds, skipped=sorted(skipped.items()), verification=verification, pattern=pattern,
+        spec=spec, kinds=kinds, skipped=[(_ranges(i), why) for why, i in kept.items()], verification=verification,
+        pattern=pattern,
         params_total=human(spec.params_total), params_active=human(spec.params_active),
         attention_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers})),
         twin_hidden=twin.config.hidden_size, twin_layers=len(twin.layer_signatures),

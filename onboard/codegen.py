@@ -19,7 +19,7 @@ from onboard.twin import Twin
 # MLP fields that make two MoE layers need different construction code
 _KIND_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
                 "expert_weights", "expert_interleaved", "expert_transposed", "weight_on_input", "outputs",
-                "top_k", "router")
+                "top_k", "router", "post_norm")
 
 
 def environment() -> jinja2.Environment:
@@ -38,6 +38,13 @@ def replaceable(mlp: MLP) -> str | None:
         return "experts chosen without a learned router (static / hash routing): the runtime has no such router yet"
     if mlp.router.score not in ("softmax", "sigmoid"):
         return f"router score function {mlp.router.score!r} is not in the runtime yet"
+    if mlp.router.order not in ("score_then_topk", "topk_then_score"):
+        return f"experts chosen by {mlp.router.order.replace('_', ' ')} (a sparse mixer): not in the runtime yet"
+    if mlp.router.logit_width and mlp.router.logit_width != mlp.num_experts:
+        return (f"the router scores {mlp.router.logit_width} slots for {mlp.num_experts} routed experts "
+                "(zero or shared experts take part in routing): not in the runtime yet")
+    if not mlp.router.direct:
+        return "the router is more than one projection of the tokens (a small network): not in the runtime yet"
     if not mlp.path:
         return "the MoE block is the whole decoder layer; nothing to swap it into"
     if mlp.expert_layout == "fused" and not ({"gate_up", "down"} <= set(mlp.expert_weights)
@@ -95,9 +102,10 @@ def moe_kinds(spec: ModelSpec, twin: Twin) -> tuple[list[dict], dict[int, str]]:
             "topk_group": from_config("topk_group", r.topk_group), "router": r,
             "activation": activation, "gate_fn": gate_fn, "gated": bool(mlp.gated),
             "transposed": mlp.expert_transposed, "interleaved": mlp.expert_interleaved,
-            "shared": [p for p in (mlp.shared_path or "").split(",") if p],
+            # shared experts outside the block (an MLP beside it in the layer) keep running where they are
+            "shared": [p for p in (mlp.shared_path or "").split(",") if p and p.startswith(mlp.path + ".")],
             "shared_gate_weight": mlp.shared_gate_weight, "outputs": mlp.outputs,
-            "weight_on_input": mlp.weight_on_input,
+            "weight_on_input": mlp.weight_on_input, "post_norm": mlp.post_norm,
         })
     return kinds, skipped
 

@@ -89,33 +89,59 @@ def discover() -> list[str]:
     return found
 
 
-def support_row(model_type: str) -> dict:
-    """Inspect one family through its tiny twin; never raises."""
+def support_row(model_type: str, adapt_dir=None) -> dict:
+    """Inspect one family through its tiny twin (and adapt + verify it when `adapt_dir` is given);
+    never raises."""
     from onboard.inspection import inspect_source
     from onboard.source import from_config
 
     if model_type in UNSUPPORTED:
         return {"family": model_type, "status": "unsupported", "why": UNSUPPORTED[model_type]}
     start = time.perf_counter()
+    source = from_config(default_config(model_type), model_type)
     try:
-        spec, _ = inspect_source(from_config(default_config(model_type), model_type))
+        spec, _ = inspect_source(source)
     except Exception as exc:  # report, do not stop the table
         return {"family": model_type, "status": "error", "why": " ".join(str(exc).split())[:200]}
-    attention = sorted({layer.attention.kind for layer in spec.layers})
-    mlp = sorted({layer.mlp.kind for layer in spec.layers})
-    return {
+    row = {
         "family": model_type, "status": "inspected" if not spec.unmatched else "partial",
-        "attention": attention, "mlp": mlp, "unmatched": len(spec.unmatched),
+        "attention": sorted({layer.attention.kind for layer in spec.layers}),
+        "mlp": sorted({layer.mlp.kind for layer in spec.layers}), "unmatched": len(spec.unmatched),
         "seconds": round(time.perf_counter() - start, 1),
     }
+    if adapt_dir is not None:
+        row.update(_adapt_row(source, spec, adapt_dir))
+    return row
+
+
+def _adapt_row(source, spec, adapt_dir) -> dict:
+    from pathlib import Path
+
+    from onboard.bundle import adapt
+    from onboard.codegen import replaceable
+
+    try:
+        _, verification = adapt(source, Path(adapt_dir) / source.name, force=True)
+    except Exception as exc:
+        return {"adapt": "error", "adapt_why": " ".join(str(exc).split())[:200]}
+    reasons = sorted({why for layer in spec.layers if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp))})
+    return {"adapt": "verified" if verification.passed else "FAILED", "replaced": verification.replaced,
+            "adapt_why": "; ".join(reasons)}
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| family | inspect | attention kinds | MLP kinds | notes |", "|---|---|---|---|---|"]
+    lines = ["| family | inspect | attention kinds | MLP kinds | adapt (MoE swapped in the twin, verified) | notes |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] in ("unsupported", "error"):
-            lines.append(f"| {r['family']} | no | | | {r['why']} |")
+            lines.append(f"| {r['family']} | no | | | | {r['why']} |")
             continue
-        note = f"{r['unmatched']} module(s) left as HuggingFace code" if r["unmatched"] else ""
-        lines.append(f"| {r['family']} | yes | {', '.join(r['attention'])} | {', '.join(r['mlp'])} | {note} |")
+        notes = [f"{r['unmatched']} module(s) left as HuggingFace code"] if r["unmatched"] else []
+        adapt = ""
+        if "adapt" in r:
+            adapt = f"{r['adapt']}, {r.get('replaced', 0)} swapped" if r["adapt"] != "error" else "error"
+            if r.get("adapt_why"):
+                notes.append("MoE kept as HuggingFace code: " + r["adapt_why"])
+        lines.append(f"| {r['family']} | yes | {', '.join(r['attention'])} | {', '.join(r['mlp'])} | {adapt} | "
+                     f"{'; '.join(notes)} |")
     return "\n".join(lines)

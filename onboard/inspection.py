@@ -50,8 +50,10 @@ def match_layer(graph: Graph, hidden: int) -> LayerMatch:
     dense = match_dense_mlp(view, exclude, hidden)
     if dense is not None:
         exclude.append(dense.path)
-        if moe is not None:  # an always-on MLP beside the routed experts is a shared expert
-            moe.shared_paths = sorted({*moe.shared_paths, dense.path})
+        if moe is not None:
+            if _same_input(view, dense.path, moe.router.path):
+                # an always-on MLP reading what the router reads, beside the routed experts: a shared expert
+                moe.shared_paths = sorted({*moe.shared_paths, dense.path})
             dense = None
     norms = norm_kinds(view, exclude)
     covered = exclude + list(norms)
@@ -64,6 +66,29 @@ def match_layer(graph: Graph, hidden: int) -> LayerMatch:
     if moe is None and dense is None:
         unmatched.append(Unmatched(graph.module_path, "no channel mixer (MoE or dense MLP) recognised"))
     return LayerMatch(attention, moe, dense, norms, unmatched)
+
+
+def _source_of(view: GraphView, node):
+    """Follow data-movement ops back to the op that computed this tensor."""
+    from onboard.graph import TRANSPARENT
+
+    while node is not None and op_name(node) in TRANSPARENT:
+        node = next(iter(view.inputs(node)), None)
+    return node
+
+
+def _module_input(view: GraphView, path: str):
+    first = min((n for n in view.under(path) if view.linear_weight(n)), key=lambda n: view.index[n], default=None)
+    if first is None:
+        return None
+    data = [a for a in view.inputs(first) if view.param(a) is None]
+    return _source_of(view, data[0]) if data else None
+
+
+def _same_input(view: GraphView, a: str, b: str) -> bool:
+    """Do the modules at paths a and b read the same tensor (e.g. the post-attention norm's output)?"""
+    x, y = _module_input(view, a), _module_input(view, b)
+    return x is not None and x is y
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,6 +186,8 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
         else:
             n_shared = len(m.shared_paths)
     router = m.router
+    if router.logit_width is not None and router.weight in params:
+        router.logit_width = params[router.weight][0]
     router.n_group = full.value("n_group", router.n_group)
     router.topk_group = full.value("topk_group", router.topk_group)
     if router.group_limited and (router.n_group or 1) <= 1:
@@ -178,7 +205,7 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
         shared_expert_gated=m.shared_gate, shared_path=",".join(m.shared_paths) or None, router=router,
         shared_gate_weight=m.shared_gate_weight, expert_weights=dict(m.expert_weights),
         expert_interleaved=m.interleaved, expert_transposed=transposed, weight_on_input=m.weight_on_input,
-        outputs=outputs,
+        outputs=outputs, post_norm=m.post_norm,
     )
 
 

@@ -29,6 +29,8 @@ class Router:
     weight: str | None = None  # parameter path (relative to the layer) of the router projection
     bias: str | None = None  # parameter / buffer path of the selection-only expert bias
     linear_bias: str | None = None  # bias of the router projection itself (added to every logit)
+    logit_width: int | None = None  # router outputs; more than num_experts when zero / shared experts are routed
+    direct: bool = True  # the router is one projection of the tokens the experts receive
     config_fields: dict = field(default_factory=dict)  # top_k / n_group / topk_group -> config attribute
 
 
@@ -54,6 +56,7 @@ class MLP:
     expert_transposed: bool = False  # stacks stored (E, in, out) rather than (E, out, in)
     weight_on_input: bool = False  # routing weight scales the token before the experts (Llama 4)
     outputs: int = 1  # how many values the block returns (router logits ride second)
+    post_norm: str | None = None  # module normalising the block's output
     router: Router | None = None
 
 

@@ -43,6 +43,7 @@ class MoEMatch:
     interleaved: bool = False
     weight_on_input: bool = False
     shared_gate_weight: str | None = None
+    post_norm: str | None = None  # a norm module applied to the block's output
 
 
 def expert_groups(view: GraphView) -> list[ExpertGroup]:
@@ -115,6 +116,8 @@ def _router_linear(view: GraphView, topk, num_experts: int):
 
 
 def _find_activation(view: GraphView, nodes) -> tuple[str | None, bool | None]:
+    """The activation of an MLP and whether it is gated: act(x W_gate) multiplied by a second projection
+    x W_up before the output projection (a square of the activation, as in relu^2, is not a gate)."""
     acts = [n for n in nodes if op_name(n) in ACTIVATIONS]
     if not acts:
         return None, None
@@ -124,11 +127,29 @@ def _find_activation(view: GraphView, nodes) -> tuple[str | None, bool | None]:
         name = "gelu_tanh"
     if name == "sigmoid":  # x * sigmoid(a x): SiLU-like gating written by hand (e.g. clamped SwiGLU)
         name = "swiglu_sigmoid"
-    gated = any(
-        op_name(u) == "mul" and any(i is not act and i not in view.descendants(act) for i in view.inputs(u))
-        for u in view.descendants(act) if op_name(u) == "mul"
-    )
+    after = view.descendants(act)
+    projections = [n for n in nodes if _is_projection(view, n)]
+    out_proj = next((p for p in sorted(projections, key=lambda n: view.index[n]) if p in after), None)
+    before_out = view.ancestors(out_proj) if out_proj is not None else set(nodes)
+    act_inputs = view.ancestors(act)
+    gated = False
+    for u in after & before_out:
+        if op_name(u) != "mul":
+            continue
+        for i in view.inputs(u):
+            if i is act or i in after:
+                continue
+            # the other factor comes from a projection of the input, not from the activation's own branch
+            if any(_is_projection(view, a) for a in view.ancestors(i) | {i}) and i not in act_inputs:
+                gated = True
     return name, gated
+
+
+def _is_projection(view: GraphView, node) -> bool:
+    if view.linear_weight(node) is not None:
+        return True
+    return op_name(node) in ("grouped_mm", "_grouped_mm", "grouped_mm_fallback", "bmm", "mm", "linear") and any(
+        len(view.param_shapes.get(view.param(a)) or ()) == 3 for a in view.inputs(node))
 
 
 SELECTIONS = ("topk", "max", "argmax")
@@ -184,6 +205,14 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
             match.expert_weights = _expert_roles(view, group)
             match.interleaved = _interleaved(view, group)
         match.weight_on_input = _weight_on_input(view, final, group)
+        if not topks:  # experts picked by rounds of arg-max (sparse mixer): its own weighting scheme
+            router.order = "argmax_rounds"
+        post_scale = _output_scaling(view, block, downstream, shared)
+        if post_scale is not None:  # scaling the combined output equals scaling every routing weight
+            router.scaling = (router.scaling or 1.0) * post_scale
+        match.post_norm = _post_norm(view, block, group.path, parent(router_weight), shared, downstream)
+        router.logit_width = view.param_shapes[router_weight][0]
+        router.direct = _reads_block_input(view, router_node, block)
         matches.append(match)
     for group in unrouted:
         owner = next((m for m in matches if group.path.startswith(m.path + ".") or not m.path), None)
@@ -255,6 +284,39 @@ def _weight_on_input(view: GraphView, final, group: ExpertGroup) -> bool:
     hidden = (view.shape(view.inputs(first)[0]) or (0,))[-1]
     between = view.ancestors(first) & view.descendants(values)
     return any(op_name(n) == "mul" and (view.shape(n) or (0,))[-1] == hidden for n in between)
+
+
+def _reads_block_input(view: GraphView, router_node, block: str) -> bool:
+    """Is the router one projection of the block's tokens (no other projection inside the block before it)?"""
+    inside = set(view.under(block))
+    return not any(view.linear_weight(n) for n in view.ancestors(router_node) & inside)
+
+
+def _output_scaling(view: GraphView, block: str, downstream: set, shared: list[str]) -> float | None:
+    """A constant multiplying the combined routed output at the block level (not inside a sub-module)."""
+    shared_nodes = set()
+    for path in shared:
+        shared_nodes |= set(view.under(path))
+    shared_down = view.descendants(shared_nodes) if shared_nodes else set()
+    for n in view.under(block):
+        if view.path(n) != block or n not in downstream or n in shared_down or op_name(n) != "mul":
+            continue
+        consts = [a for a in n.args if isinstance(a, float) and a != 1.0]
+        if consts:
+            return float(consts[0])
+    return None
+
+
+def _post_norm(view: GraphView, block: str, experts: str, router: str, shared: list[str], downstream: set):
+    """A child module of the block that normalises the expert output (e.g. A.X-K1's post-MLP norm)."""
+    skip = [experts, router, *shared]
+    for n in view.under(block):
+        path = view.path(n)
+        if path == block or any(path == s or path.startswith(s + ".") for s in skip):
+            continue
+        if op_name(n) in ("rsqrt", "layer_norm", "native_layer_norm", "rms_norm") and n in downstream:
+            return path
+    return None
 
 
 def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:

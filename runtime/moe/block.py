@@ -92,8 +92,10 @@ class MoEBlock(nn.Module):
     def __init__(self, router_weight: nn.Parameter, spec: RouterSpec, experts: nn.Module, *,
                  router_bias: torch.Tensor | None = None, shared: list[nn.Module] | None = None,
                  shared_gate_weight: nn.Parameter | None = None, capacity_factor: float | None = None,
-                 outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None):
+                 outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None,
+                 post_norm: nn.Module | None = None):
         super().__init__()
+        self.post_norm = post_norm  # the model's own norm on the block output
         self.router_weight = router_weight
         self.router_linear_bias = router_linear_bias
         self.router_bias = router_bias  # selection-only expert bias (aux-loss-free balancing); a buffer upstream
@@ -129,4 +131,6 @@ class MoEBlock(nn.Module):
         self.tokens_per_expert = d.counts.detach()
         self.last_routing = routing
         out = out.reshape(shape)
+        if self.post_norm is not None:
+            out = self.post_norm(out)
         return out if self.outputs == 1 else (out, logits) + (None,) * (self.outputs - 2)

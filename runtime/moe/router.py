@@ -59,9 +59,12 @@ def _group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
 def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None) -> Routing:
     """Route `(tokens, experts)` logits. Gradients flow into the weights of the chosen experts."""
     if spec.order == "topk_then_score":
-        top_logits, indices = logits.topk(spec.top_k, dim=-1)
-        weights = _score(top_logits, spec.score)
+        choice = logits if bias is None else logits + bias.float()
+        indices = choice.topk(spec.top_k, dim=-1).indices
+        weights = _score(logits.gather(1, indices), spec.score)
         scores = weights
+        if spec.renormalize and spec.score != "softmax":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.renormalize_eps)
     else:
         scores = _score(logits, spec.score)
         choice = scores if bias is None else scores + bias.float()
