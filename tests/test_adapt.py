@@ -16,7 +16,6 @@ from onboard.inspection import build_spec
 from onboard.source import resolve
 from onboard.twin import build_twin
 from onboard.verify import verify
-from runtime.moe.grouped import grouped_mm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,9 +92,9 @@ def test_planted_wrong_renormalisation(deepseek, tmp_path, monkeypatch):
 def test_planted_gate_up_swapped(deepseek, tmp_path, monkeypatch):
     from runtime.moe.block import GroupedExperts
 
-    def swapped(self, x, d):
-        up, gate = grouped_mm(x, self._stack(self.gate_up), d.counts).chunk(2, dim=-1)
-        return grouped_mm(self.activation(gate) * up, self._stack(self.down), d.counts)
+    def swapped(self, x, d, scale=None):
+        up, gate = self._mm(x, self.gate_up, d).chunk(2, dim=-1)
+        return self._mm(self.activation(gate) * up * scale.unsqueeze(-1), self.down, d)
 
     monkeypatch.setattr(GroupedExperts, "forward", swapped)
     spec, twin = deepseek

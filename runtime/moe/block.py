@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.moe.dispatch import Dispatch, permute, plan_dispatch, unpermute
+from runtime.moe.gating import is_silu, swiglu
 from runtime.moe.grouped import grouped_mm
 from runtime.moe.router import RouterSpec, Routing, route
 
@@ -39,18 +40,23 @@ class GroupedExperts(nn.Module):
         self.activation, self.gated = activation, gated
         self.transposed, self.interleaved = transposed, interleaved
         self.gate_fn = gate_fn  # a model-specific gating function (e.g. clamped SwiGLU), applied to gate+up
+        # [gate; up] with SiLU: one fused node for the activation, the product and the routing weight
+        self.fused_swiglu = gated and not interleaved and gate_fn is None and up is None and is_silu(activation)
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
-    def _stack(self, w: torch.Tensor) -> torch.Tensor:
-        return w if self.transposed else w.transpose(-2, -1)  # as (E, in, out)
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
+        return grouped_mm(x, w, d.counts, out_in=not self.transposed)
 
-    def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        h = grouped_mm(x, self._stack(self.gate_up), d.counts)
+    def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert outputs for sorted tokens; `scale` (one per row) multiplies each row's output."""
+        h = self._mm(x, self.gate_up, d)
+        if self.fused_swiglu and self.gate_up_bias is None and self.down_bias is None:
+            return self._mm(swiglu(h, scale.to(h.dtype) if scale is not None else None), self.down, d)
         if self.up is not None:
-            h = torch.cat([h, grouped_mm(x, self._stack(self.up), d.counts)], dim=-1)
+            h = torch.cat([h, self._mm(x, self.up, d)], dim=-1)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias.index_select(0, d.expert_ids)
         if self.gate_fn is not None:
@@ -60,10 +66,13 @@ class GroupedExperts(nn.Module):
             h = self.activation(gate) * up
         else:
             h = self.activation(h)
-        y = grouped_mm(h, self._stack(self.down), d.counts)
+        if scale is not None and self.down_bias is None:
+            # the output projection is linear: scaling its (narrower) input is the same and cheaper
+            return self._mm(h * scale.unsqueeze(-1).to(h.dtype), self.down, d)
+        y = self._mm(h, self.down, d)
         if self.down_bias is not None:
             y = y + self.down_bias.index_select(0, d.expert_ids)
-        return y
+        return y if scale is None else y * scale.unsqueeze(-1).to(y.dtype)
 
 
 class ModuleExperts(nn.Module):
@@ -77,13 +86,14 @@ class ModuleExperts(nn.Module):
     def num_experts(self) -> int:
         return len(self.experts)
 
-    def forward(self, x: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
         outputs, start = [], 0
         for expert, n in zip(self.experts, d.counts.tolist()):
             if n:
                 outputs.append(expert(x[start:start + n]))
             start += n
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+        y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+        return y if scale is None else y * scale.unsqueeze(-1).to(y.dtype)
 
 
 class MoEBlock(nn.Module):
@@ -117,12 +127,14 @@ class MoEBlock(nn.Module):
         routing = route(logits, self.spec, self.router_bias)
         d = plan_dispatch(routing.indices, self.experts.num_experts, self.capacity_factor)
         tokens = permute(x, d)
-        weights = routing.weights
+        weights = routing.weights.reshape(-1).index_select(0, d.order)  # in sorted order
         if self.weight_on_input:  # e.g. Llama 4: scale the token before the expert, sum outputs unweighted
-            tokens = tokens * weights.reshape(-1).index_select(0, d.order).unsqueeze(-1).to(tokens.dtype)
-            weights = torch.ones_like(weights)
+            tokens = tokens * weights.unsqueeze(-1).to(tokens.dtype)
+            expert_out = self.experts(tokens, d)
+        else:
+            expert_out = self.experts(tokens, d, scale=weights)
         # assignments dropped by a capacity limit contribute nothing; the residual stream carries the token
-        out = unpermute(self.experts(tokens, d), d, weights, x.shape[0]).to(x.dtype)
+        out = unpermute(expert_out, d, x.shape[0]).to(x.dtype)
         for module in self.shared:
             s = module(x)
             if self.shared_gate_weight is not None:

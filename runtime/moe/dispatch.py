@@ -41,8 +41,6 @@ def permute(x: torch.Tensor, d: Dispatch) -> torch.Tensor:
     return x.index_select(0, d.order // d.top_k)
 
 
-def unpermute(y: torch.Tensor, d: Dispatch, weights: torch.Tensor, tokens: int) -> torch.Tensor:
-    """(assignments, hidden) expert outputs -> (tokens, hidden), each scaled by its routing weight."""
-    w = weights.reshape(-1).index_select(0, d.order).to(y.dtype)
-    out = y.new_zeros(tokens, y.shape[-1])
-    return out.index_add(0, d.order // d.top_k, y * w.unsqueeze(-1))
+def unpermute(y: torch.Tensor, d: Dispatch, tokens: int) -> torch.Tensor:
+    """(assignments, hidden) expert outputs, already weighted -> (tokens, hidden), summed per token."""
+    return y.new_zeros(tokens, y.shape[-1]).index_add_(0, d.order // d.top_k, y)

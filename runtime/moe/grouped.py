@@ -48,20 +48,29 @@ def _mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, num
 
 
 class GroupedMM(torch.autograd.Function):
+    """y = x @ w[e] per expert slice, with w stored (E, in, out); or x @ w[e]^T with w stored (E, out, in)
+    (`out_in`), the layout of nn.Linear and most checkpoints. The weight gradient is produced directly in
+    the stored layout, so no transposed copy is made when it is accumulated."""
+
     @staticmethod
-    def forward(ctx, x, w, counts):
+    def forward(ctx, x, w, counts, out_in: bool):
         ctx.save_for_backward(x, w, counts)
-        return _mm_forward(x, w, counts)
+        ctx.out_in = out_in
+        return _mm_forward(x, w.transpose(-2, -1) if out_in else w, counts)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, counts = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _mm_forward(dy, w.transpose(-2, -1), counts) if ctx.needs_input_grad[0] else None
-        dw = _mm_weight_grad(x, dy, counts, w.shape[0]) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm_forward(dy, w if ctx.out_in else w.transpose(-2, -1), counts)
+        if ctx.needs_input_grad[1]:
+            dw = (_mm_weight_grad(dy, x, counts, w.shape[0]) if ctx.out_in
+                  else _mm_weight_grad(x, dy, counts, w.shape[0]))
+        return dx, dw, None, None
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(N, in) tokens sorted by expert times per-expert (E, in, out) weights."""
-    return GroupedMM.apply(x, w, counts)
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, out_in: bool = False) -> torch.Tensor:
+    """(N, in) tokens sorted by expert times per-expert weights: (E, in, out), or (E, out, in) with `out_in`."""
+    return GroupedMM.apply(x, w, counts, out_in)

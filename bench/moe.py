@@ -1,0 +1,114 @@
+"""Runtime MoE layer vs transformers' own experts implementations, forward + backward, fp32, CPU.
+
+Prints times as ratios against the HuggingFace reference measured in the same run, and the fraction of
+this machine's fp32 matmul peak (also measured in this run). Never passes or fails on time.
+
+    python bench/moe.py [--tokens 4096] [--hidden 1024] [--experts 32] [--top-k 4] [--ffn 256] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from runtime.moe import MoEBlock, RouterSpec
+from runtime.moe.block import GroupedExperts
+
+
+def timed_round_robin(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per variant; variants take turns so that machine drift hits them alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def matmul_peak(repeats: int) -> float:
+    """Best fp32 GEMM rate this machine reaches (the fastest of a few sizes and tries)."""
+    best = 0.0
+    for n in (1024, 2048, 3072):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def hf_block(args, implementation: str) -> torch.nn.Module:
+    config = Qwen3MoeConfig(hidden_size=args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
+                            moe_intermediate_size=args.ffn, norm_topk_prob=True)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
+
+
+def runtime_block(hf: torch.nn.Module, args) -> MoEBlock:
+    spec = RouterSpec(num_experts=args.experts, top_k=args.top_k, score="softmax", renormalize=True)
+    experts = GroupedExperts(hf.experts.gate_up_proj, hf.experts.down_proj, activation=hf.experts.act_fn)
+    return MoEBlock(hf.gate.weight, spec, experts)
+
+
+def step(block, x):
+    def run():
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().pow(2).mean().backward()
+        for p in block.parameters():
+            p.grad = None
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    x = torch.randn(1, args.tokens, args.hidden) * 0.5
+    eager = hf_block(args, "eager")
+    grouped = hf_block(args, "grouped_mm")
+    ours = runtime_block(copy.deepcopy(grouped), args)
+    with torch.no_grad():  # same numbers from all three
+        ref = eager(x)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        err = (ours(x) - ref).abs().max().item()
+
+    results = timed_round_robin({"hf eager": step(eager, x), "hf grouped_mm": step(grouped, x),
+                                 "runtime": step(ours, x)}, args.repeats)
+    peak = matmul_peak(args.repeats)
+    flops = 3 * args.tokens * args.top_k * (2 * args.hidden * 2 * args.ffn + 2 * args.ffn * args.hidden)
+    flops += 3 * 2 * args.tokens * args.hidden * args.experts  # router
+    best_hf = min(results["hf eager"], results["hf grouped_mm"])
+    print(f"MoE layer fwd+bwd, fp32, {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts, "
+          f"top-{args.top_k}, expert FFN {args.ffn}, {args.threads} threads (max |diff| vs HF {err:.1e})")
+    for name, seconds in results.items():
+        print(f"  {name:<14} {seconds * 1e3:8.1f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s  "
+              f"{flops / seconds / peak:6.1%} of matmul peak  speed-up vs best HF {best_hf / seconds:5.2f}x")
+    print(f"  fp32 matmul peak (best of 1024^3..3072^3) {peak / 1e9:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
