@@ -1,6 +1,7 @@
 """`onboard adapt`: inspect, render the adapter, verify it, and write the bundle atomically.
 
-Bundle: spec.json, adapter.py, verification.json, REVIEW.md, source.json. It is written into a fresh
+Bundle: spec.json, adapter.py, kernels/ (Triton kernels rendered for the model), verification.json,
+REVIEW.md, source.json. It is written into a fresh
 directory beside the target and moved into place only when complete; an existing bundle is replaced only
 with `force`, and then only after the new one is complete.
 """
@@ -16,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from onboard.capture import capture
-from onboard.codegen import environment, moe_kinds, render_adapter, replaceable
+from onboard.codegen import environment, moe_kinds, render_adapter, render_kernels, replaceable
 from onboard.errors import OnboardError
 from onboard.inspection import build_spec
 from onboard.report import _ranges, compress_pattern, describe_mlp, human
@@ -86,6 +87,11 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[Model
     try:
         (staging / "spec.json").write_text(spec.to_json())
         (staging / "adapter.py").write_text(render_adapter(spec, twin))
+        kernels = render_kernels(spec)
+        if kernels:
+            (staging / "kernels").mkdir()
+            for name, source_text in kernels.items():
+                (staging / "kernels" / name).write_text(source_text)
         (staging / "source.json").write_text(json.dumps(
             {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
             indent=2, sort_keys=True) + "\n")

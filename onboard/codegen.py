@@ -126,3 +126,23 @@ def render_adapter(spec: ModelSpec, twin: Twin) -> str:
         spec=spec, kinds=kinds, stays=", ".join(stays),
         moe_layer_count=sum(len(k["indices"]) for k in kinds),
     )
+
+
+def _pow2(n: int, low: int, high: int) -> int:
+    p = low
+    while p < n and p < high:
+        p *= 2
+    return p
+
+
+def render_kernels(spec: ModelSpec) -> dict[str, str]:
+    """Kernel modules specialised for this model's MoE shapes (empty when it has no MoE layer)."""
+    moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe" and not replaceable(layer.mlp)), None)
+    if moe is None:
+        return {}
+    dtype = "bf16"
+    source = environment().get_template("kernels/moe_triton.py.j2").render(
+        name=spec.name, hidden=spec.hidden_size, top_k=moe.top_k, ffn=moe.expert_ffn, dtype=dtype,
+        block_cols=_pow2(spec.hidden_size, 16, 1024), bm=64, bn=64, bk=32,
+    )
+    return {"moe_triton.py": source}

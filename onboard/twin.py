@@ -524,4 +524,4 @@ def check_runs(twin: Twin) -> float:
     if loss is None or not torch.isfinite(loss):
         raise OnboardError(f"{twin.source.name}: the tiny twin's loss is not finite ({loss})")
     twin.model.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())

@@ -52,6 +52,7 @@ class Verification:
     seeds: list[SeedResult]
     tolerances: dict
     note: str = ""
+    backends: dict = field(default_factory=dict)  # runtime op -> backend that ran it (cpu, triton, npu)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +134,16 @@ def _verify(spec, twin, adapt, replaceable, seeds, expected, tolerances) -> Veri
     note = "" if replaced == expected else f"adapter replaced {replaced} blocks, expected {expected}"
     if expected == 0:
         note = "no MoE block the runtime can take over: the adapter leaves the model as it is"
-    return Verification(passed, replaced, expected, results, tolerances, note)
+    return Verification(passed, replaced, expected, results, tolerances, note, _backends() if replaced else {})
+
+
+def _backends() -> dict:
+    from runtime.kernels import registry
+    from runtime.moe.dispatch import permute, unpermute
+    from runtime.moe.grouped import grouped_mm
+
+    return {op: registry.backend_of(op, ref) for op, ref in
+            (("moe.grouped_mm", grouped_mm), ("moe.permute", permute), ("moe.unpermute", unpermute))}
 
 
 def _compare(seed, ref, out_ref, out_ad, adapted_params, runtime_calls, original_calls) -> SeedResult:

@@ -27,7 +27,7 @@ def test_catalogue_models_adapt_and_verify(model, tmp_path):
     assert result.replaced == result.expected >= 1
     assert all(r.runtime_calls == result.replaced and r.original_calls == 0 for r in result.seeds)
     files = sorted(p.name for p in (tmp_path / "bundle").iterdir())
-    assert files == ["REVIEW.md", "adapter.py", "source.json", "spec.json", "verification.json"]
+    assert files == ["REVIEW.md", "adapter.py", "kernels", "source.json", "spec.json", "verification.json"]
     review = (tmp_path / "bundle" / "REVIEW.md").read_text()
     assert "PASSED" in review and "runtime.moe.MoEBlock" in review
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.kernels import registry
 from runtime.moe.dispatch import Dispatch, permute, plan_dispatch, unpermute
 from runtime.moe.gating import is_silu, swiglu
 from runtime.moe.grouped import grouped_mm
@@ -48,7 +49,8 @@ class GroupedExperts(nn.Module):
         return self.gate_up.shape[0]
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        return grouped_mm(x, w, d.counts, out_in=not self.transposed)
+        mm = registry.lookup("moe.grouped_mm", grouped_mm)
+        return mm(x, w, d.counts, out_in=not self.transposed)
 
     def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Expert outputs for sorted tokens; `scale` (one per row) multiplies each row's output."""
@@ -126,7 +128,7 @@ class MoEBlock(nn.Module):
         logits = F.linear(x.float(), self.router_weight.float(), bias)
         routing = route(logits, self.spec, self.router_bias)
         d = plan_dispatch(routing.indices, self.experts.num_experts, self.capacity_factor)
-        tokens = permute(x, d)
+        tokens = registry.lookup("moe.permute", permute)(x, d)
         weights = routing.weights.reshape(-1).index_select(0, d.order)  # in sorted order
         if self.weight_on_input:  # e.g. Llama 4: scale the token before the expert, sum outputs unweighted
             tokens = tokens * weights.unsqueeze(-1).to(tokens.dtype)
@@ -134,7 +136,7 @@ class MoEBlock(nn.Module):
         else:
             expert_out = self.experts(tokens, d, scale=weights)
         # assignments dropped by a capacity limit contribute nothing; the residual stream carries the token
-        out = unpermute(expert_out, d, x.shape[0]).to(x.dtype)
+        out = registry.lookup("moe.unpermute", unpermute)(expert_out, d, x.shape[0]).to(x.dtype)
         for module in self.shared:
             s = module(x)
             if self.shared_gate_weight is not None:

@@ -1,0 +1,1 @@
+"""Kernels: the registry that backend dispatch reads, and kernels rendered for a model (generated)."""
