@@ -11,8 +11,11 @@ from runtime.kernels import registry
 
 
 def load_rendered(folder: Path) -> list[str]:
-    """Import each rendered kernel module whose backend this process can run; returns the modules loaded."""
-    loaded = []
+    """Register the NPU ops where torch_npu imports, and import each rendered (Triton) kernel module when
+    that backend can run; returns what was loaded."""
+    from runtime.kernels import npu
+
+    loaded = ["npu"] if npu.register() else []
     if not folder.is_dir() or "triton" not in registry.available_backends():
         return loaded
     for path in sorted(folder.glob("*.py")):
