@@ -138,8 +138,11 @@ def markdown(rows: list[dict]) -> str:
             continue
         notes = [f"{r['unmatched']} module(s) left as HuggingFace code"] if r["unmatched"] else []
         adapt = ""
-        if "adapt" in r:
-            adapt = f"{r['adapt']}, {r.get('replaced', 0)} swapped" if r["adapt"] != "error" else "error"
+        if r.get("adapt") == "error":
+            adapt = "error"
+            notes.append("adapt raised: " + r.get("adapt_why", ""))
+        elif "adapt" in r:
+            adapt = f"{r['adapt']}, {r.get('replaced', 0)} swapped"
             if r.get("adapt_why"):
                 notes.append("MoE kept as HuggingFace code: " + r["adapt_why"])
         lines.append(f"| {r['family']} | yes | {', '.join(r['attention'])} | {', '.join(r['mlp'])} | {adapt} | "
