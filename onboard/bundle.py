@@ -43,7 +43,7 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification) -> st
     kinds, skipped = moe_kinds(spec, twin)
     for kind in kinds:
         kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
-                                                    kind["router"].bias, kind["router"].linear_bias, kind["shared_gate_weight"], *kind["shared"]] if p})
+                                                    kind["router"].bias, kind["router"].linear_bias, kind["output_bias"], kind["shared_gate_weight"], *kind["shared"]] if p})
     labels = [f"{layer.attention.kind} + {describe_mlp(layer.mlp)}" for layer in spec.layers]
     pattern, position = [], 0
     for unit, repeats in compress_pattern(labels):

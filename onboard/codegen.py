@@ -19,7 +19,7 @@ from onboard.twin import Twin
 # MLP fields that make two MoE layers need different construction code
 _KIND_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
                 "expert_weights", "expert_interleaved", "expert_transposed", "weight_on_input", "outputs",
-                "top_k", "router", "post_norm")
+                "top_k", "router", "post_norm", "output_bias")
 
 
 def environment() -> jinja2.Environment:
@@ -47,6 +47,9 @@ def replaceable(mlp: MLP) -> str | None:
         return "the router is more than one projection of the tokens (a small network): not in the runtime yet"
     if not mlp.path:
         return "the MoE block is the whole decoder layer; nothing to swap it into"
+    owners = {w.rsplit(".", 1)[0] for role, w in mlp.expert_weights.items() if not role.endswith("_bias")}
+    if mlp.expert_layout == "fused" and len(owners) > 1:
+        return "expert stacks split over sibling modules (JetMoE style): the runtime does not match them yet"
     if mlp.expert_layout == "fused" and not ({"gate_up", "down"} <= set(mlp.expert_weights)
                                              or {"gate", "up", "down"} <= set(mlp.expert_weights)):
         return "the expert weight stacks could not be told apart"
@@ -105,7 +108,7 @@ def moe_kinds(spec: ModelSpec, twin: Twin) -> tuple[list[dict], dict[int, str]]:
             # shared experts outside the block (an MLP beside it in the layer) keep running where they are
             "shared": [p for p in (mlp.shared_path or "").split(",") if p and p.startswith(mlp.path + ".")],
             "shared_gate_weight": mlp.shared_gate_weight, "outputs": mlp.outputs,
-            "weight_on_input": mlp.weight_on_input, "post_norm": mlp.post_norm,
+            "weight_on_input": mlp.weight_on_input, "post_norm": mlp.post_norm, "output_bias": mlp.output_bias,
         })
     return kinds, skipped
 

@@ -205,7 +205,7 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
         shared_expert_gated=m.shared_gate, shared_path=",".join(m.shared_paths) or None, router=router,
         shared_gate_weight=m.shared_gate_weight, expert_weights=dict(m.expert_weights),
         expert_interleaved=m.interleaved, expert_transposed=transposed, weight_on_input=m.weight_on_input,
-        outputs=outputs, post_norm=m.post_norm,
+        outputs=outputs, post_norm=m.post_norm, output_bias=m.output_bias,
     )
 
 

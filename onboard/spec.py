@@ -57,6 +57,7 @@ class MLP:
     weight_on_input: bool = False  # routing weight scales the token before the experts (Llama 4)
     outputs: int = 1  # how many values the block returns (router logits ride second)
     post_norm: str | None = None  # module normalising the block's output
+    output_bias: str | None = None  # vector added to the combined routed output
     router: Router | None = None
 
 

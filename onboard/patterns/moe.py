@@ -44,6 +44,7 @@ class MoEMatch:
     weight_on_input: bool = False
     shared_gate_weight: str | None = None
     post_norm: str | None = None  # a norm module applied to the block's output
+    output_bias: str | None = None  # a hidden-size vector added to the combined expert output
 
 
 def expert_groups(view: GraphView) -> list[ExpertGroup]:
@@ -60,6 +61,17 @@ def expert_groups(view: GraphView) -> list[ExpertGroup]:
         group.params[path] = shape
         # some models allocate extra rows for "zero" (identity) experts in one of the stacks
         group.num_experts = min(group.num_experts, shape[0])
+    # stacks split over sibling modules (JetMoE: input_linear.weight and output_linear.weight) form one group
+    by_parent: dict[tuple[str, int], list[ExpertGroup]] = {}
+    for group in groups.values():
+        by_parent.setdefault((parent(group.path), group.num_experts), []).append(group)
+    for (owner, experts), siblings in by_parent.items():
+        if len(siblings) > 1 and owner and all(len(g.params) == 1 for g in siblings):
+            merged = ExpertGroup(owner, experts, "fused")
+            for g in siblings:
+                merged.params.update(g.params)
+                del groups[g.path]
+            groups[owner] = merged
     # one sub-module per expert: "<owner>.<i>.<rest>" with the same parameter shapes for every i
     numbered: dict[str, dict[int, dict[str, tuple]]] = {}
     for path, shape in shapes.items():
@@ -211,6 +223,7 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         if post_scale is not None:  # scaling the combined output equals scaling every routing weight
             router.scaling = (router.scaling or 1.0) * post_scale
         match.post_norm = _post_norm(view, block, group.path, parent(router_weight), shared, downstream)
+        match.output_bias = _output_bias(view, block, downstream)
         router.logit_width = view.param_shapes[router_weight][0]
         router.direct = _reads_block_input(view, router_node, block)
         matches.append(match)
@@ -304,6 +317,18 @@ def _output_scaling(view: GraphView, block: str, downstream: set, shared: list[s
         consts = [a for a in n.args if isinstance(a, float) and a != 1.0]
         if consts:
             return float(consts[0])
+    return None
+
+
+def _output_bias(view: GraphView, block: str, downstream: set) -> str | None:
+    """A hidden-size parameter of the block itself added to what the experts produced."""
+    for n in view.under(block):
+        if op_name(n) != "add" or n not in downstream:
+            continue
+        for arg in view.inputs(n):
+            p = view.param(arg)
+            if p and parent(p) == block and view.param_shapes.get(p) == (view.hidden_size,):
+                return p
     return None
 
 

@@ -105,8 +105,9 @@ class MoEBlock(nn.Module):
                  router_bias: torch.Tensor | None = None, shared: list[nn.Module] | None = None,
                  shared_gate_weight: nn.Parameter | None = None, capacity_factor: float | None = None,
                  outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None,
-                 post_norm: nn.Module | None = None):
+                 post_norm: nn.Module | None = None, output_bias: torch.Tensor | None = None):
         super().__init__()
+        self.output_bias = output_bias  # added to the routed output (JetMoE)
         self.post_norm = post_norm  # the model's own norm on the block output
         self.router_weight = router_weight
         self.router_linear_bias = router_linear_bias
@@ -137,6 +138,8 @@ class MoEBlock(nn.Module):
             expert_out = self.experts(tokens, d, scale=weights)
         # assignments dropped by a capacity limit contribute nothing; the residual stream carries the token
         out = registry.lookup("moe.unpermute", unpermute)(expert_out, d, x.shape[0]).to(x.dtype)
+        if self.output_bias is not None:
+            out = out + self.output_bias
         for module in self.shared:
             s = module(x)
             if self.shared_gate_weight is not None:
