@@ -36,7 +36,7 @@ def replaceable(mlp: MLP) -> str | None:
         return "not an MoE block"
     if mlp.router is None or mlp.router.score == "static":
         return "experts chosen without a learned router (static / hash routing): the runtime has no such router yet"
-    if mlp.router.score not in ("softmax", "sigmoid"):
+    if mlp.router.score not in ("softmax", "sigmoid", "sqrtsoftplus"):
         return f"router score function {mlp.router.score!r} is not in the runtime yet"
     if mlp.router.order not in ("score_then_topk", "topk_then_score"):
         return f"experts chosen by {mlp.router.order.replace('_', ' ')} (a sparse mixer): not in the runtime yet"

@@ -357,11 +357,13 @@ def _read_router(view: GraphView, router_node, router_weight: str, final, E: int
     path = view.path(router_node)
     span = view.between(router_node, final) | {final}
     region = view.descendants(router_node)
-    scores_before = [n for n in span if op_name(n) in ("softmax", "_softmax", "sigmoid", "log_softmax")]
+    score_ops = ("softmax", "_softmax", "sigmoid", "log_softmax", "softplus", "sqrt")
+    scores_before = sorted((n for n in span if op_name(n) in score_ops), key=lambda n: view.index[n])
     after = [n for n in view.descendants(final)
              if op_name(n) in ("softmax", "_softmax", "sigmoid") and view.path(n).startswith(block)]
     if scores_before:
-        score = op_name(min(scores_before, key=lambda n: view.index[n])).lstrip("_")
+        chain = [op_name(n).lstrip("_") for n in scores_before]
+        score = "sqrtsoftplus" if chain[:2] == ["softplus", "sqrt"] else chain[0]
         order = "score_then_topk"
     elif after:
         score = op_name(min(after, key=lambda n: view.index[n])).lstrip("_")

@@ -17,7 +17,7 @@ import torch
 class RouterSpec:
     num_experts: int
     top_k: int
-    score: str = "softmax"  # "softmax" | "sigmoid"
+    score: str = "softmax"  # "softmax" | "sigmoid" | "sqrtsoftplus"
     order: str = "score_then_topk"  # or "topk_then_score": the score function runs on the chosen logits
     renormalize: bool = False
     n_group: int | None = None
@@ -43,6 +43,8 @@ def _score(x: torch.Tensor, fn: str) -> torch.Tensor:
         return torch.softmax(x, dim=-1, dtype=torch.float32)
     if fn == "sigmoid":
         return torch.sigmoid(x.float())
+    if fn == "sqrtsoftplus":  # DeepSeek-V4
+        return torch.sqrt(torch.nn.functional.softplus(x.float()))
     raise ValueError(f"unknown router score function {fn!r}")
 
 
