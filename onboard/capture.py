@@ -54,12 +54,7 @@ def _record_layer_inputs(twin: Twin, stack: nn.ModuleList) -> dict[int, tuple[tu
         def hook(module, args, kwargs, i=i):
             recorded.setdefault(i, (tuple(_detach(a) for a in args), {k: _detach(v) for k, v in kwargs.items()}))
         handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            twin.model(**twin.example_batch(), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    twin.forward_once(handles)
     return recorded
 
 

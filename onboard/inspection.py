@@ -260,12 +260,7 @@ def _count_outputs(twin: Twin, blocks: set[tuple[int, str]]) -> dict[tuple[int, 
         def hook(mod, args, output, key=(j, path)):
             seen[key] = len(output) if isinstance(output, tuple) else 1
         handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            twin.model(**twin.example_batch(), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    twin.forward_once(handles)
     return seen
 
 

@@ -113,6 +113,15 @@ class Twin:
     def shrunk(self, meaning: str) -> list[Shrink]:
         return [s for s in self.shrinks if s.meaning == meaning]
 
+    def forward_once(self, handles: list) -> None:
+        """Run the example batch through the twin once (no grad), then remove the given hook handles."""
+        try:
+            with torch.no_grad():
+                self.model(**self.example_batch(), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+
     def example_batch(self, seed: int = 0, seq_len: int = TEST_SEQ_LEN) -> dict:
         gen = torch.Generator().manual_seed(seed)
         vocab = self.config.vocab_size

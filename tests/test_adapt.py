@@ -67,17 +67,21 @@ def deepseek():
     return spec, twin
 
 
-def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
-    """Adapt with one runtime piece replaced by a broken version; verification must fail."""
-    spec, twin = deepseek
+def _verify_rendered(deepseek, tmp_path):
+    """Render DeepSeek-V3's adapter and verify it with whatever runtime is in place now."""
     from onboard.codegen import render_adapter
 
+    spec, twin = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
     (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
-    module = load_adapter(tmp_path)
+    return verify(spec, twin, load_adapter(tmp_path).adapt, replaceable)
+
+
+def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
+    """Adapt with one runtime function replaced by a broken version; verification must fail."""
     owner, _, name = target.rpartition(".")
     monkeypatch.setattr(sys.modules[owner], name, broken)
-    return verify(spec, twin, module.adapt, replaceable)
+    return _verify_rendered(deepseek, tmp_path)
 
 
 def test_planted_wrong_renormalisation(deepseek, tmp_path, monkeypatch):
@@ -97,12 +101,7 @@ def test_planted_gate_up_swapped(deepseek, tmp_path, monkeypatch):
         return self._mm(self.activation(gate) * up * scale.unsqueeze(-1), self.down, d)
 
     monkeypatch.setattr(GroupedExperts, "forward", swapped)
-    spec, twin = deepseek
-    from onboard.codegen import render_adapter
-
-    (tmp_path / "spec.json").write_text(spec.to_json())
-    (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
-    assert not verify(spec, twin, load_adapter(tmp_path).adapt, replaceable).passed
+    assert not _verify_rendered(deepseek, tmp_path).passed
 
 
 def test_planted_dropped_shared_expert(deepseek, tmp_path, monkeypatch):
@@ -115,12 +114,7 @@ def test_planted_dropped_shared_expert(deepseek, tmp_path, monkeypatch):
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(MoEBlock, "__init__", without_shared)
-    spec, twin = deepseek
-    from onboard.codegen import render_adapter
-
-    (tmp_path / "spec.json").write_text(spec.to_json())
-    (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
-    assert not verify(spec, twin, load_adapter(tmp_path).adapt, replaceable).passed
+    assert not _verify_rendered(deepseek, tmp_path).passed
 
 
 def test_planted_wrong_bias_sign(deepseek, tmp_path, monkeypatch):
