@@ -39,8 +39,8 @@ def load_adapter(directory: Path):
     return module
 
 
-def render_review(spec: ModelSpec, twin: Twin, verification: Verification) -> str:
-    kinds, skipped = moe_kinds(spec, twin)
+def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refused: dict | None = None) -> str:
+    kinds, skipped = moe_kinds(spec, twin, refused)
     for kind in kinds:
         kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
                                                     kind["router"].bias, kind["router"].linear_bias, kind["output_bias"], kind["shared_gate_weight"], *kind["shared"]] if p})
@@ -86,18 +86,23 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[Model
     staging = Path(tempfile.mkdtemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.onboard-"))
     try:
         (staging / "spec.json").write_text(spec.to_json())
-        (staging / "adapter.py").write_text(render_adapter(spec, twin))
-        kernels = render_kernels(spec)
-        if kernels:
-            (staging / "kernels").mkdir()
-            for name, source_text in kernels.items():
-                (staging / "kernels" / name).write_text(source_text)
         (staging / "source.json").write_text(json.dumps(
             {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
             indent=2, sort_keys=True) + "\n")
-        module = load_adapter(staging)
-        verification = verify(spec, twin, module.adapt, replaceable)
-        write_verification(staging, spec, twin, verification)
+        refused: dict[str, str] = {}
+        verification = _render_and_verify(staging, spec, twin, refused)
+        hypotheses = _hypotheses(spec, refused)
+        if not verification.passed and hypotheses:
+            # readings of the model that verification has to confirm (extra routing slots taken as identity
+            # experts): drop them, keep those blocks as HuggingFace code, and verify again
+            if verification.seeds:
+                detail = f"max relative logits difference {max(r.logits_max_rel for r in verification.seeds):.1e}"
+            else:
+                detail = verification.note
+            for path, what in hypotheses.items():
+                refused[path] = f"{what} did not verify ({detail})"
+            verification = _render_and_verify(staging, spec, twin, refused)
+        write_verification(staging, spec, twin, verification, refused)
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -105,9 +110,34 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[Model
     return spec, verification
 
 
-def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification) -> None:
-    (directory / "verification.json").write_text(json.dumps(verification.to_dict(), indent=2, sort_keys=True) + "\n")
-    (directory / "REVIEW.md").write_text(render_review(spec, twin, verification))
+def _hypotheses(spec: ModelSpec, refused: dict) -> dict[str, str]:
+    out = {}
+    for layer in spec.layers:
+        mlp = layer.mlp
+        if mlp.kind == "moe" and mlp.zero_experts and mlp.path not in refused and not replaceable(mlp, refused):
+            out[mlp.path] = (f"the router scores {mlp.num_experts + mlp.zero_experts} slots for {mlp.num_experts} "
+                             f"experts; taking the extra {mlp.zero_experts} as identity (zero) experts")
+    return out
+
+
+def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, refused: dict) -> Verification:
+    (staging / "adapter.py").write_text(render_adapter(spec, twin, refused))
+    shutil.rmtree(staging / "kernels", ignore_errors=True)
+    kernels = render_kernels(spec, refused)
+    if kernels:
+        (staging / "kernels").mkdir()
+        for name, source_text in kernels.items():
+            (staging / "kernels" / name).write_text(source_text)
+    module = load_adapter(staging)
+    return verify(spec, twin, module.adapt, lambda mlp: replaceable(mlp, refused))
+
+
+def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification,
+                       refused: dict | None = None) -> None:
+    data = verification.to_dict()
+    data["refused"] = dict(sorted((refused or {}).items()))
+    (directory / "verification.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    (directory / "REVIEW.md").write_text(render_review(spec, twin, verification, refused))
 
 
 def _move_into_place(staging: Path, out: Path) -> None:
@@ -134,6 +164,8 @@ def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
     source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
     twin = build_twin(source)
     module = load_adapter(directory)
-    verification = verify(spec, twin, module.adapt, replaceable)
-    write_verification(directory, spec, twin, verification)
+    refused = json.loads((directory / "verification.json").read_text()).get("refused", {}) \
+        if (directory / "verification.json").is_file() else {}
+    verification = verify(spec, twin, module.adapt, lambda mlp: replaceable(mlp, refused))
+    write_verification(directory, spec, twin, verification, refused)
     return spec, verification

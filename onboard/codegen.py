@@ -19,7 +19,7 @@ from onboard.twin import Twin
 # MLP fields that make two MoE layers need different construction code
 _KIND_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
                 "expert_weights", "expert_interleaved", "expert_transposed", "weight_on_input", "outputs",
-                "top_k", "router", "post_norm", "output_bias")
+                "top_k", "router", "post_norm", "output_bias", "zero_experts")
 
 
 def environment() -> jinja2.Environment:
@@ -30,8 +30,11 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def replaceable(mlp: MLP) -> str | None:
-    """Why a matched MoE block cannot be swapped yet (None when it can)."""
+def replaceable(mlp: MLP, refused: dict | None = None) -> str | None:
+    """Why a matched MoE block cannot be swapped (None when it can). `refused` maps an MLP path to a reason
+    found by an earlier verification (a hypothesis that did not hold)."""
+    if refused and mlp.kind == "moe" and mlp.path in refused:
+        return refused[mlp.path]
     if mlp.kind != "moe":
         return "not an MoE block"
     if mlp.router is None or mlp.router.score == "static":
@@ -40,9 +43,6 @@ def replaceable(mlp: MLP) -> str | None:
         return f"router score function {mlp.router.score!r} is not in the runtime yet"
     if mlp.router.order not in ("score_then_topk", "topk_then_score"):
         return f"experts chosen by {mlp.router.order.replace('_', ' ')} (a sparse mixer): not in the runtime yet"
-    if mlp.router.logit_width and mlp.router.logit_width != mlp.num_experts:
-        return (f"the router scores {mlp.router.logit_width} slots for {mlp.num_experts} routed experts "
-                "(zero or shared experts take part in routing): not in the runtime yet")
     if not mlp.router.direct:
         return "the router is more than one projection of the tokens (a small network): not in the runtime yet"
     if not mlp.path:
@@ -74,14 +74,14 @@ def _activation_code(mlp: MLP, twin: Twin, layer: int) -> tuple[str, str | None]
     return activation, gate_fn
 
 
-def moe_kinds(spec: ModelSpec, twin: Twin) -> tuple[list[dict], dict[int, str]]:
+def moe_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple[list[dict], dict[int, str]]:
     """Group MoE layers that need the same construction code; also say which MoE layers stay as they are."""
     groups: dict[str, list[int]] = {}
     skipped: dict[int, str] = {}
     for layer in spec.layers:
         if layer.mlp.kind != "moe":
             continue
-        why = replaceable(layer.mlp)
+        why = replaceable(layer.mlp, refused)
         if why:
             skipped[layer.index] = why
             continue
@@ -109,6 +109,7 @@ def moe_kinds(spec: ModelSpec, twin: Twin) -> tuple[list[dict], dict[int, str]]:
             "shared": [p for p in (mlp.shared_path or "").split(",") if p and p.startswith(mlp.path + ".")],
             "shared_gate_weight": mlp.shared_gate_weight, "outputs": mlp.outputs,
             "weight_on_input": mlp.weight_on_input, "post_norm": mlp.post_norm, "output_bias": mlp.output_bias,
+            "zero_experts": mlp.zero_experts,
         })
     return kinds, skipped
 
@@ -120,8 +121,8 @@ class _Roles(dict):
         return self.get(name)
 
 
-def render_adapter(spec: ModelSpec, twin: Twin) -> str:
-    kinds, _ = moe_kinds(spec, twin)
+def render_adapter(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> str:
+    kinds, _ = moe_kinds(spec, twin, refused)
     stays = ["attention", "norms", "embeddings", "LM head and loss"]
     if any(layer.mlp.kind == "dense" for layer in spec.layers):
         stays.insert(1, "dense MLPs")
@@ -138,9 +139,10 @@ def _pow2(n: int, low: int, high: int) -> int:
     return p
 
 
-def render_kernels(spec: ModelSpec) -> dict[str, str]:
+def render_kernels(spec: ModelSpec, refused: dict | None = None) -> dict[str, str]:
     """Kernel modules specialised for this model's MoE shapes (empty when it has no MoE layer)."""
-    moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe" and not replaceable(layer.mlp)), None)
+    moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe"
+                and not replaceable(layer.mlp, refused)), None)
     if moe is None:
         return {}
     dtype = "bf16"

@@ -206,6 +206,7 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
         shared_gate_weight=m.shared_gate_weight, expert_weights=dict(m.expert_weights),
         expert_interleaved=m.interleaved, expert_transposed=transposed, weight_on_input=m.weight_on_input,
         outputs=outputs, post_norm=m.post_norm, output_bias=m.output_bias,
+        zero_experts=max(0, (router.logit_width or E or 0) - (E or 0)),
     )
 
 

@@ -58,6 +58,7 @@ class MLP:
     outputs: int = 1  # how many values the block returns (router logits ride second)
     post_norm: str | None = None  # module normalising the block's output
     output_bias: str | None = None  # vector added to the combined routed output
+    zero_experts: int = 0  # routing slots beyond the routed experts (identity / zero-compute experts)
     router: Router | None = None
 
 

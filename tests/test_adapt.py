@@ -180,3 +180,28 @@ def test_cli_adapt_then_verify(tmp_path):
     assert again.returncode == 0 and "PASSED" in again.stdout
     data = json.loads((out / "verification.json").read_text())
     assert data["passed"] and len(data["seeds"]) == 3
+
+
+def test_zero_experts_are_identity_slots(tmp_path):
+    """LongCat-Flash routes over real and zero (identity) experts: the runtime takes the reading and verifies."""
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    source = from_config(default_config("longcat_flash"), "longcat_flash")
+    spec, result = adapt(source, tmp_path / "b")
+    moe = next(layer.mlp for layer in spec.layers if layer.mlp.kind == "moe")
+    assert moe.zero_experts == 256 and moe.num_experts == 512
+    assert result.passed and result.replaced == result.expected >= 1
+
+
+def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
+    """Inkling's router also scores its shared experts: read as identity experts it fails verification,
+    so the bundle keeps those blocks as HuggingFace code and says why."""
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    spec, result = adapt(from_config(default_config("inkling_text"), "inkling_text"), tmp_path / "b")
+    assert result.passed and result.replaced == 0
+    refused = json.loads((tmp_path / "b" / "verification.json").read_text())["refused"]
+    assert refused and all("did not verify" in why for why in refused.values())
+    assert "did not verify" in (tmp_path / "b" / "REVIEW.md").read_text()

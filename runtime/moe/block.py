@@ -31,11 +31,14 @@ class GroupedExperts(nn.Module):
     """Experts stored as 3-D stacks: (E, 2F, H) gate+up and (E, H, F) down, or their transposes."""
 
     def __init__(self, gate_up: nn.Parameter, down: nn.Parameter, *, activation: Callable | None, gated: bool = True,
+                 num_experts: int | None = None,
                  transposed: bool = False, interleaved: bool = False, gate_up_bias: nn.Parameter | None = None,
                  down_bias: nn.Parameter | None = None, gate_fn: Callable | None = None,
                  up: nn.Parameter | None = None):
         super().__init__()
         self.gate_up, self.down = gate_up, down
+        # stacks may hold extra (unused) rows for zero experts: only the first `experts` are computed
+        self.experts = num_experts or down.shape[0]
         self.up = up  # separate up stack (gate_up then holds the gate alone)
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
         self.activation, self.gated = activation, gated
@@ -46,11 +49,11 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return self.experts
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
         mm = registry.lookup("moe.grouped_mm", grouped_mm)
-        return mm(x, w, d.counts, out_in=not self.transposed)
+        return mm(x, w[: self.experts] if w.shape[0] > self.experts else w, d.counts, out_in=not self.transposed)
 
     def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Expert outputs for sorted tokens; `scale` (one per row) multiplies each row's output."""
@@ -105,8 +108,10 @@ class MoEBlock(nn.Module):
                  router_bias: torch.Tensor | None = None, shared: list[nn.Module] | None = None,
                  shared_gate_weight: nn.Parameter | None = None, capacity_factor: float | None = None,
                  outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None,
-                 post_norm: nn.Module | None = None, output_bias: torch.Tensor | None = None):
+                 post_norm: nn.Module | None = None, output_bias: torch.Tensor | None = None,
+                 zero_experts: int = 0):
         super().__init__()
+        self.zero_experts = zero_experts  # routing slots past the real experts: identity (zero-compute) experts
         self.output_bias = output_bias  # added to the routed output (JetMoE)
         self.post_norm = post_norm  # the model's own norm on the block output
         self.router_weight = router_weight
@@ -138,6 +143,9 @@ class MoEBlock(nn.Module):
             expert_out = self.experts(tokens, d, scale=weights)
         # assignments dropped by a capacity limit contribute nothing; the residual stream carries the token
         out = registry.lookup("moe.unpermute", unpermute)(expert_out, d, x.shape[0]).to(x.dtype)
+        if self.zero_experts:  # a zero expert returns its input: it adds weight * token
+            identity = (routing.indices >= self.experts.num_experts).to(routing.weights.dtype)
+            out = out + (routing.weights * identity).sum(-1, keepdim=True).to(x.dtype) * x
         if self.output_bias is not None:
             out = out + self.output_bias
         for module in self.shared:

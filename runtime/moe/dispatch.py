@@ -17,15 +17,19 @@ class Dispatch:
 
 
 def plan_dispatch(indices: torch.Tensor, num_experts: int, capacity_factor: float | None = None) -> Dispatch:
-    """Sort assignments by expert (stable, so tokens keep their order inside an expert)."""
+    """Sort assignments by expert (stable, so tokens keep their order inside an expert). Ids at or past
+    `num_experts` (zero-compute experts) are left out of the computation, like capacity-dropped ones."""
     flat = indices.reshape(-1)
     keep = None
+    if bool((flat >= num_experts).any()):
+        keep = flat < num_experts
+        flat = torch.where(keep, flat, torch.full_like(flat, num_experts))
     if capacity_factor is not None:
         tokens, k = indices.shape
         capacity = int(torch.ceil(torch.tensor(capacity_factor * tokens * k / num_experts)).item())
-        one_hot = torch.nn.functional.one_hot(flat, num_experts)
+        one_hot = torch.nn.functional.one_hot(flat, num_experts + 1)[:, :num_experts]
         position = (torch.cumsum(one_hot, 0) * one_hot).sum(-1) - 1  # rank of each assignment in its expert
-        keep = position < capacity
+        keep = (position < capacity) if keep is None else keep & (position < capacity)
         flat = torch.where(keep, flat, torch.full_like(flat, num_experts))  # dropped go past the last expert
     order = torch.sort(flat, stable=True).indices
     expert_ids = flat[order]
