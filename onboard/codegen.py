@@ -47,9 +47,6 @@ def replaceable(mlp: MLP, refused: dict | None = None) -> str | None:
         return "the router is more than one projection of the tokens (a small network): not in the runtime yet"
     if not mlp.path:
         return "the MoE block is the whole decoder layer; nothing to swap it into"
-    owners = {w.rsplit(".", 1)[0] for role, w in mlp.expert_weights.items() if not role.endswith("_bias")}
-    if mlp.expert_layout == "fused" and len(owners) > 1:
-        return "expert stacks split over sibling modules (JetMoE style): the runtime does not match them yet"
     if mlp.expert_layout == "fused" and not ({"gate_up", "down"} <= set(mlp.expert_weights)
                                              or {"gate", "up", "down"} <= set(mlp.expert_weights)):
         return "the expert weight stacks could not be told apart"

@@ -257,8 +257,10 @@ def _expert_roles(view: GraphView, group: ExpertGroup) -> dict[str, str]:
                     first_two[0])
         roles = {"gate": gate, "up": next(w for w in first_two if w != gate), "down": weights[2]}
     # per-expert biases, (E, out): the output projection's bias is as wide as the hidden state
+    owners = {parent(p) for p in group.params}  # biases live beside their stacks, not elsewhere in the block
     biases = sorted((p for p, shape in view.params_under(group.path).items()
-                     if shape is not None and len(shape) == 2 and p not in group.params), key=lambda p: _first_use(view, p))
+                     if shape is not None and len(shape) == 2 and p not in group.params and parent(p) in owners),
+                    key=lambda p: _first_use(view, p))
     inputs = [r for r in ("gate_up", "gate", "up") if r in roles]
     for p in biases:
         if view.param_shapes[p][1] == view.hidden_size and "down_bias" not in roles:
