@@ -37,11 +37,11 @@ def replaceable(mlp: MLP, refused: dict | None = None) -> str | None:
         return refused[mlp.path]
     if mlp.kind != "moe":
         return "not an MoE block"
-    if mlp.router is None or mlp.router.score == "static":
-        return "experts chosen without a learned router (static / hash routing): the runtime has no such router yet"
+    if mlp.router is None or mlp.router.score == "static" or (mlp.router.order == "static" and not mlp.router.table):
+        return "experts chosen without a learned router, and no token-id table found to reproduce the choice"
     if mlp.router.score not in ("softmax", "sigmoid", "sqrtsoftplus"):
         return f"router score function {mlp.router.score!r} is not in the runtime yet"
-    if mlp.router.order not in ("score_then_topk", "topk_then_score"):
+    if mlp.router.order not in ("score_then_topk", "topk_then_score", "static"):
         return f"experts chosen by {mlp.router.order.replace('_', ' ')} (a sparse mixer): not in the runtime yet"
     if not mlp.router.direct:
         return "the router is more than one projection of the tokens (a small network): not in the runtime yet"

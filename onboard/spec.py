@@ -31,6 +31,8 @@ class Router:
     linear_bias: str | None = None  # bias of the router projection itself (added to every logit)
     logit_width: int | None = None  # router outputs; more than num_experts when zero / shared experts are routed
     direct: bool = True  # the router is one projection of the tokens the experts receive
+    table: str | None = None  # static routing: (vocab, k) table of expert ids indexed by token id
+    token_input: str | None = None  # the layer input that carries the token ids for a static table
     config_fields: dict = field(default_factory=dict)  # top_k / n_group / topk_group -> config attribute
 
 

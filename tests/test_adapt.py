@@ -205,3 +205,15 @@ def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
     refused = json.loads((tmp_path / "b" / "verification.json").read_text())["refused"]
     assert refused and all("did not verify" in why for why in refused.values())
     assert "did not verify" in (tmp_path / "b" / "REVIEW.md").read_text()
+
+
+def test_hash_routed_layers_are_reproduced(tmp_path):
+    """DeepSeek-V4's first MoE layers pick experts from a token-id table: read from the graph, reproduced."""
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    spec, result = adapt(from_config(default_config("deepseek_v4"), "deepseek_v4"), tmp_path / "b")
+    static = [layer.mlp for layer in spec.layers if layer.mlp.kind == "moe" and layer.mlp.router.order == "static"]
+    assert static and static[0].router.table.endswith("tid2eid") and static[0].router.token_input == "input_ids"
+    assert static[0].router.score == "sqrtsoftplus"
+    assert result.passed and result.replaced == result.expected == 5

@@ -347,12 +347,55 @@ def _post_norm(view: GraphView, block: str, experts: str, router: str, shared: l
 
 
 def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:
-    """Experts chosen without a learned router (e.g. by a hash of the token id): no top-k to read."""
+    """Experts chosen without a learned top-k: a fixed table indexed by token id (DeepSeek-V4's hash
+    layers). The learned projection still scores the chosen experts."""
     block = parent(group.path)
     activation, gated = _find_activation(view, view.under(group.path))
-    shared, shared_gate = _shared(view, block, group.path, group.path)
+    table, ids, lookup = _routing_table(view, block)
     router = Router(score="static", order="static", path="")
-    return MoEMatch(block, group, router, "", 0, activation, gated, shared, bool(shared_gate), [])
+    router_weight, k = "", 0
+    if table is not None:
+        found = None
+        for n in view.under(block):
+            weight = view.linear_weight(n)
+            if weight and view.param_shapes[weight][0] == group.num_experts and weight not in group.params:
+                found = (n, weight)
+                break
+        if found is not None:
+            router_node, router_weight = found
+            gathers = [n for n in view.descendants(lookup) if op_name(n) == "gather"]
+            router = _read_router(view, router_node, router_weight, gathers[0] if gathers else lookup,
+                                  group.num_experts, block)
+            router.order, router.table, router.token_input = "static", table, ids
+            router.logit_width = view.param_shapes[router_weight][0]
+            router.bias_correction, router.bias = False, None
+            k = view.param_shapes[table][1]
+    shared, shared_gate = _shared(view, block, group.path, parent(router_weight) if router_weight else group.path)
+    match = MoEMatch(block, group, router, router_weight, k, activation, gated, shared, bool(shared_gate), [])
+    match.shared_gate_weight = shared_gate
+    if group.layout == "fused":
+        match.expert_weights = _expert_roles(view, group)
+        match.interleaved = _interleaved(view, group)
+    return match
+
+
+def _routing_table(view: GraphView, block: str):
+    """(table parameter, token-id input name, lookup node) of a (vocab, k) expert table indexed by token ids."""
+    from onboard.graph import TRANSPARENT
+
+    for n in view.under(block):
+        if op_name(n) != "index" or not n.args:
+            continue
+        table = view.param(n.args[0])
+        shape = view.param_shapes.get(table) if table else None
+        if not shape or len(shape) != 2:
+            continue
+        source = next(iter(view.inputs(n)[1:]), None)
+        while source is not None and op_name(source) in TRANSPARENT:
+            source = next(iter(view.inputs(source)), None)
+        if source is not None and source.op == "placeholder" and source.name not in view.param_of:
+            return table, source.name, n
+    return None, None, None
 
 
 def _read_router(view: GraphView, router_node, router_weight: str, final, E: int, block: str) -> Router:

@@ -109,8 +109,9 @@ class MoEBlock(nn.Module):
                  shared_gate_weight: nn.Parameter | None = None, capacity_factor: float | None = None,
                  outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None,
                  post_norm: nn.Module | None = None, output_bias: torch.Tensor | None = None,
-                 zero_experts: int = 0):
+                 zero_experts: int = 0, table: torch.Tensor | None = None, token_input: str | None = None):
         super().__init__()
+        self.table, self.token_input = table, token_input  # static routing: expert ids by token id
         self.zero_experts = zero_experts  # routing slots past the real experts: identity (zero-compute) experts
         self.output_bias = output_bias  # added to the routed output (JetMoE)
         self.post_norm = post_norm  # the model's own norm on the block output
@@ -132,7 +133,10 @@ class MoEBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         bias = self.router_linear_bias.float() if self.router_linear_bias is not None else None
         logits = F.linear(x.float(), self.router_weight.float(), bias)
-        routing = route(logits, self.spec, self.router_bias)
+        fixed = None
+        if self.table is not None:
+            fixed = self.table[kwargs[self.token_input].reshape(-1)].long()
+        routing = route(logits, self.spec, self.router_bias, fixed)
         d = plan_dispatch(routing.indices, self.experts.num_experts, self.capacity_factor)
         tokens = registry.lookup("moe.permute", permute)(x, d)
         weights = routing.weights.reshape(-1).index_select(0, d.order)  # in sorted order

@@ -18,7 +18,7 @@ class RouterSpec:
     num_experts: int
     top_k: int
     score: str = "softmax"  # "softmax" | "sigmoid" | "sqrtsoftplus"
-    order: str = "score_then_topk"  # or "topk_then_score": the score function runs on the chosen logits
+    order: str = "score_then_topk"  # or "topk_then_score" (score the chosen logits), or "static" (given ids)
     renormalize: bool = False
     n_group: int | None = None
     topk_group: int | None = None
@@ -58,9 +58,16 @@ def _group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     return choice.masked_fill(keep == 0, float("-inf"))
 
 
-def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None) -> Routing:
-    """Route `(tokens, experts)` logits. Gradients flow into the weights of the chosen experts."""
-    if spec.order == "topk_then_score":
+def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None,
+          indices: torch.Tensor | None = None) -> Routing:
+    """Route `(tokens, experts)` logits. Gradients flow into the weights of the chosen experts.
+    With `order="static"` the expert ids are given (`indices`, e.g. looked up from a token-id table)."""
+    if spec.order == "static":
+        scores = _score(logits, spec.score)
+        weights = scores.gather(1, indices)
+        if spec.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.renormalize_eps)
+    elif spec.order == "topk_then_score":
         choice = logits if bias is None else logits + bias.float()
         indices = choice.topk(spec.top_k, dim=-1).indices
         weights = _score(logits.gather(1, indices), spec.score)
