@@ -120,11 +120,16 @@ def _adapt_row(source, spec, adapt_dir) -> dict:
     from onboard.bundle import adapt
     from onboard.codegen import replaceable
 
+    import json
+
+    out = Path(adapt_dir) / source.name
     try:
-        _, verification = adapt(source, Path(adapt_dir) / source.name, force=True)
+        _, verification = adapt(source, out, force=True)
     except Exception as exc:
         return {"adapt": "error", "adapt_why": " ".join(str(exc).split())[:200]}
-    reasons = sorted({why for layer in spec.layers if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp))})
+    refused = json.loads((out / "verification.json").read_text()).get("refused", {})
+    reasons = sorted({why for layer in spec.layers
+                      if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp, refused))})
     return {"adapt": "verified" if verification.passed else "FAILED", "replaced": verification.replaced,
             "adapt_why": "; ".join(reasons)}
 
