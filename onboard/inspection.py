@@ -61,9 +61,11 @@ def match_layer(graph: Graph, hidden: int) -> LayerMatch:
     for path in sorted({p.rsplit(".", 1)[0] for p in view.param_shapes if "." in p}):
         if not any(path == c or path.startswith(c + ".") for c in covered if c):
             unmatched.append(Unmatched(f"{graph.module_path}.{path}", "no pattern recognises this module"))
-    if attention is None:
+    # a layer that is only a token mixer (Mamba-only layers) or only a channel mixer (Nemotron-H's MoE
+    # layers) is fine when every module is accounted for; say so only when something else is left over
+    if unmatched and attention is None:
         unmatched.append(Unmatched(graph.module_path, "no token mixer (attention, linear attention, SSM) recognised"))
-    if moe is None and dense is None:
+    if unmatched and moe is None and dense is None:
         unmatched.append(Unmatched(graph.module_path, "no channel mixer (MoE or dense MLP) recognised"))
     return LayerMatch(attention, moe, dense, norms, unmatched)
 
