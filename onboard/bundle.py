@@ -75,7 +75,7 @@ def _check_out(out: Path, force: bool) -> None:
         probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".onboard-probe-")
         probe.close()
     except OSError as exc:
-        raise OnboardError(f"cannot write to {parent}: {exc.strerror or exc}")
+        raise OnboardError(f"cannot write to {parent}: {exc.strerror or exc}") from None
 
 
 def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[ModelSpec, Verification]:
@@ -160,7 +160,7 @@ def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
         spec = ModelSpec.from_json((directory / "spec.json").read_text())
         origin = json.loads((directory / "source.json").read_text())
     except (ValueError, KeyError, TypeError) as exc:
-        raise OnboardError(f"{directory}: unreadable bundle ({exc})")
+        raise OnboardError(f"{directory}: unreadable bundle ({exc})") from None
     source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
     twin = build_twin(source)
     module = load_adapter(directory)

@@ -212,7 +212,7 @@ def capture(twin: Twin) -> Capture:
     for i, sig in enumerate(twin.layer_signatures):
         first_of.setdefault(sig, i)
     layers = {}
-    for sig, i in first_of.items():
+    for i in first_of.values():
         args, kwargs = recorded[i]
         layers[i] = capture_module(f"layer {i}", f"{twin.layers_path}.{i}", stack[i], args, kwargs)
     with torch.no_grad():

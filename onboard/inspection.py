@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-from torch import nn
 
 from onboard.capture import Capture, Graph, capture
 from onboard.errors import OnboardError
@@ -339,7 +337,7 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
         layers.append(Layer(index=i, attention=_scale_attention(m.attention, full, twin.config), mlp=mlp,
                             norms=sorted(set(m.norms.values())), params=total, params_active=active,
                             twin_layer=j))
-    for j, m in sorted(matches.items()):
+    for _, m in sorted(matches.items()):
         unmatched.extend(m.unmatched)
 
     model = full.model

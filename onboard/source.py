@@ -107,9 +107,10 @@ def _read_config_json(path: Path) -> dict:
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
-        raise OnboardError(f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+        raise OnboardError(
+            f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise OnboardError(f"cannot read {cfg_path}: {one_line(exc)}")
+        raise OnboardError(f"cannot read {cfg_path}: {one_line(exc)}") from None
     if not isinstance(raw, dict):
         raise OnboardError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
     if not raw.get("model_type"):
@@ -168,7 +169,8 @@ def _load_config(path: Path, raw: dict, name: str, trust_remote_code: bool):
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
     except Exception as exc:
-        raise OnboardError(f"{name}: config.json does not describe a valid '{model_type}' model: {one_line(exc)}")
+        raise OnboardError(
+            f"{name}: config.json does not describe a valid '{model_type}' model: {one_line(exc)}") from None
     config._name_or_path = str(path)
     return config
 

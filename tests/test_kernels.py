@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from onboard.codegen import render_kernels
-from onboard.source import resolve
 
 pytest.importorskip("triton")
 HERE = Path(__file__).parent

@@ -1,6 +1,5 @@
 """The tiny twin keeps the architecture and shrinks the sizes."""
 
-import pytest
 import torch
 
 from onboard.source import resolve

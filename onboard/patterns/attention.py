@@ -178,7 +178,6 @@ def _low_rank_chains(view: GraphView, region, attn) -> dict:
                 continue
             rank = view.param_shapes[view.linear_weight(b)][1]
             a_out = view.param_shapes[view.linear_weight(a)][0]
-            role = "kv" if a_out > rank else ("q" if "kv" in out else "q")
             if a_out > rank:  # the compressed KV also carries the shared rope key
                 out["kv"] = rank
             else:
