@@ -94,8 +94,11 @@ def moe_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple
         def from_config(meaning, value):
             return f"config.{fields[meaning]}" if meaning in fields else repr(value)
 
+        # the router as the block holds it (its outermost module below the block): what transformers observes
+        below = (r.weight or "")[len(mlp.path) + 1:].split(".") if mlp.path else (r.weight or "").split(".")
+        router_module = f"{mlp.path}.{below[0]}" if len(below) > 1 and not r.table else None
         kinds.append({
-            "indices": indices, "ranges": _ranges(indices), "path": mlp.path,
+            "indices": indices, "ranges": _ranges(indices), "path": mlp.path, "router_module": router_module,
             "summary": describe_mlp(mlp) + "; " + describe_router(mlp),
             "layout": mlp.expert_layout, "experts_path": mlp.experts_path, "weights": _Roles(mlp.expert_weights),
             "top_k": from_config("top_k", mlp.top_k), "n_group": from_config("n_group", r.n_group),

@@ -53,6 +53,7 @@ class Verification:
     tolerances: dict
     note: str = ""
     backends: dict = field(default_factory=dict)  # runtime op -> backend that ran it (cpu, triton, npu)
+    aux_loss: dict = field(default_factory=dict)  # the model's router auxiliary loss, HF vs adapted (if any)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,11 +131,39 @@ def _verify(spec, twin, adapt, replaceable, seeds, expected, tolerances) -> Veri
         for h in original_hooks + runtime_hooks:
             h.remove()
         results.append(_compare(seed, ref, out_ref, out_ad, names, runtime_calls[0], original_calls[0]))
-    passed = bool(results) and all(r.passed for r in results) and replaced == expected
+    aux = _aux_losses(twin, spec, adapt) if replaced else {}
+    passed = bool(results) and all(r.passed for r in results) and replaced == expected and aux.get("passed", True)
     note = "" if replaced == expected else f"adapter replaced {replaced} blocks, expected {expected}"
     if expected == 0:
         note = "no MoE block the runtime can take over: the adapter leaves the model as it is"
-    return Verification(passed, replaced, expected, results, tolerances, note, _backends() if replaced else {})
+    if not aux.get("passed", True):
+        note = (note + "; " if note else "") + "the router auxiliary loss differs"
+    return Verification(passed, replaced, expected, results, tolerances, note, _backends() if replaced else {}, aux)
+
+
+def _aux_losses(twin: Twin, spec: ModelSpec, adapt) -> dict:
+    """With router logits requested, the model's auxiliary load-balancing loss must not change."""
+    ref = copy.deepcopy(twin.model)
+    _redraw(ref, spec, twin.layers_path, 0)
+    ref.eval()
+    adapted = adapt(copy.deepcopy(ref))
+    batch = twin.example_batch(0)
+    try:
+        with torch.no_grad():
+            a = ref(**batch, use_cache=False, output_router_logits=True)
+    except Exception:  # the model itself cannot produce router logits: nothing to keep equal
+        return {}
+    a_aux = getattr(a, "aux_loss", None)
+    if a_aux is None:
+        return {}
+    try:
+        with torch.no_grad():
+            b = adapted(**batch, use_cache=False, output_router_logits=True)
+    except Exception as exc:  # noqa: BLE001 - generated code under test
+        return {"passed": False, "error": one_line(exc)}
+    b_aux = getattr(b, "aux_loss", None)
+    a_aux, b_aux = float(a_aux), float(b_aux) if b_aux is not None else float("nan")
+    return {"hf": a_aux, "adapted": b_aux, "passed": abs(a_aux - b_aux) <= LOSS_RTOL * max(1.0, abs(a_aux))}
 
 
 def _backends() -> dict:

@@ -217,3 +217,15 @@ def test_hash_routed_layers_are_reproduced(tmp_path):
     assert static and static[0].router.table.endswith("tid2eid") and static[0].router.token_input == "input_ids"
     assert static[0].router.score == "sqrtsoftplus"
     assert result.passed and result.replaced == result.expected == 5
+
+
+@pytest.mark.parametrize("family", ["mixtral", "minimax", "jetmoe"])
+def test_router_auxiliary_loss_is_kept(family, tmp_path):
+    """With router logits requested, the adapted model's auxiliary loss equals HuggingFace's: the model's own
+    router module still runs (under its own name) when something records it."""
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    _, result = adapt(from_config(default_config(family), family), tmp_path / "b")
+    assert result.passed and result.aux_loss and result.aux_loss["passed"]
+    assert result.aux_loss["hf"] == pytest.approx(result.aux_loss["adapted"], rel=1e-5)

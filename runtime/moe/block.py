@@ -6,6 +6,7 @@ state, checkpoints and parameter names of the rest of the model are unaffected.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Callable
 
@@ -109,8 +110,21 @@ class MoEBlock(nn.Module):
                  shared_gate_weight: nn.Parameter | None = None, capacity_factor: float | None = None,
                  outputs: int = 1, weight_on_input: bool = False, router_linear_bias: torch.Tensor | None = None,
                  post_norm: nn.Module | None = None, output_bias: torch.Tensor | None = None,
-                 zero_experts: int = 0, table: torch.Tensor | None = None, token_input: str | None = None):
+                 zero_experts: int = 0, table: torch.Tensor | None = None, token_input: str | None = None,
+                 router_module: nn.Module | None = None, router_name: str = "router_module"):
         super().__init__()
+        # the model's own router module, kept under its own name (recorders match module names such as
+        # "mlp.gate") so that whatever records its outputs still sees them: transformers collects router
+        # logits this way for the auxiliary loss. It only runs when something observes it.
+        self.router_name = router_name if router_module is not None else None
+        self._observe_extra: tuple = ()
+        if router_module is not None:
+            self.add_module(router_name, router_module)
+            # some routers take the selection bias as a second argument (MiniMax-M2)
+            required = [p for p in inspect.signature(router_module.forward).parameters.values()
+                        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if len(required) > 1 and router_bias is not None:
+                self._observe_extra = (router_bias,)
         self.table, self.token_input = table, token_input  # static routing: expert ids by token id
         self.zero_experts = zero_experts  # routing slots past the real experts: identity (zero-compute) experts
         self.output_bias = output_bias  # added to the routed output (JetMoE)
@@ -133,6 +147,9 @@ class MoEBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         bias = self.router_linear_bias.float() if self.router_linear_bias is not None else None
         logits = F.linear(x.float(), self.router_weight.float(), bias)
+        observed = getattr(self, self.router_name) if self.router_name else None
+        if observed is not None and observed._forward_hooks:
+            observed(x, *self._observe_extra)  # as the model's own blocks call it: one row per token
         fixed = None
         if self.table is not None:
             fixed = self.table[kwargs[self.token_input].reshape(-1)].long()
