@@ -18,6 +18,7 @@ from torch import nn
 from onboard.errors import one_line
 from onboard.spec import ModelSpec
 from onboard.twin import Twin
+from runtime.adapt import tensor_at
 
 SEEDS = (0, 1, 2)
 # fp32 with a different summation order (grouped GEMM vs per-expert loops): agreement to ~1e-6 relative
@@ -70,13 +71,8 @@ def _redraw(model: nn.Module, spec: ModelSpec, layers_path: str, seed: int) -> N
         for layer in spec.layers:
             bias = layer.mlp.router.bias if layer.mlp.router else None
             if bias and layer.index < len(stack):
-                t = _tensor(stack[layer.index], bias)
+                t = tensor_at(stack[layer.index], bias)
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.05)
-
-
-def _tensor(root: nn.Module, path: str) -> torch.Tensor:
-    owner, _, name = path.rpartition(".")
-    return getattr(root.get_submodule(owner) if owner else root, name)
 
 
 def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
