@@ -20,14 +20,11 @@ from onboard.capture import capture
 from onboard.codegen import environment, moe_kinds, render_adapter, render_kernels, replaceable
 from onboard.errors import OnboardError
 from onboard.inspection import build_spec
-from onboard.report import _ranges, compress_pattern, describe_mlp, human
+from onboard.report import describe_mlp, human, pattern_spans, ranges
 from onboard.source import ModelSource, resolve
 from onboard.spec import ModelSpec
 from onboard.twin import Twin, build_twin
 from onboard.verify import Verification, verify
-
-FILES = ("spec.json", "adapter.py", "verification.json", "REVIEW.md", "source.json")
-
 
 def load_adapter(directory: Path):
     """Import a bundle's adapter.py as a module of its own."""
@@ -45,17 +42,13 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refus
         kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
                                                     kind["router"].bias, kind["router"].linear_bias, kind["output_bias"], kind["shared_gate_weight"], *kind["shared"]] if p})
     labels = [f"{layer.attention.kind} + {describe_mlp(layer.mlp)}" for layer in spec.layers]
-    pattern, position = [], 0
-    for unit, repeats in compress_pattern(labels):
-        end = position + len(unit) * repeats - 1
-        pattern.append(f"layers {position}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
-                       + (f" (x{repeats})" if repeats > 1 else ""))
-        position = end + 1
+    pattern = [f"layers {start}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
+               + (f" (x{repeats})" if repeats > 1 else "") for start, end, unit, repeats in pattern_spans(labels)]
     kept: dict[str, list[int]] = {}
     for index, why in sorted(skipped.items()):
         kept.setdefault(why, []).append(index)
     return environment().get_template("REVIEW.md.j2").render(
-        spec=spec, kinds=kinds, skipped=[(_ranges(i), why) for why, i in kept.items()], verification=verification,
+        spec=spec, kinds=kinds, skipped=[(ranges(i), why) for why, i in kept.items()], verification=verification,
         pattern=pattern,
         params_total=human(spec.params_total), params_active=human(spec.params_active),
         attention_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers})),

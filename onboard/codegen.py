@@ -12,7 +12,7 @@ from importlib import resources
 
 import jinja2
 
-from onboard.report import _ranges, describe_mlp, describe_router
+from onboard.report import describe_mlp, describe_router, ranges
 from onboard.spec import MLP, ModelSpec
 from onboard.twin import Twin
 
@@ -98,7 +98,7 @@ def moe_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple
         below = (r.weight or "")[len(mlp.path) + 1:].split(".") if mlp.path else (r.weight or "").split(".")
         router_module = f"{mlp.path}.{below[0]}" if len(below) > 1 and not r.table else None
         kinds.append({
-            "indices": indices, "ranges": _ranges(indices), "path": mlp.path, "router_module": router_module,
+            "indices": indices, "ranges": ranges(indices), "path": mlp.path, "router_module": router_module,
             "summary": describe_mlp(mlp) + "; " + describe_router(mlp),
             "layout": mlp.expert_layout, "experts_path": mlp.experts_path, "weights": _Roles(mlp.expert_weights),
             "top_k": from_config("top_k", mlp.top_k), "n_group": from_config("n_group", r.n_group),

@@ -79,6 +79,12 @@ class GraphView:
             seen += 1
         return None
 
+    def source(self, node):
+        """Follow data-movement ops back to the op (or input) that computed this tensor."""
+        while node is not None and op_name(node) in TRANSPARENT:
+            node = next(iter(self.inputs(node)), None)
+        return node
+
     @staticmethod
     def inputs(node) -> list:
         out = []

@@ -68,21 +68,12 @@ def match_layer(graph: Graph, hidden: int) -> LayerMatch:
     return LayerMatch(attention, moe, dense, norms, unmatched)
 
 
-def _source_of(view: GraphView, node):
-    """Follow data-movement ops back to the op that computed this tensor."""
-    from onboard.graph import TRANSPARENT
-
-    while node is not None and op_name(node) in TRANSPARENT:
-        node = next(iter(view.inputs(node)), None)
-    return node
-
-
 def _module_input(view: GraphView, path: str):
     first = min((n for n in view.under(path) if view.linear_weight(n)), key=lambda n: view.index[n], default=None)
     if first is None:
         return None
     data = [a for a in view.inputs(first) if view.param(a) is None]
-    return _source_of(view, data[0]) if data else None
+    return view.source(data[0]) if data else None
 
 
 def _same_input(view: GraphView, a: str, b: str) -> bool:

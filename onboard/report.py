@@ -72,7 +72,7 @@ def describe_router(m: MLP) -> str:
     return "router: " + ", ".join(steps)
 
 
-def _ranges(indices: list[int]) -> str:
+def ranges(indices: list[int]) -> str:
     out, start, prev = [], None, None
     for i in indices:
         if start is None:
@@ -99,6 +99,15 @@ def compress_pattern(labels: list[str], max_period: int = 8) -> list[tuple[list[
             if len(rest) % period == 0 and len(rest) // period >= 2 and rest == rest[:period] * (len(rest) // period):
                 return _runs(labels[:start]) + [(rest[:period], len(rest) // period)]
     return _runs(labels)
+
+
+def pattern_spans(labels: list[str]):
+    """(first layer, last layer, unit, repeats) for each piece of `compress_pattern(labels)`."""
+    position = 0
+    for unit, repeats in compress_pattern(labels):
+        end = position + len(unit) * repeats - 1
+        yield position, end, unit, repeats
+        position = end + 1
 
 
 def _runs(labels: list[str]) -> list[tuple[list[str], int]]:
@@ -129,14 +138,11 @@ def summary(spec: ModelSpec, seq_len: int = 4096, timings: dict | None = None) -
     )
     lines.append("")
     lines.append("layer pattern:")
-    position = 0
     labels = [f"{layer.attention.kind}+{layer.mlp.kind}" for layer in spec.layers]
-    for unit, repeats in compress_pattern(labels):
-        end = position + len(unit) * repeats - 1
-        span = f"{position}-{end}" if end > position else f"{position}"
+    for start, end, unit, repeats in pattern_spans(labels):
+        span = f"{start}-{end}" if end > start else f"{start}"
         body = unit[0] if len(unit) == 1 else "[" + ", ".join(f"{k} x{n}" for (k,), n in _runs(unit)) + "]"
         lines.append(f"  {span:>9}  {body} x{repeats}")
-        position = end + 1
     lines.append("")
     lines.append("layer kinds:")
     groups: dict[str, list[int]] = {}
@@ -146,7 +152,7 @@ def summary(spec: ModelSpec, seq_len: int = 4096, timings: dict | None = None) -
             key += "\n      " + describe_router(layer.mlp)
         groups.setdefault(key, []).append(layer.index)
     for key, indices in groups.items():
-        lines.append(f"  layers {_ranges(indices)} ({len(indices)}):")
+        lines.append(f"  layers {ranges(indices)} ({len(indices)}):")
         lines.append(f"      {key}")
     kinds = Counter(layer.attention.kind for layer in spec.layers)
     lines.append("")

@@ -381,8 +381,6 @@ def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:
 
 def _routing_table(view: GraphView, block: str):
     """(table parameter, token-id input name, lookup node) of a (vocab, k) expert table indexed by token ids."""
-    from onboard.graph import TRANSPARENT
-
     for n in view.under(block):
         if op_name(n) != "index" or not n.args:
             continue
@@ -390,9 +388,7 @@ def _routing_table(view: GraphView, block: str):
         shape = view.param_shapes.get(table) if table else None
         if not shape or len(shape) != 2:
             continue
-        source = next(iter(view.inputs(n)[1:]), None)
-        while source is not None and op_name(source) in TRANSPARENT:
-            source = next(iter(view.inputs(source)), None)
+        source = view.source(next(iter(view.inputs(n)[1:]), None))
         if source is not None and source.op == "placeholder" and source.name not in view.param_of:
             return table, source.name, n
     return None, None, None
