@@ -1,0 +1,1 @@
+"""Attention cores of the shared runtime: chunked linear attention (gated delta rule) and DSA sparse attention."""

@@ -1,0 +1,1 @@
+"""Language-model losses that never hold the full logits tensor."""

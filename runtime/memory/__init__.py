@@ -1,0 +1,1 @@
+"""Memory policies: activation swap to host, per-layer recompute."""

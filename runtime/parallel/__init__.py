@@ -1,0 +1,1 @@
+"""Parallel layout: device mesh, FSDP2, expert parallelism."""

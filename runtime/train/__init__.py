@@ -1,0 +1,1 @@
+"""Training loop, checkpoints and run logs."""
