@@ -1,0 +1,124 @@
+"""Plan: how one training run is laid out over devices, as JSON with a schema version.
+
+The planner (`onboard.plan`, `predictors/`) writes it, the training loop (`runtime.train`) and the
+bundle's `train.sh` read it, and every run log carries it, so the predictor learns from exactly the
+fields it later predicts for. Degrees multiply to the world size:
+
+    world = dp_replicate * dp_shard * tp * pp * cp
+
+Expert parallelism does not add a factor: the EP group is carved out of the data-parallel ranks
+(dp_replicate * dp_shard * cp must be divisible by ep), as in torchtitan and Megatron-Core, so expert
+weights are split `ep` ways and sharded by FSDP2 over the remaining data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+RECOMPUTE = ("none", "selective", "full")  # selective: attention / MoE internals; full: whole decoder layers
+SWAP = ("none", "moe", "all")  # which matmul / grouped-matmul outputs are saved to host memory
+
+
+@dataclass
+class LoRA:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: list[str] = field(default_factory=lambda: ["attention", "experts"])
+
+
+@dataclass
+class Plan:
+    dp_replicate: int = 1
+    dp_shard: int = 1  # FSDP2 shard degree
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+    micro_batch: int = 1  # sequences per device per micro-step
+    grad_accum: int = 1
+    seq_len: int = 4096
+    recompute: str = "none"
+    swap: str = "none"
+    loss_chunk: int | None = None  # tokens per loss chunk; None: full logits
+    lora: LoRA | None = None  # None: full training
+    dtype: str = "bf16"
+    overlap: bool = True  # expert compute overlaps the All-to-All
+    # filled by the predictor; absent for a hand-written plan
+    predicted: dict = field(default_factory=dict)  # step_time_s, tokens_per_s, memory_per_device_bytes
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def problems(self, num_experts: int | None = None) -> list[str]:
+        """Why this plan cannot run (empty when it can)."""
+        out = []
+        for name in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp", "micro_batch", "grad_accum", "seq_len"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.swap not in SWAP:
+            out.append(f"swap must be one of {', '.join(SWAP)}, got {self.swap!r}")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            out.append(f"ep={self.ep} must divide the data-parallel ranks dp*cp={self.dp * self.cp}")
+        if num_experts is not None and self.ep > 1 and num_experts % self.ep:
+            out.append(f"ep={self.ep} must divide the {num_experts} experts")
+        if self.lora is not None and self.lora.rank < 1:
+            out.append(f"LoRA rank must be at least 1, got {self.lora.rank}")
+        return out
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan is a JSON object, got {type(d).__name__}")  # noqa: TRY004 - callers catch ValueError
+        version = d.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"plan schema version {version} is not supported (this runtime reads {SCHEMA_VERSION})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known - {"schema_version"})
+        if unknown:
+            raise ValueError(f"unknown plan field(s): {', '.join(unknown)}")
+        values = dict(d)
+        values.pop("schema_version", None)
+        if values.get("lora") is not None:
+            if not isinstance(values["lora"], dict):
+                raise ValueError("plan field lora must be an object or null")
+            values["lora"] = LoRA(**values["lora"])
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path) -> Plan:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read plan {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+        return cls.from_dict(d)

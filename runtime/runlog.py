@@ -1,0 +1,205 @@
+"""Run logs: JSON lines that training runs write and the throughput predictor learns from.
+
+One file may hold several runs. Each run starts with a header line and continues with step lines:
+
+    {"kind": "run", "schema_version": 1, "run_id": ..., "source": ..., "model": {...}, "plan": {...},
+     "hardware": {"name": ..., "devices": N}, "precision": "fp32"}
+    {"kind": "step", "run_id": ..., "step": 3, "step_time_s": ..., "tokens_per_s": ..., "peak_memory_bytes": ...,
+     "loss": ..., "expert_tokens": [[...], ...], "comm_time_s": ...}
+
+`model` holds the key dimensions (MODEL_FIELDS; unknown ones are null) and a digest of the spec they came
+from; `plan` is a `runtime.plan.Plan` dict. Published runs from papers convert into the same format with a
+single step line (`source` names the paper), so the predictor reads one format only.
+
+Reading never crashes on a bad line: `read_runs` returns the runs it could rebuild and, for every line or
+run it had to drop, where and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+MODEL_FIELDS = ("name", "model_type", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                "experts", "top_k", "expert_ffn", "shared_experts", "moe_layers", "linear_attention_layers",
+                "sparse_attention_layers", "params_total", "params_active")
+STEP_NUMBERS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "loss", "comm_time_s")
+
+
+def model_record(spec: dict) -> dict:
+    """Key dimensions of a model from its ModelSpec JSON (onboard/spec.py field names), plus a digest."""
+    layers = spec.get("layers") or []
+    moe = [layer["mlp"] for layer in layers if layer.get("mlp", {}).get("kind") == "moe"]
+    dense = [layer["mlp"] for layer in layers if layer.get("mlp", {}).get("kind") == "dense"]
+    attn = [layer.get("attention", {}) for layer in layers]
+    softmaxish = [a for a in attn if a.get("num_heads")]
+    first_moe = moe[0] if moe else {}
+    first_attn = softmaxish[0] if softmaxish else {}
+    record = {
+        "name": spec.get("name"),
+        "model_type": spec.get("model_type"),
+        "layers": spec.get("num_layers"),
+        "hidden": spec.get("hidden_size"),
+        "heads": first_attn.get("num_heads"),
+        "kv_heads": first_attn.get("num_kv_heads"),
+        "head_dim": first_attn.get("head_dim"),
+        "ffn": dense[0].get("ffn") if dense else None,
+        "vocab": spec.get("vocab_size"),
+        "experts": first_moe.get("num_experts"),
+        "top_k": first_moe.get("top_k"),
+        "expert_ffn": first_moe.get("expert_ffn"),
+        "shared_experts": first_moe.get("num_shared_experts") if moe else None,
+        "moe_layers": len(moe),
+        "linear_attention_layers": sum(1 for a in attn if str(a.get("kind", "")).startswith(("linear:", "ssm:"))),
+        "sparse_attention_layers": sum(1 for a in attn if str(a.get("kind", "")).startswith("sparse:")),
+        "params_total": spec.get("params_total"),
+        "params_active": spec.get("params_active"),
+    }
+    record["digest"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return record
+
+
+class RunLogWriter:
+    """Appends one run to a JSON-lines file; each line is flushed so a killed run keeps what it wrote."""
+
+    def __init__(self, path, *, model: dict, plan: dict, hardware: dict, precision: str, source: str = "runtime",
+                 run_id: str | None = None, meta: dict | None = None):
+        self.path = Path(path)
+        self.run_id = run_id or f"{int(time.time() * 1000):x}"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")  # noqa: SIM115 - held for the whole run, closed by close()
+        self._write({"kind": "run", "schema_version": SCHEMA_VERSION, "run_id": self.run_id, "source": source,
+                     "model": {k: model.get(k) for k in (*MODEL_FIELDS, "digest")}, "plan": plan,
+                     "hardware": hardware, "precision": precision, "meta": meta or {}})
+
+    def step(self, step: int, *, step_time_s: float, tokens_per_s: float, peak_memory_bytes: int | None = None,
+             loss: float | None = None, expert_tokens: list | None = None, comm_time_s: float | None = None):
+        self._write({"kind": "step", "run_id": self.run_id, "step": step, "step_time_s": step_time_s,
+                     "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak_memory_bytes, "loss": loss,
+                     "expert_tokens": expert_tokens, "comm_time_s": comm_time_s})
+
+    def _write(self, record: dict):
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self):
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class Run:
+    header: dict
+    steps: list[dict] = field(default_factory=list)
+
+    @property
+    def model(self) -> dict:
+        return self.header["model"]
+
+    @property
+    def plan(self) -> dict:
+        return self.header["plan"]
+
+    @property
+    def hardware(self) -> dict:
+        return self.header["hardware"]
+
+    @property
+    def source(self) -> str:
+        return self.header.get("source", "runtime")
+
+    def step_time_s(self, warmup: int = 1) -> float:
+        """Median step time, leaving out the first `warmup` steps when there are more than that."""
+        times = [s["step_time_s"] for s in sorted(self.steps, key=lambda s: s["step"])]
+        if len(times) > warmup:
+            times = times[warmup:]
+        return statistics.median(times)
+
+
+@dataclass
+class Skipped:
+    where: str  # "file:line" or "file run <id>"
+    reason: str
+
+
+def _check_header(record: dict) -> str | None:
+    if record.get("schema_version") != SCHEMA_VERSION:
+        return f"schema version {record.get('schema_version')!r} is not {SCHEMA_VERSION}"
+    for key, kind in (("run_id", str), ("model", dict), ("plan", dict), ("hardware", dict)):
+        if not isinstance(record.get(key), kind):
+            return f"header field {key!r} missing or not a {kind.__name__}"
+    return None
+
+
+def _check_step(record: dict) -> str | None:
+    if not isinstance(record.get("step"), int):
+        return "step number missing or not an integer"
+    t = record.get("step_time_s")
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+        return f"step_time_s must be a positive number, got {t!r}"
+    for key in STEP_NUMBERS[1:]:
+        v = record.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            return f"{key} must be a number or null, got {v!r}"
+    return None
+
+
+def read_runs(paths) -> tuple[list[Run], list[Skipped]]:
+    """Every complete run in `paths` (files or directories of *.jsonl), and what was skipped and why."""
+    files: list[Path] = []
+    for p in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
+        files.extend(sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])
+    runs: dict[tuple[str, str], Run] = {}
+    skipped: list[Skipped] = []
+    for path in files:
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            skipped.append(Skipped(str(path), f"unreadable: {getattr(e, 'strerror', None) or e}"))
+            continue
+        for number, line in enumerate(lines, 1):
+            where = f"{path}:{number}"
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                skipped.append(Skipped(where, f"not JSON ({e.msg})"))
+                continue
+            if not isinstance(record, dict):
+                skipped.append(Skipped(where, "not a JSON object"))
+                continue
+            kind = record.get("kind")
+            if kind == "run":
+                problem = _check_header(record)
+                if problem:
+                    skipped.append(Skipped(where, problem))
+                else:
+                    runs[(str(path), record["run_id"])] = Run(record)
+            elif kind == "step":
+                run = runs.get((str(path), record.get("run_id")))
+                problem = _check_step(record) or (None if run else f"no header for run {record.get('run_id')!r}")
+                if problem:
+                    skipped.append(Skipped(where, problem))
+                else:
+                    run.steps.append(record)
+            else:
+                skipped.append(Skipped(where, f"unknown record kind {kind!r}"))
+    complete = []
+    for (path, run_id), run in runs.items():
+        if run.steps:
+            complete.append(run)
+        else:
+            skipped.append(Skipped(f"{path} run {run_id}", "no valid step lines"))
+    return complete, skipped
