@@ -1,0 +1,76 @@
+"""Chunk Loss: the LM head and cross-entropy a chunk of tokens at a time, gradients taken in the forward.
+
+Each chunk holds its [chunk, V] logits once: the loss terms are read from it and it is turned in place into
+d loss / d logits, which goes straight into the hidden, weight and bias gradients. Taking the gradients in
+the forward costs no extra matmul (three in all, as with full logits); what it costs is holding the fp32
+weight gradient from the forward to the backward, which the LM head (the last layer) needs at that point
+anyway. The backward only rescales them by the incoming gradient, so it runs once per forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.loss.blocks import backprop_block, head_logits
+from runtime.loss.logits import LogitTransform
+
+
+def _fp32_zeros(like: torch.Tensor | None, wanted: bool) -> torch.Tensor | None:
+    return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if wanted and like is not None else None
+
+
+class TokenChunkedLoss(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None, labels [N], all valid) -> (loss, z-loss part).
+
+    loss = inv_divisor * sum_t (lse_t - y_t[label_t] + z_weight * lse_t^2); the z-loss part is the same
+    sum of the last term alone (not differentiable: for logging). `grads` says which of hidden / weight /
+    bias want a gradient; nothing is kept for the backward when none does.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, transform: LogitTransform, z_weight: float,
+                inv_divisor: float, chunk: int, grads: tuple[bool, bool, bool]):
+        grad_hidden = _fp32_zeros(hidden, grads[0])
+        grad_weight = _fp32_zeros(weight, grads[1])
+        grad_bias = _fp32_zeros(bias, grads[2])
+        want = any(g is not None for g in (grad_hidden, grad_weight, grad_bias))
+        ce = hidden.new_zeros((), dtype=torch.float32)
+        z = ce.clone()
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            h, target = hidden[rows], labels[rows].unsqueeze(1)
+            y = head_logits(h, weight, bias, transform)
+            lse = torch.logsumexp(y, dim=1)
+            ce += (lse - y.gather(1, target).squeeze(1)).sum()
+            z += lse.square().sum()
+            if not want:
+                continue
+            slope = transform.slope(y)
+            # d/dy of (lse - y[label] + zw * lse^2) = softmax * (1 + 2 zw lse) - onehot(label), in place on y
+            g = y.sub_(lse.unsqueeze(1)).exp_().mul_((inv_divisor * (1.0 + 2.0 * z_weight * lse)).unsqueeze(1))
+            g.scatter_add_(1, target, g.new_full(target.shape, -inv_divisor))
+            if not (isinstance(slope, float) and slope == 1.0):
+                g.mul_(slope)
+            backprop_block(g, h, weight, grad_hidden[rows] if grad_hidden is not None else None,
+                           grad_weight, grad_bias)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias) if want else None
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        z_part = z * (z_weight * inv_divisor)
+        ctx.mark_non_differentiable(z_part)
+        return ce * inv_divisor + z_part, z_part
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z):
+        if ctx.grads is None:
+            raise RuntimeError("the chunked LM-head loss keeps its gradients for one backward: "
+                               "compute the loss again (with grad enabled) to backpropagate again")
+        grads, ctx.grads = ctx.grads, None
+        # a loss used as is gets grad 1: the gradients are handed over without a copy
+        scale = float(grad_loss)
+        out = []
+        for g, dtype in zip(grads, ctx.dtypes):
+            if g is not None:
+                g = g if scale == 1.0 else g.mul(scale)
+                g = g if g.dtype == dtype else g.to(dtype)
+            out.append(g)
+        return (*out, None, None, None, None, None, None)
