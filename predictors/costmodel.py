@@ -1,0 +1,221 @@
+"""Analytical cost of one training step: compute, memory per device, communication and overlap.
+
+Inputs are a model's key dimensions (`Dims`), a `runtime.plan.Plan` and a `Hardware`. The figures are
+first-order (bytes over bandwidth, FLOPs over a fixed fraction of peak); the learned predictor corrects
+them from measured runs, and its features are the parts computed here.
+
+Device mesh order follows torchtitan: pp (outermost), dp_replicate, dp_shard, cp, tp (innermost), so a
+group's members lie `stride` devices apart and it stays on scale-up links when size * stride fits in the
+scale-up domain. The EP group is carved out of dp_shard * cp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from predictors.dims import Dims
+from predictors.hardware import Hardware
+from runtime.plan import Plan
+
+# Fraction of peak a large matmul-bound step reaches; the learned part corrects it per regime.
+MATMUL_EFFICIENCY = 0.55
+# Share of FSDP / data-parallel traffic that hides behind compute when prefetching works.
+DP_OVERLAP = 0.8
+# Share of the All-to-All that hides behind expert compute when the plan overlaps them.
+EP_OVERLAP = 0.5
+SWAP_OVERLAP = 0.7
+# CUDA/NPU context, collective buffers and allocator fragmentation, per device.
+RESERVED_BYTES = 3e9
+# Memory kept free so the allocator does not thrash; a plan must fit in this share of capacity.
+USABLE_FRACTION = 0.92
+BF16 = 2
+FP32 = 4
+# fp32 master weights, fp32 gradients and two fp32 Adam moments per trained parameter.
+TRAINED_BYTES = 16
+# elementwise passes (norms, activations, residual adds, softmax) over the saved activations
+ELEMENTWISE_PASSES = 4
+
+
+def _ring(size: int) -> float:
+    return (size - 1) / size if size > 1 else 0.0
+
+
+@dataclass
+class Estimate:
+    compute_s: float
+    recompute_s: float
+    bubble_s: float
+    memory_s: float  # elementwise and optimizer traffic through HBM
+    tp_s: float
+    cp_s: float
+    pp_s: float
+    dp_s: float
+    ep_s: float
+    swap_s: float
+    exposed_comm_s: float
+    step_time_s: float
+    tokens_per_step: int
+    memory: dict = field(default_factory=dict)  # bytes per device by part, "total" included
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def memory_per_device_bytes(self) -> float:
+        return self.memory["total"]
+
+    def summary(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "memory_per_device_bytes": int(self.memory_per_device_bytes)}
+
+
+def lora_params(d: Dims, plan: Plan) -> tuple[int, int]:
+    """Trainable adapter parameters (total, used per token): rank x (in + out) per targeted matrix."""
+    if plan.lora is None:
+        return 0, 0
+    r = plan.lora.rank
+    dense = experts = 0
+    if "attention" in plan.lora.targets:
+        q = d.heads * d.head_dim
+        kv = d.kv_heads * d.head_dim
+        dense += d.layers * r * ((d.hidden + q) * 2 + (d.hidden + kv) * 2)
+    if "mlp" in plan.lora.targets:
+        dense += d.dense_layers * 3 * r * (d.hidden + d.ffn)
+    if "experts" in plan.lora.targets and d.experts:
+        experts = d.moe_layers * d.experts * 3 * r * (d.hidden + d.expert_ffn)
+    return dense + experts, int(dense + experts * d.top_k / d.experts if d.experts else dense)
+
+
+def activation_bytes_per_token(d: Dims, plan: Plan) -> dict:
+    """Bytes saved for backward per token per layer (averaged over layers), by what the policy keeps."""
+    h = d.hidden
+    attn = BF16 * (h + h + 2 * d.kv_heads * d.head_dim + d.heads * d.head_dim) + FP32 * d.heads  # in, qkv, out, lse
+    moe_share = d.moe_layers / d.layers
+    moe = BF16 * (h + d.top_k * (2 * h + 3 * d.expert_ffn) + d.shared_experts * 3 * d.expert_ffn)
+    dense = BF16 * (h + 3 * d.ffn)
+    mlp = moe_share * moe + (1 - moe_share) * dense
+    residual = BF16 * 2 * h
+    return {"attention": attn, "moe": moe_share * moe, "dense_mlp": (1 - moe_share) * dense,
+            "residual": residual, "layer": attn + mlp + residual}
+
+
+def _resident_activation(per: dict, plan: Plan) -> tuple[float, float]:
+    """(bytes per token per layer kept on device, bytes per token per layer sent to host)."""
+    kept = per["layer"]
+    if plan.recompute == "selective":
+        kept = per["residual"] + per["dense_mlp"]
+    elif plan.recompute == "full":
+        kept = per["residual"] / 2  # only the layer input
+    host = 0.0
+    if plan.swap == "moe" and plan.recompute != "full":
+        moved = per["moe"] if plan.recompute == "none" else 0.0
+        kept, host = kept - moved, moved
+    elif plan.swap == "all" and plan.recompute != "full":
+        host = kept - per["residual"] / 2
+        kept = per["residual"] / 2
+    return kept, host
+
+
+def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Estimate:
+    world = plan.world_size
+    s, b, m = plan.seq_len, plan.micro_batch, plan.grad_accum
+    tokens_step = plan.tokens_per_step
+    layers_stage = math.ceil(d.layers / plan.pp)
+    stage_share = layers_stage * plan.pp / d.layers  # the heaviest stage sets the pace
+    lora = plan.lora is not None
+    n_lora, n_lora_active = lora_params(d, plan)
+
+    # -- compute ------------------------------------------------------------------------------
+    fwd = 2 * d.params_active + d.mixing_flops(s)
+    # frozen base weights need no weight gradients: backward costs one forward instead of two
+    train = (2 if lora else 3) * fwd + 6 * n_lora_active
+    extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)
+    peak = hw.peak_flops(precision) * MATMUL_EFFICIENCY
+    compute_s = tokens_step * train / world / peak * stage_share
+    recompute_s = tokens_step * extra / world / peak * stage_share
+    busy = compute_s + recompute_s
+    bubble_s = busy * (plan.pp - 1) / m if plan.pp > 1 else 0.0
+
+    # -- memory per device --------------------------------------------------------------------
+    fsdp = plan.dp_shard * plan.cp
+    expert_shard = plan.tp * max(plan.ep, fsdp)
+    dense_params = d.params_total - d.expert_params
+    local = (dense_params / (plan.tp * fsdp) + d.expert_params / expert_shard) * stage_share / plan.pp
+    if lora:
+        weights = local * BF16
+        states = n_lora * TRAINED_BYTES / (plan.tp * fsdp * plan.pp)
+        grads = 0.0
+    else:
+        weights = local * (FP32 if plan.dp_shard > 1 else BF16)
+        grads = local * FP32
+        states = local * (TRAINED_BYTES - FP32 - (FP32 if plan.dp_shard > 1 else 0))
+    # FSDP gathers one layer unsharded and prefetches the next
+    layer_full = ((dense_params / d.layers) / plan.tp + (d.expert_params / d.layers) / (plan.tp * plan.ep)) * BF16
+    gathered = 2 * layer_full if fsdp > 1 else 0.0
+    per = activation_bytes_per_token(d, plan)
+    kept, host = _resident_activation(per, plan)
+    tokens_mb = b * s / (plan.cp * plan.tp)
+    in_flight = min(plan.pp, m)
+    activations = tokens_mb * (kept * layers_stage * in_flight + per["layer"])  # + one layer being worked on
+    logit_tokens = min(plan.loss_chunk, b * s / plan.cp) if plan.loss_chunk else b * s / plan.cp
+    logits = logit_tokens * d.vocab / plan.tp * (BF16 + FP32 + FP32)  # logits, fp32 softmax, fp32 grad
+    memory = {"weights": weights, "gradients": grads, "optimizer": states, "gathered": gathered,
+              "activations": activations, "logits": logits, "reserved": RESERVED_BYTES}
+    memory["total"] = sum(memory.values())
+
+    # -- communication ------------------------------------------------------------------------
+    act_mb = b * s / plan.cp * d.hidden * BF16  # one micro-batch's hidden states on a TP group
+    tp_s = layers_stage * m * 4 * 2 * _ring(plan.tp) * act_mb / (hw.link_gbs(plan.tp) * 1e9)
+    softmax_layers = d.layers - d.linear_layers
+    kv_local = b * s / plan.cp * 2 * d.kv_heads * d.head_dim * BF16 / plan.tp
+    cp_s = (softmax_layers * stage_share / plan.pp * m * 3 * (plan.cp - 1) * kv_local
+            / (hw.link_gbs(plan.cp * plan.tp) * 1e9))
+    pp_s = 2 * m * act_mb / plan.tp / (hw.link_gbs(world) * 1e9) if plan.pp > 1 else 0.0
+
+    span_shard = fsdp * plan.tp
+    dense_local_bf16 = dense_params / plan.tp * stage_share / plan.pp * BF16
+    expert_local_bf16 = d.expert_params / (plan.tp * plan.ep) * stage_share / plan.pp * BF16
+    expert_fsdp = max(1, fsdp // plan.ep)
+    grad_bytes = FP32 if not lora else 0
+    if fsdp > 1:
+        # per micro-step: all-gather forward, all-gather backward, reduce-scatter gradients
+        per_micro = (_ring(fsdp) * dense_local_bf16 * (2 + grad_bytes / BF16)
+                     + _ring(expert_fsdp) * expert_local_bf16 * (2 + grad_bytes / BF16))
+        dp_s = m * per_micro / (hw.link_gbs(span_shard) * 1e9)
+        if lora:
+            dp_s += 2 * _ring(fsdp) * n_lora * FP32 / (plan.tp * plan.pp) / (hw.link_gbs(span_shard) * 1e9)
+    else:
+        dp_s = 0.0
+    if plan.dp_replicate > 1:
+        trained = (n_lora / (plan.tp * plan.pp) if lora
+                   else (dense_local_bf16 + expert_local_bf16) / BF16 / fsdp)
+        dp_s += 2 * _ring(plan.dp_replicate) * trained * FP32 / (hw.link_gbs(world // plan.pp) * 1e9)
+
+    ep_s = 0.0
+    if plan.ep > 1 and d.moe_layers:
+        routed = b * s / (plan.cp * plan.tp) * d.top_k * d.hidden * BF16
+        passes = 4 + (2 if plan.recompute == "full" else 0)  # dispatch + combine, forward and backward
+        ep_s = (d.moe_layers * stage_share / plan.pp * m * passes * _ring(plan.ep) * routed
+                / (hw.link_gbs(plan.ep * plan.tp) * 1e9))
+
+    swap_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
+
+    # -- overlap ------------------------------------------------------------------------------
+    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - DP_OVERLAP * busy)
+               + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
+    swap_exposed = max(0.0, swap_s - SWAP_OVERLAP * busy)
+    traffic = tokens_step / world * per["layer"] * layers_stage * ELEMENTWISE_PASSES
+    trained_local = n_lora / (plan.tp * fsdp * plan.pp) if lora else local
+    traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
+    memory_s = traffic / (hw.memory_bw_gbs * 1e9)
+    step = busy + bubble_s + exposed + swap_exposed + memory_s
+    return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
+                    tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, swap_s=swap_s,
+                    exposed_comm_s=exposed + swap_exposed, step_time_s=step, tokens_per_step=tokens_step,
+                    memory=memory)
+
+
+def fits(est: Estimate, hw: Hardware) -> bool:
+    return est.memory_per_device_bytes <= hw.memory_bytes * USABLE_FRACTION

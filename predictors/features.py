@@ -1,0 +1,98 @@
+"""Run logs → rows the learned predictor trains on: cost-model features and the measured step time.
+
+A run whose model, plan or hardware cannot be understood is skipped with a reason, like a bad line in
+`runtime.runlog.read_runs`; nothing here raises on bad data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from predictors.costmodel import Estimate, estimate
+from predictors.dims import Dims
+from predictors.errors import PredictorError
+from predictors.hardware import Hardware, find
+from runtime.plan import Plan
+from runtime.runlog import Skipped, read_runs
+
+RECOMPUTE_LEVEL = {"none": 0, "selective": 1, "full": 2}
+FEATURES = (
+    "log_cost_step", "log_compute_per_micro", "log_tokens_per_device_micro", "log_hidden", "log_layers_stage",
+    "frac_recompute", "frac_bubble", "frac_memory", "frac_tp", "frac_cp", "frac_pp", "frac_dp", "frac_ep",
+    "frac_swap", "log2_tp", "log2_pp", "log2_cp", "log2_ep", "fsdp", "log2_world", "recompute", "fp8", "lora",
+    "moe", "top_k", "log_peak_flops", "log_memory_bw", "log_scale_out", "attention_share", "log_seq_len",
+    "log_vocab_over_hidden", "grad_accum_log2",
+)
+
+
+def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate) -> list[float]:
+    total = est.step_time_s
+    fwd = 2 * d.params_active + d.mixing_flops(plan.seq_len)
+    values = {
+        "log_cost_step": math.log(total),
+        "log_compute_per_micro": math.log(max(est.compute_s / plan.grad_accum, 1e-9)),
+        "log_tokens_per_device_micro": math.log(plan.micro_batch * plan.seq_len / (plan.cp * plan.tp)),
+        "log_hidden": math.log(d.hidden),
+        "log_layers_stage": math.log(math.ceil(d.layers / plan.pp)),
+        "frac_recompute": est.recompute_s / total, "frac_bubble": est.bubble_s / total,
+        "frac_memory": est.memory_s / total, "frac_tp": est.tp_s / total, "frac_cp": est.cp_s / total,
+        "frac_pp": est.pp_s / total, "frac_dp": est.dp_s / total, "frac_ep": est.ep_s / total,
+        "frac_swap": est.swap_s / total,
+        "log2_tp": math.log2(plan.tp), "log2_pp": math.log2(plan.pp), "log2_cp": math.log2(plan.cp),
+        "log2_ep": math.log2(plan.ep), "fsdp": float(plan.dp_shard > 1), "log2_world": math.log2(plan.world_size),
+        "recompute": RECOMPUTE_LEVEL.get(plan.recompute, 0), "fp8": float(precision == "fp8"),
+        "lora": float(plan.lora is not None), "moe": float(d.experts > 0), "top_k": d.top_k,
+        "log_peak_flops": math.log(hw.peak_flops(precision)), "log_memory_bw": math.log(hw.memory_bw_gbs),
+        "log_scale_out": math.log(hw.scale_out_gbs), "attention_share": d.mixing_flops(plan.seq_len) / fwd,
+        "log_seq_len": math.log(plan.seq_len), "log_vocab_over_hidden": math.log(d.vocab / d.hidden),
+        "grad_accum_log2": math.log2(plan.grad_accum),
+    }
+    return [float(values[name]) for name in FEATURES]
+
+
+@dataclass
+class Dataset:
+    X: np.ndarray
+    cost_step: np.ndarray  # the cost model's step time, seconds
+    measured: np.ndarray  # median measured step time, seconds
+    groups: list  # model names (leave-one-model-out)
+    sources: list
+    skipped: list  # runtime.runlog.Skipped
+    files: list
+
+    @property
+    def target(self) -> np.ndarray:
+        return np.log(self.measured / self.cost_step)
+
+    def __len__(self) -> int:
+        return len(self.measured)
+
+
+def load_dataset(paths) -> Dataset:
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    runs, skipped = read_runs(paths)
+    rows, cost, measured, groups, sources = [], [], [], [], []
+    for run in runs:
+        where = f"run {run.header.get('run_id')} ({run.source})"
+        try:
+            hw = find(run.hardware.get("name", ""))
+            d = Dims.from_record(run.model)
+            plan = Plan.from_dict(run.plan)
+            problems = plan.problems(d.experts or None)
+            if problems:
+                raise PredictorError(problems[0])
+            precision = str(run.header.get("precision") or plan.dtype)
+            est = estimate(d, plan, hw, precision)
+            rows.append(features(d, plan, hw, precision, est))
+        except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            skipped.append(Skipped(where, str(e) or type(e).__name__))
+            continue
+        cost.append(est.step_time_s)
+        measured.append(run.step_time_s())
+        groups.append(d.name)
+        sources.append(run.source)
+    X = np.array(rows, dtype=float).reshape(-1, len(FEATURES))
+    return Dataset(X, np.array(cost), np.array(measured), groups, sources, skipped, [str(p) for p in paths])

@@ -1,0 +1,115 @@
+"""Named accelerator specs (YAML): peak FLOP/s per dtype, memory, bandwidths, devices per node.
+
+The bundled specs live in `predictors/hardware/*.yaml`; a user adds one by passing the path of a YAML
+file with the same fields wherever a hardware name is accepted. Bandwidths are GB/s per device in one
+direction, which is what a ring collective or an All-to-All is limited by.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from predictors.errors import PredictorError
+
+HARDWARE_DIR = Path(__file__).parent / "hardware"
+REQUIRED = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbs",
+            "devices_per_node")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: dict
+    memory_gb: float
+    memory_bw_gbs: float
+    scale_up_gbs: float
+    scale_out_gbs: float
+    devices_per_node: int
+    scale_up_domain: int = 0  # devices that reach each other at scale-up bandwidth; 0: one node
+    host_gbs: float = 25.0
+    aliases: tuple = ()
+    source: str = ""
+    confidence: str = "high"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def domain(self) -> int:
+        return self.scale_up_domain or self.devices_per_node
+
+    def peak_flops(self, dtype: str) -> float:
+        """FLOP/s for matmuls in `dtype`; a dtype the chip lacks (FP8 on A100) runs at the BF16 rate."""
+        table = self.peak_tflops
+        for key in (dtype, "bf16", "fp16", "fp32"):
+            if table.get(key):
+                return float(table[key]) * 1e12
+        raise PredictorError(f"hardware {self.name} has no peak_tflops entry")
+
+    def link_gbs(self, span: int) -> float:
+        """Bandwidth of a group whose members lie within `span` consecutive devices."""
+        return self.scale_up_gbs if span <= self.domain else self.scale_out_gbs
+
+
+def _key(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def _from_mapping(data: dict, where: str) -> Hardware:
+    if not isinstance(data, dict):
+        raise PredictorError(f"{where}: a hardware spec is a YAML mapping")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise PredictorError(f"{where}: missing field(s) {', '.join(missing)}")
+    if not isinstance(data["peak_tflops"], dict) or not data["peak_tflops"]:
+        raise PredictorError(f"{where}: peak_tflops must map dtype names to TFLOP/s")
+    known = {f for f in Hardware.__dataclass_fields__} - {"extra"}
+    values = {k: v for k, v in data.items() if k in known}
+    values["aliases"] = tuple(values.get("aliases") or ())
+    try:
+        hw = Hardware(**values, extra={k: v for k, v in data.items() if k not in known})
+        for name in ("memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbs", "devices_per_node"):
+            if not float(getattr(hw, name)) > 0:
+                raise PredictorError(f"{where}: {name} must be positive")
+    except (TypeError, ValueError) as e:
+        raise PredictorError(f"{where}: {e}") from None
+    return hw
+
+
+def load_file(path) -> Hardware:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise PredictorError(f"cannot read hardware spec {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise PredictorError(f"hardware spec {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return _from_mapping(data, str(path))
+
+
+@lru_cache(maxsize=1)
+def _bundled() -> tuple[Hardware, ...]:
+    return tuple(load_file(p) for p in sorted(HARDWARE_DIR.glob("*.yaml")))
+
+
+def bundled() -> dict[str, Hardware]:
+    return {hw.name: hw for hw in _bundled()}
+
+
+def find(name_or_path) -> Hardware:
+    """A bundled spec by name or alias (case and punctuation ignored), or a YAML file by path."""
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or Path(text).is_file():
+        return load_file(text)
+    specs = bundled()
+    wanted = _key(text)
+    for hw in specs.values():
+        if wanted in {_key(hw.name), *map(_key, hw.aliases)}:
+            return hw
+    raise PredictorError(f"unknown hardware {text!r}; known: {', '.join(specs)} (or a path to a YAML spec)")
