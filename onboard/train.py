@@ -1,0 +1,217 @@
+"""`onboard train BUNDLE`: train a bundle's model, adapted, with the shared runtime's training loop.
+
+The model is built at a size the user chooses (here: the bundle's tiny twin config, optionally deeper
+and wider) with random fp32 weights, and the bundle's `adapt(model)` swaps in the runtime blocks. The
+training loop itself is `runtime.train`; this module only resolves the bundle, the plan and the model.
+World size 1 runs in this process; larger plans go through torchrun with the same command as the
+bundle's `train.sh`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from onboard.errors import OnboardError, one_line
+from runtime.plan import Plan
+
+# twin config fields that grow with --width (head count grows, head size stays)
+_WIDE = ("hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn")
+
+
+def read_bundle(bundle) -> tuple[Path, dict, dict]:
+    """The bundle directory, its spec and its source record; one-line errors for anything missing."""
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        raise OnboardError(f"{bundle}: no such bundle directory (write one with `onboard adapt MODEL --out DIR`)")
+    missing = [f for f in ("spec.json", "adapter.py", "source.json") if not (bundle / f).is_file()]
+    if missing:
+        raise OnboardError(f"{bundle} is not a bundle: missing {', '.join(missing)}")
+    try:
+        spec = json.loads((bundle / "spec.json").read_text())
+        origin = json.loads((bundle / "source.json").read_text())
+        origin["ref"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
+    return bundle, spec, origin
+
+
+def read_plan(path) -> Plan:
+    try:
+        plan = Plan.load(path)
+    except (ValueError, TypeError) as exc:
+        raise OnboardError(f"plan {path}: {exc}") from None
+    problems = plan.problems()
+    if problems:
+        raise OnboardError(f"plan {path} cannot run: {'; '.join(problems)}")
+    return plan
+
+
+def train_config(bundle, *, layers: int | None = None, width: int = 1) -> dict:
+    """The config the loop trains: the bundle's tiny twin, or its first `layers` layers at twin width,
+    `width` times wider (more heads of the same size, wider MLPs)."""
+    from onboard.source import resolve
+    from onboard.twin import (
+        _get,
+        _layers_key,
+        _set,
+        _truncate_layers,
+        _walk,
+        build_twin,
+        meaning_of,
+        shrink_config_dict,
+    )
+
+    if width < 1 or (layers is not None and layers < 1):
+        raise OnboardError("--layers and --width must be at least 1")
+    bundle, _, origin = read_bundle(bundle)
+    source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
+    if layers is None:
+        cfg = build_twin(source, run_check=False).config.to_dict()
+    else:
+        cfg, _ = shrink_config_dict(source.config.to_dict())
+        key = _layers_key(cfg)
+        if key is None:
+            raise OnboardError(f"{bundle}: the model config has no layer count to set")
+        full = _get(cfg, key)
+        if layers > full:
+            raise OnboardError(f"{bundle}: the model has {full} layers; --layers may not exceed that")
+        _truncate_layers(cfg, key, full, layers)
+    if width > 1:
+        for path, key, value in list(_walk(cfg)):
+            if meaning_of(key) in _WIDE and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                _set(cfg, path, value * width)
+    return cfg
+
+
+_FIELD_MEANINGS = {"hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "head_dim": "head_dim",
+                  "ffn": "ffn", "vocab": "vocab", "experts": "experts", "top_k": "top_k",
+                  "expert_ffn": "expert_ffn", "shared_experts": "n_shared"}
+
+
+def _record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) -> dict:
+    """The run log's model fields for what is really trained: the spec's full-scale numbers, each taken
+    from the config field that holds it at full scale (`full`) and read back from the trained config."""
+    import hashlib
+
+    from onboard.twin import _get, _walk, meaning_of
+    from runtime.moe.block import MoEBlock
+    from runtime.runlog import model_record
+
+    record = model_record(spec)
+    sizes = [(path, key, value) for path, key, value in _walk(full) if meaning_of(key) and isinstance(value, int)]
+    for name, meaning in _FIELD_MEANINGS.items():
+        value = record.get(name)
+        holders = [(meaning_of(key) != meaning, path) for path, key, v in sizes if v == value]
+        trained = _get(cfg, min(holders)[1]) if holders else None
+        if isinstance(trained, int) and not isinstance(trained, bool):
+            record[name] = trained
+        elif name == "head_dim" and value and record.get("heads") and not holders:  # implied: hidden / heads
+            record[name] = record["hidden"] // record["heads"]
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if blocks:
+        record["experts"], record["top_k"] = blocks[0].spec.num_experts, blocks[0].spec.top_k
+    record["layers"] = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in cfg),
+                            record["layers"])
+    record["moe_layers"] = len(blocks)
+    record["name"] = f"{spec.get('name')} (trained config)"
+    total = sum(p.numel() for p in model.parameters())
+    idle = sum(sum(p.numel() for p in b.experts.parameters()) * (1 - b.spec.top_k / b.spec.num_experts)
+               for b in blocks)
+    embedding = model.get_input_embeddings().weight.numel() if hasattr(model, "get_input_embeddings") else 0
+    record["params_total"], record["params_active"] = total, int(total - idle - embedding)
+    record["digest"] = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return record
+
+
+def build_model(bundle, layers: int | None = None, width: int = 1, config: str | None = None):
+    """Model factory for `runtime.train`: the adapted model and its run-log record.
+
+    `config` is a JSON file written by `train_config` (the launcher computes it once for every rank).
+    """
+    from onboard.bundle import load_adapter
+    from onboard.source import resolve
+
+    bundle, spec, origin = read_bundle(bundle)
+    cfg = json.loads(Path(config).read_text()) if config else train_config(bundle, layers=layers, width=width)
+    source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
+    try:
+        model_config = type(source.config).from_dict(cfg)
+    except Exception as exc:  # noqa: BLE001 - config validators we do not own
+        raise OnboardError(f"{bundle}: the training config is invalid: {one_line(exc)}") from None
+    model = source.build(model_config, experts_implementation="grouped_mm")
+    load_adapter(bundle).adapt(model)
+    return model, _record(spec, source.config.to_dict(), cfg, model)
+
+
+def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,
+            extra: list[str]) -> list[str]:
+    """The torchrun command line (the same as train.sh) for a plan's world size."""
+    kwargs = {"bundle": str(bundle), "layers": layers, "width": width}
+    return ["torchrun", "--standalone", f"--nproc-per-node={plan.world_size}", "-m", "runtime.train",
+            "--model", "onboard.train:build_model", "--model-kwargs", json.dumps(kwargs, sort_keys=True),
+            "--plan", str(plan_path), "--steps", str(steps), *extra]
+
+
+def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, width: int = 1,
+        checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
+        checkpoint_every: int = 0) -> int:
+    """`onboard train`: check the bundle and plan, then train in this process or through torchrun."""
+    bundle, _, _ = read_bundle(bundle)
+    plan = read_plan(plan_path) if plan_path else (read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file()
+                                                   else Plan(dtype="fp32", seq_len=32))
+    if steps < 1:
+        raise OnboardError("--steps must be at least 1")
+    if data is not None and not Path(data).is_file():
+        raise OnboardError(f"{data}: no such token file")
+    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
+    runlog = Path(runlog) if runlog else bundle / "runs" / "train.jsonl"
+    if plan.world_size == 1:
+        from runtime.train import TrainConfig, train
+
+        cfg = TrainConfig(steps=steps, lr=lr, seed=seed, data=str(data) if data else None,
+                          checkpoint_dir=str(checkpoint_dir), checkpoint_every=checkpoint_every,
+                          runlog=str(runlog))
+        try:
+            train(lambda: build_model(bundle, layers, width), plan, cfg)
+        except ValueError as exc:  # the runtime's one-line complaints about its inputs
+            raise OnboardError(str(exc)) from None
+        return 0
+    with tempfile.TemporaryDirectory(prefix="onboard-train-") as scratch:
+        plan_file = Path(scratch) / "plan.json"
+        plan_file.write_text(plan.to_json())
+        config = Path(scratch) / "config.json"
+        config.write_text(json.dumps(train_config(bundle, layers=layers, width=width), sort_keys=True))
+        extra = ["--checkpoint-dir", str(checkpoint_dir), "--runlog", str(runlog), "--lr", str(lr),
+                 "--seed", str(seed), "--checkpoint-every", str(checkpoint_every)]
+        if data:
+            extra += ["--data", str(data)]
+        cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
+        i = cmd.index("--model-kwargs") + 1
+        cmd[i] = json.dumps({**json.loads(cmd[i]), "config": str(config)}, sort_keys=True)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        try:
+            return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], env=env)
+        except KeyboardInterrupt:
+            return 130
+
+
+def write_launcher(directory: Path, plan: Plan | None = None) -> None:
+    """plan.json (one process by default) and train.sh, the torchrun command for it, into a bundle."""
+    from onboard.codegen import environment
+
+    plan = plan or Plan()
+    (directory / "plan.json").write_text(plan.to_json())
+    cmd = command(".", "plan.json", plan=plan, steps=10, layers=None, width=1,
+                  extra=["--checkpoint-dir", "checkpoints", "--runlog", "runs/train.jsonl"])
+    script = directory / "train.sh"
+    script.write_text(environment().get_template("train.sh.j2").render(
+        world=plan.world_size, command=" ".join(shlex.quote(c) for c in cmd)))
+    script.chmod(0o755)

@@ -1,0 +1,70 @@
+"""Training data: token windows from a tokenized file, or synthetic tokens.
+
+Every sequence has a global index, a pure function of (step, micro-step, data-parallel rank, row), so the
+batch a rank sees never depends on what ran before: resuming at step s reads exactly what an
+uninterrupted run reads at step s, and the data position saved in a checkpoint is just that index.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def sequence_index(step: int, micro: int, rank: int, row: int, *, grad_accum: int, dp: int, micro_batch: int) -> int:
+    return ((step * grad_accum + micro) * dp + rank) * micro_batch + row
+
+
+class SyntheticTokens:
+    """Arithmetic progressions mod vocab with a random start and stride per sequence: a model can learn
+    them (the loss falls), and each sequence is drawn from its own seeded generator."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0):
+        if vocab_size < 2:
+            raise ValueError(f"synthetic tokens need a vocabulary of at least 2, got {vocab_size}")
+        self.vocab, self.seq_len, self.seed = vocab_size, seq_len, seed
+
+    def sequence(self, index: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = torch.randint(0, self.vocab, (1,), generator=gen)
+        stride = torch.randint(1, min(self.vocab, 8), (1,), generator=gen)
+        return (start + stride * torch.arange(self.seq_len)) % self.vocab
+
+
+class TokenFile:
+    """Consecutive windows of a tokenized corpus: a `.npy` array of token ids, or a raw `.bin` of uint16
+    (uint32 with `.u32.bin`), memory-mapped."""
+
+    def __init__(self, path, seq_len: int, vocab_size: int | None = None):
+        path = Path(path)
+        try:
+            if path.suffix == ".npy":
+                tokens = np.load(path, mmap_mode="r")
+            elif path.suffix == ".bin":
+                tokens = np.memmap(path, dtype=np.uint32 if path.name.endswith(".u32.bin") else np.uint16, mode="r")
+            else:
+                raise ValueError(f"token file {path} must be .npy or .bin")
+        except OSError as e:
+            raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token file {path} must hold a 1-D array of integer token ids")
+        if len(tokens) < seq_len:
+            raise ValueError(f"token file {path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len}")
+        if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"token file {path} holds id {int(tokens.max())}, outside the model's vocabulary "
+                             f"of {vocab_size}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.windows = len(tokens) // seq_len
+
+    def sequence(self, index: int) -> torch.Tensor:
+        start = (index % self.windows) * self.seq_len
+        return torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+
+
+def batch(source, step: int, micro: int, rank: int, *, grad_accum: int, dp: int, micro_batch: int) -> torch.Tensor:
+    """(micro_batch, seq_len) token ids for one rank's micro-step."""
+    rows = [source.sequence(sequence_index(step, micro, rank, r, grad_accum=grad_accum, dp=dp,
+                                           micro_batch=micro_batch)) for r in range(micro_batch)]
+    return torch.stack(rows)

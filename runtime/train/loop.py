@@ -1,0 +1,239 @@
+"""The training loop: AdamW, gradient clipping and accumulation, memory policies, checkpoints, run logs.
+
+`train(factory, plan, config)` builds the model on every rank (same seed, so the same weights), applies
+the plan's recompute and swap policies, and trains `config.steps` optimizer steps, resuming from the newest
+checkpoint in `config.checkpoint_dir` when there is one. Under torchrun (WORLD_SIZE > 1) it joins the
+process group; data parallelism averages gradients with one bucketed all-reduce per step, timed as
+communication. Rank 0 writes the run log and draws the progress bar.
+
+The model contract is a HuggingFace causal LM: `model(input_ids=..., labels=..., use_cache=False).loss`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.memory import ActivationSwap, apply_recompute
+from runtime.plan import Plan
+from runtime.runlog import RunLogWriter
+from runtime.train import checkpoint, data
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10  # optimizer steps in the whole run, resumed runs included
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0  # max gradient norm; 0 turns clipping off
+    seed: int = 0
+    data: str | None = None  # tokenized file (.npy / .bin); None: synthetic tokens
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    keep_checkpoints: int = 2
+    runlog: str | None = None
+    run_meta: dict = field(default_factory=dict)
+    progress: bool = True
+    swap_dir: str | None = None  # where the CPU swap file lives (default: the system temp dir)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int
+    comm_time_s: float
+    expert_tokens: list
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepResult]
+    resumed_from: int | None  # the checkpoint step this run started from
+    run_id: str | None
+
+
+def _init_distributed() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, (dist.get_world_size() if dist.is_initialized() else 1), device
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def hardware(device: torch.device, world: int) -> dict:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+        except OSError:
+            pass
+    return {"name": name, "devices": world, "device_type": device.type, "threads": torch.get_num_threads()}
+
+
+def _all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
+    """Average tensors over ranks with one all-reduce of one flat buffer (gloo is slow per call)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _moe_blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "tokens_per_expert")]
+
+
+def _apply_lora(model: nn.Module, plan: Plan) -> nn.Module:
+    try:
+        from runtime import lora
+    except ImportError:
+        raise ValueError("the plan asks for LoRA, and this runtime has no runtime.lora") from None
+    return lora.apply_lora(model, plan.lora) or model
+
+
+def _data_source(cfg: TrainConfig, plan: Plan, vocab: int | None):
+    if cfg.data:
+        return data.TokenFile(cfg.data, plan.seq_len, vocab)
+    if not vocab:
+        raise ValueError("synthetic tokens need the model's vocabulary size (model.config.vocab_size)")
+    return data.SyntheticTokens(vocab, plan.seq_len, cfg.seed)
+
+
+def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan, cfg: TrainConfig) -> TrainResult:
+    problems = plan.problems()
+    if problems:
+        raise ValueError(f"the plan cannot run: {'; '.join(problems)}")
+    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1:
+        raise ValueError("tensor, pipeline and context parallelism are not supported by this training loop")
+    rank, world, device = _init_distributed()
+    if world != plan.world_size:
+        raise ValueError(f"the plan lays out {plan.world_size} processes, and {world} were started")
+    torch.manual_seed(cfg.seed)  # every rank builds the same initial weights
+    built = factory()
+    model, record = built if isinstance(built, tuple) else (built, {})
+    model.to(device).train()
+    vocab = record.get("vocab") or getattr(getattr(model, "config", None), "vocab_size", None)
+    if plan.lora is not None:
+        model = _apply_lora(model, plan)
+    apply_recompute(model, plan.recompute)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if world > 1:
+        with torch.no_grad():  # same start on every rank even if a factory drew weights differently
+            for p in model.parameters():
+                dist.broadcast(p.data, 0)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                  foreach=False)
+    resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
+    start = resumed["step"] if resumed else 0
+    source = _data_source(cfg, plan, vocab)
+    swap = ActivationSwap(plan.swap, device=device, swap_dir=cfg.swap_dir)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and plan.dtype == "bf16" \
+        else torch.autocast(device.type, enabled=False)
+    writer = None
+    if rank == 0 and cfg.runlog:
+        meta = {**cfg.run_meta, "resumed_from": start if resumed else None, "steps": cfg.steps}
+        writer = RunLogWriter(cfg.runlog, model=record, plan=plan.to_dict(), hardware=hardware(device, world),
+                              precision="bf16" if device.type == "cuda" and plan.dtype == "bf16" else "fp32",
+                              meta=meta)
+    bar = None
+    if rank == 0 and cfg.progress and start < cfg.steps:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, leave=False)
+    blocks = _moe_blocks(model)
+    results = []
+    try:
+        for step in range(start, cfg.steps):
+            results.append(_step(step, model, optimizer, params, plan, cfg, source, swap, autocast, blocks,
+                                 rank, world, device))
+            r = results[-1]
+            if writer:
+                writer.step(step, step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
+                            peak_memory_bytes=r.peak_memory_bytes, loss=r.loss, expert_tokens=r.expert_tokens,
+                            comm_time_s=r.comm_time_s)
+            if bar:
+                bar.update(1)
+                bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
+            done = step + 1
+            if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+                checkpoint.save(cfg.checkpoint_dir, done, model, optimizer, keep=cfg.keep_checkpoints,
+                                data_position=data.sequence_index(done, 0, 0, 0, grad_accum=plan.grad_accum,
+                                                                  dp=plan.dp, micro_batch=plan.micro_batch))
+    finally:
+        swap.close()
+        if bar:
+            bar.close()
+        if writer:
+            writer.close()
+    return TrainResult(results, start if resumed else None, writer.run_id if writer else None)
+
+
+def _step(step, model, optimizer, params, plan, cfg, source, swap, autocast, blocks, rank, world, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    counts = [torch.zeros(0, dtype=torch.float64) for _ in blocks]
+    for micro in range(plan.grad_accum):
+        ids = data.batch(source, step, micro, rank % plan.dp, grad_accum=plan.grad_accum, dp=plan.dp,
+                         micro_batch=plan.micro_batch).to(device)
+        with swap, autocast:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss / plan.grad_accum
+        loss.backward()
+        loss_sum += loss.detach().double().cpu()
+        for i, block in enumerate(blocks):
+            if block.tokens_per_expert is not None:
+                c = block.tokens_per_expert.double().cpu()
+                counts[i] = c if counts[i].numel() == 0 else counts[i] + c
+    comm = 0.0
+    if world > 1:
+        grads = [p.grad for p in params if p.grad is not None]
+        t = time.perf_counter()
+        _all_reduce_mean(grads, world)
+        comm += time.perf_counter() - t
+    if cfg.clip:
+        nn.utils.clip_grad_norm_(params, cfg.clip, foreach=False)
+    optimizer.step()
+    stats = torch.cat([loss_sum.reshape(1), *counts])
+    if world > 1:
+        t = time.perf_counter()
+        dist.all_reduce(stats)
+        comm += time.perf_counter() - t
+        stats[0] /= world
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    expert_tokens, offset = [], 1
+    for c in counts:
+        expert_tokens.append([int(v) for v in stats[offset:offset + c.numel()].tolist()])
+        offset += c.numel()
+    return StepResult(step, float(stats[0]), elapsed, plan.tokens_per_step / elapsed, peak_memory_bytes(device),
+                      comm, expert_tokens)
