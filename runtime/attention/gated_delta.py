@@ -1,0 +1,203 @@
+"""Chunk-parallel gated delta rule (Gated DeltaNet, KDA), forward and our own backward.
+
+The recurrence (see `delta_reference`) is cut into chunks of C tokens. Inside a chunk, with G the cumulative
+log decay from the chunk start (per head or per key channel), the C delta-rule updates collapse into one
+unit-lower-triangular system (the WY / UT form of DeltaNet):
+
+    A[i, j] = beta_i sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])  (j < i)
+    U = (I + A)^-1 (beta v),   W = (I + A)^-1 (beta k exp(G))
+
+and only the (K x V) state crosses chunk boundaries:
+
+    v_new = U - W S;   o = (q exp(G)) S + P v_new;   S' = exp(G_C) S + (k exp(G_C - G))^T v_new
+
+with P[i, j] = sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d]) for j <= i. Everything but the state recurrence is
+batched over all chunks; the recurrence is a loop over chunks (two small matmuls each), forward and backward.
+The backward is written out (not autograd through the chunk loop): it keeps one state per chunk and the
+intra-chunk matrices, and recomputes only the decay factors.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.decay_pairs import decay_pairs, decay_pairs_backward
+from runtime.attention.delta_reference import prepare_qk
+from runtime.attention.triangular import unit_lower_inverse
+from runtime.kernels import registry
+
+
+class ChunkGatedDelta(torch.autograd.Function):
+    """Inputs flattened to N = batch x heads sequences, length a multiple of `chunk`, fp32: q (N, T, K)
+    already scaled, k (N, T, K), v (N, T, V), g (N, T, 1 or K) log decay, beta (N, T), s0 (N, K, V) or None.
+    Returns (o (N, T, V), final state (N, K, V))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, s0, chunk: int, block: int):
+        n_seq, length, kd = k.shape
+        vd, n = v.shape[-1], length // chunk
+        q, k, v = (x.reshape(n_seq * n, chunk, x.shape[-1]) for x in (q, k, v))
+        beta = beta.reshape(n_seq * n, chunk)
+        G = g.reshape(n_seq * n, chunk, g.shape[-1]).cumsum(1)
+        x = decay_pairs(torch.stack((k, q)), k, G, block)
+        kk, qk = x[0], x[1]
+        eg = G.exp()
+        inv = unit_lower_inverse(kk * beta[..., None])
+        r = inv @ torch.cat((v * beta[..., None], k * (beta[..., None] * eg)), -1)
+        u, w = r.split([vd, kd], -1)
+        last = G[:, -1:]
+        k_end = k * (last - G).exp()
+        decay = last.exp().transpose(-1, -2)  # (M, K or 1, 1): scales the state's rows
+
+        states, v_new, final = _scan_forward(u, w, k_end, decay, s0, n_seq, n)
+        o = (q * eg) @ states.flatten(0, 1) + qk.tril() @ v_new
+        ctx.save_for_backward(q, k, v, beta, G, kk, qk, inv, r, states, v_new)
+        ctx.shape = (n_seq, n, chunk, block, s0 is not None)
+        return o.reshape(n_seq, length, vd), final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, beta, G, kk, qk, inv, r, states, v_new = ctx.saved_tensors
+        n_seq, n, chunk, block, has_s0 = ctx.shape
+        vd, kd = v.shape[-1], k.shape[-1]
+        do = do.reshape(n_seq * n, chunk, vd)
+        eg = G.exp()
+        last = G[:, -1:]
+        k_end = k * (last - G).exp()
+        decay = last.exp().transpose(-1, -2)
+        qk = qk.tril()
+        q_dec = q * eg
+        w = r[..., vd:]
+        s_flat = states.flatten(0, 1)
+
+        ds_next, dv_new, ds0 = _scan_backward(qk.transpose(-1, -2) @ do, q_dec.transpose(-1, -2) @ do,
+                                              w, k_end, decay, dfinal, n_seq, n)
+        ds_flat = ds_next.flatten(0, 1)
+        dq_dec = do @ s_flat.transpose(-1, -2)
+        dqk = (do @ v_new.transpose(-1, -2)).tril()
+        dk_end = v_new @ ds_flat.transpose(-1, -2)
+        ddecay = (s_flat * ds_flat).sum(-1)  # (M, K)
+        dr = torch.cat((dv_new, -(dv_new @ s_flat.transpose(-1, -2))), -1)
+
+        drhs = inv.transpose(-1, -2) @ dr
+        da = -(drhs @ r.transpose(-1, -2)).tril(-1)
+        dvb, dkb = drhs.split([vd, kd], -1)
+        dv = dvb * beta[..., None]
+        kb = k * (beta[..., None] * eg)
+        dbeta = (dvb * v).sum(-1) + (dkb * k * eg).sum(-1) + (da * kk).sum(-1)
+        dG = dkb * kb
+        dk = dkb * (beta[..., None] * eg)
+
+        dpairs, dkey, dG_pairs = decay_pairs_backward(torch.stack((k, q)), k, G,
+                                                      torch.stack((da * beta[..., None], dqk)), block)
+        dk = dk + dpairs[0] + dkey + dk_end * (last - G).exp()
+        dq = dpairs[1] + dq_dec * eg
+        dG = dG + dq_dec * q_dec - dk_end * k_end
+        if G.shape[-1] == 1:
+            dG = dG.sum(-1, keepdim=True) + dG_pairs
+            dlast = (dk_end * k_end).sum((-2, -1)) + ddecay.sum(-1) * decay[:, 0, 0]
+            dG[:, -1, 0] += dlast
+        else:
+            dG = dG + dG_pairs
+            dG[:, -1] += (dk_end * k_end).sum(-2) + ddecay * decay[..., 0]
+        # G is a cumulative sum inside the chunk: its gradient flows back as a reversed cumulative sum
+        dg = dG.flip(1).cumsum(1).flip(1)
+
+        length = n * chunk
+        return (dq.reshape(n_seq, length, kd), dk.reshape(n_seq, length, kd), dv.reshape(n_seq, length, vd),
+                dg.reshape(n_seq, length, -1), dbeta.reshape(n_seq, length), ds0 if has_s0 else None, None, None)
+
+
+def _scan_forward(u, w, k_end, decay, s0, n_seq, n):
+    """The state at the start of every chunk (n_seq, n, K, V), v_new (M, C, V) and the final state."""
+    kd, vd = w.shape[-1], u.shape[-1]
+    u, w, k_end, decay = (x.view(n_seq, n, *x.shape[1:]) for x in (u, w, k_end, decay))
+    states = u.new_empty(n_seq, n, kd, vd)
+    v_new = torch.empty_like(u)
+    s = u.new_zeros(n_seq, kd, vd) if s0 is None else s0
+    for c in range(n):
+        states[:, c] = s
+        vn = torch.baddbmm(u[:, c], w[:, c], s, alpha=-1)
+        v_new[:, c] = vn
+        s = torch.baddbmm(s * decay[:, c], k_end[:, c].transpose(-1, -2), vn)
+    return states, v_new.flatten(0, 1), s
+
+
+def _scan_backward(p_do, q_do, w, k_end, decay, dfinal, n_seq, n):
+    """Reverse scan: the state gradient after every chunk (n_seq, n, K, V), dv_new (M, C, V), d initial state."""
+    kd, vd = w.shape[-1], p_do.shape[-1]
+    p_do, q_do, w, k_end, decay = (x.view(n_seq, n, *x.shape[1:]) for x in (p_do, q_do, w, k_end, decay))
+    ds_next = p_do.new_empty(n_seq, n, kd, vd)
+    dv_new = torch.empty_like(p_do)
+    ds = p_do.new_zeros(n_seq, kd, vd) if dfinal is None else dfinal.clone()
+    for c in reversed(range(n)):
+        ds_next[:, c] = ds
+        dvn = torch.baddbmm(p_do[:, c], k_end[:, c], ds)
+        dv_new[:, c] = dvn
+        ds = torch.baddbmm(q_do[:, c] + ds * decay[:, c], w[:, c].transpose(-1, -2), dvn, alpha=-1)
+    return ds_next, dv_new.flatten(0, 1), ds
+
+
+def _chunk_core(q, k, v, g, beta, s0, chunk: int, block: int):
+    """The op that backend dispatch swaps (same contract as ChunkGatedDelta.forward)."""
+    return ChunkGatedDelta.apply(q, k, v, g, beta, s0, chunk, block)
+
+
+def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                           scale: float | None = None, cu_seqlens: torch.Tensor | None = None, block: int = 8,
+                           **_ignored):
+    """Gated delta rule over a whole sequence, chunk-parallel; the signature of transformers'
+    `torch_chunk_gated_delta_rule` / `chunk_kimi_delta_attention` (and flash-linear-attention's).
+
+    query/key (B, T, Hk, K); value (B, T, H, V) with H a multiple of Hk; g (B, T, H) for one decay per head
+    or (B, T, H, K) for one per key channel, in log space (<= 0); beta (B, T, H); initial_state (B, H, K, V).
+    `cu_seqlens` (with B == 1) marks packed sequences, each starting from `initial_state[i]` or zeros.
+    Returns (out (B, T, H, V) in the query dtype, final state (B or sequences, H, K, V) or None).
+    """
+    if cu_seqlens is not None:
+        return _packed(query, key, value, g, beta, cu_seqlens, chunk_size=chunk_size, initial_state=initial_state,
+                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       scale=scale, block=block)
+    batch, length, heads, vd = value.shape
+    if g.shape[:3] != (batch, length, heads) or beta.shape != (batch, length, heads):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must start with (batch, tokens, "
+                         f"value heads) = {(batch, length, heads)}")
+    q, k = prepare_qk(query, key, heads, use_qk_l2norm_in_kernel, scale)
+    kd = k.shape[-1]
+    if g.dim() == 4 and g.shape[-1] != kd:
+        raise ValueError(f"per-channel gate has {g.shape[-1]} channels, keys have {kd}")
+    pad = -length % chunk_size
+    gate = g.float() if g.dim() == 4 else g.float().unsqueeze(-1)
+
+    def heads_first(x):  # (B, T, H, D) -> (B*H, T+pad, D), zero padded: padded tokens leave the state unchanged
+        x = x.transpose(1, 2)
+        return F.pad(x, (0, 0, 0, pad)).reshape(batch * heads, length + pad, x.shape[-1])
+
+    q, k, v, gate = (heads_first(x) for x in (q, k, value.float(), gate))
+    b = F.pad(beta.float().transpose(1, 2), (0, pad)).reshape(batch * heads, length + pad)
+    s0 = None if initial_state is None else initial_state.float().reshape(batch * heads, kd, vd)
+    core = registry.lookup("linear_attention.chunk_gated_delta", _chunk_core)
+    o, final = core(q.contiguous(), k.contiguous(), v.contiguous(), gate.contiguous(), b.contiguous(), s0,
+                    chunk_size, block)
+    o = o.view(batch, heads, length + pad, vd)[:, :, :length].transpose(1, 2).to(query.dtype)
+    return o, (final.view(batch, heads, kd, vd) if output_final_state else None)
+
+
+def _packed(query, key, value, g, beta, cu_seqlens, *, initial_state, output_final_state, **kw):
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs the packed sequences in one batch row, got batch {query.shape[0]}")
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+        s0 = None if initial_state is None else initial_state[i:i + 1]
+        o, final = chunk_gated_delta_rule(query[:, start:end], key[:, start:end], value[:, start:end],
+                                          g[:, start:end], beta[:, start:end], initial_state=s0,
+                                          output_final_state=True, **kw)
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
