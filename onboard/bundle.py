@@ -1,8 +1,8 @@
 """`onboard adapt`: inspect, render the adapter, verify it, and write the bundle atomically.
 
 Bundle: spec.json, adapter.py, kernels/ (Triton kernels rendered for the model), verification.json,
-REVIEW.md, source.json. It is written into a fresh
-directory beside the target and moved into place only when complete; an existing bundle is replaced only
+REVIEW.md, source.json, plan.json (`plan`, or one process by default) and train.sh (its torchrun command).
+It is written into a fresh directory beside the target and moved into place only when complete; an existing bundle is replaced only
 with `force`, and then only after the new one is complete.
 """
 
@@ -17,7 +17,14 @@ import uuid
 from pathlib import Path
 
 from onboard.capture import capture
-from onboard.codegen import environment, moe_kinds, render_adapter, render_kernels, replaceable
+from onboard.codegen import (
+    environment,
+    moe_kinds,
+    render_adapter,
+    render_kernels,
+    replaceable,
+    swapped_path,
+)
 from onboard.errors import OnboardError
 from onboard.inspection import build_spec
 from onboard.report import describe_mlp, human, pattern_spans, ranges
@@ -25,6 +32,7 @@ from onboard.source import ModelSource, resolve
 from onboard.spec import ModelSpec
 from onboard.twin import Twin, build_twin
 from onboard.verify import Verification, verify
+
 
 def load_adapter(directory: Path):
     """Import a bundle's adapter.py as a module of its own."""
@@ -71,7 +79,7 @@ def _check_out(out: Path, force: bool) -> None:
         raise OnboardError(f"cannot write to {parent}: {exc.strerror or exc}") from None
 
 
-def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[ModelSpec, Verification]:
+def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None) -> tuple[ModelSpec, Verification]:
     out = Path(out)
     _check_out(out, force)
     twin = build_twin(source)
@@ -96,6 +104,9 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False) -> tuple[Model
                 refused[path] = f"{what} did not verify ({detail})"
             verification = _render_and_verify(staging, spec, twin, refused)
         write_verification(staging, spec, twin, verification, refused)
+        from onboard.train import write_launcher
+
+        write_launcher(staging, plan)
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -116,19 +127,22 @@ def _hypotheses(spec: ModelSpec, refused: dict) -> dict[str, str]:
 def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, refused: dict) -> Verification:
     (staging / "adapter.py").write_text(render_adapter(spec, twin, refused))
     shutil.rmtree(staging / "kernels", ignore_errors=True)
-    kernels = render_kernels(spec, refused)
+    kernels = render_kernels(spec, twin, refused)
     if kernels:
         (staging / "kernels").mkdir()
         for name, source_text in kernels.items():
             (staging / "kernels" / name).write_text(source_text)
     module = load_adapter(staging)
-    return verify(spec, twin, module.adapt, lambda mlp: replaceable(mlp, refused))
+    return verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused))
 
 
 def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification,
                        refused: dict | None = None) -> None:
     data = verification.to_dict()
     data["refused"] = dict(sorted((refused or {}).items()))
+    kinds, _ = moe_kinds(spec, twin, refused)
+    # layers whose experts alone run in the runtime, and why the block (its routing) could not
+    data["experts_only"] = {k["ranges"]: k["why_not_block"] for k in kinds if k["mode"] == "experts"}
     (directory / "verification.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (directory / "REVIEW.md").write_text(render_review(spec, twin, verification, refused))
 
@@ -159,6 +173,6 @@ def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
     module = load_adapter(directory)
     refused = json.loads((directory / "verification.json").read_text()).get("refused", {}) \
         if (directory / "verification.json").is_file() else {}
-    verification = verify(spec, twin, module.adapt, lambda mlp: replaceable(mlp, refused))
+    verification = verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused))
     write_verification(directory, spec, twin, verification, refused)
     return spec, verification

@@ -6,6 +6,7 @@ options give byte-identical files.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict
 from importlib import resources
@@ -13,7 +14,7 @@ from importlib import resources
 import jinja2
 
 from onboard.report import describe_mlp, describe_router, ranges
-from onboard.spec import MLP, ModelSpec
+from onboard.spec import MLP, Layer, ModelSpec
 from onboard.twin import Twin
 
 # MLP fields that make two MoE layers need different construction code
@@ -53,6 +54,45 @@ def replaceable(mlp: MLP, refused: dict | None = None) -> str | None:
     return None
 
 
+def experts_only(layer: Layer, twin: Twin, refused: dict | None = None) -> str | None:
+    """Why the runtime cannot take over a block's experts alone, keeping the model's block and router
+    (None when it can): a fused weight stack with known roles behind transformers' experts interface
+    `experts(hidden_states, top_k_index, top_k_weights)`."""
+    mlp = layer.mlp
+    if mlp.kind != "moe" or mlp.expert_layout != "fused" or not mlp.experts_path:
+        return "the experts are not one fused weight stack"
+    if refused and mlp.experts_path in refused:
+        return refused[mlp.experts_path]
+    if not ({"gate_up", "down"} <= set(mlp.expert_weights) or {"gate", "up", "down"} <= set(mlp.expert_weights)):
+        return "the expert weight stacks could not be told apart"
+    try:
+        module = _experts_module(twin, layer.twin_layer, mlp.experts_path)
+    except AttributeError:
+        return "the experts module is not in the tiny twin"
+    required = [p for p in inspect.signature(module.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) != 3:
+        return "the experts module is not called as experts(hidden_states, top_k_index, top_k_weights)"
+    return None
+
+
+def swap_target(layer: Layer, twin: Twin, refused: dict | None = None) -> tuple[str | None, str | None]:
+    """What the adapter swaps in a layer's MLP: ("block", None), ("experts", why not the block) or
+    (None, why nothing)."""
+    why = replaceable(layer.mlp, refused)
+    if why is None:
+        return "block", None
+    if layer.mlp.kind == "moe" and experts_only(layer, twin, refused) is None:
+        return "experts", why
+    return None, why
+
+
+def swapped_path(layer: Layer, twin: Twin, refused: dict | None = None) -> str | None:
+    """The module (path below the decoder layer) the adapter replaces in this layer's MLP, if any."""
+    mode, _ = swap_target(layer, twin, refused)
+    return {"block": layer.mlp.path, "experts": layer.mlp.experts_path}.get(mode)
+
+
 def _experts_module(twin: Twin, layer: int, path: str):
     return twin.model.get_submodule(f"{twin.layers_path}.{layer}.{path}")
 
@@ -72,17 +112,21 @@ def _activation_code(mlp: MLP, twin: Twin, layer: int) -> tuple[str, str | None]
 
 
 def moe_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple[list[dict], dict[int, str]]:
-    """Group MoE layers that need the same construction code; also say which MoE layers stay as they are."""
+    """Group MoE layers that need the same construction code; also say which MoE layers stay as they are.
+    A kind's `mode` is "block" (the whole MoE block) or "experts" (the experts alone, the model routing)."""
     groups: dict[str, list[int]] = {}
     skipped: dict[int, str] = {}
+    partial: dict[int, str] = {}  # layers whose experts alone are swapped: why not the whole block
     for layer in spec.layers:
         if layer.mlp.kind != "moe":
             continue
-        why = replaceable(layer.mlp, refused)
-        if why:
+        mode, why = swap_target(layer, twin, refused)
+        if mode is None:
             skipped[layer.index] = why
             continue
-        key = json.dumps({f: asdict(layer.mlp)[f] for f in _KIND_FIELDS}, sort_keys=True)
+        if mode == "experts":
+            partial[layer.index] = why
+        key = json.dumps({"mode": mode, **{f: asdict(layer.mlp)[f] for f in _KIND_FIELDS}}, sort_keys=True)
         groups.setdefault(key, []).append(layer.index)
     kinds = []
     for indices in groups.values():
@@ -97,8 +141,11 @@ def moe_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple
         # the router as the block holds it (its outermost module below the block): what transformers observes
         below = (r.weight or "")[len(mlp.path) + 1:].split(".") if mlp.path else (r.weight or "").split(".")
         router_module = f"{mlp.path}.{below[0]}" if len(below) > 1 and not r.table else None
+        mode = "experts" if indices[0] in partial else "block"
         kinds.append({
-            "indices": indices, "ranges": ranges(indices), "path": mlp.path, "router_module": router_module,
+            "indices": indices, "ranges": ranges(indices), "mode": mode,
+            "path": mlp.experts_path if mode == "experts" else mlp.path, "router_module": router_module,
+            "why_not_block": partial.get(indices[0]),
             "summary": describe_mlp(mlp) + "; " + describe_router(mlp),
             "layout": mlp.expert_layout, "experts_path": mlp.experts_path, "weights": _Roles(mlp.expert_weights),
             "top_k": from_config("top_k", mlp.top_k), "n_group": from_config("n_group", r.n_group),
@@ -139,10 +186,10 @@ def _pow2(n: int, low: int, high: int) -> int:
     return p
 
 
-def render_kernels(spec: ModelSpec, refused: dict | None = None) -> dict[str, str]:
+def render_kernels(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> dict[str, str]:
     """Kernel modules specialised for this model's MoE shapes (empty when it has no MoE layer)."""
     moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe"
-                and not replaceable(layer.mlp, refused)), None)
+                and swap_target(layer, twin, refused)[0] is not None), None)
     if moe is None:
         return {}
     dtype = "bf16"

@@ -115,21 +115,22 @@ def support_row(model_type: str, adapt_dir=None) -> dict:
 
 
 def _adapt_row(source, spec, adapt_dir) -> dict:
+    import json
     from pathlib import Path
 
     from onboard.bundle import adapt
     from onboard.codegen import replaceable
-
-    import json
 
     out = Path(adapt_dir) / source.name
     try:
         _, verification = adapt(source, out, force=True)
     except Exception as exc:
         return {"adapt": "error", "adapt_why": " ".join(str(exc).split())[:200]}
-    refused = json.loads((out / "verification.json").read_text()).get("refused", {})
-    reasons = sorted({why for layer in spec.layers
-                      if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp, refused))})
+    recorded = json.loads((out / "verification.json").read_text())
+    refused, partial = recorded.get("refused", {}), recorded.get("experts_only", {})
+    reasons = sorted({f"experts only ({why})" for why in partial.values()})
+    kept = {why for layer in spec.layers if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp, refused))}
+    reasons += sorted(kept - set(partial.values()))
     return {"adapt": "verified" if verification.passed else "FAILED", "replaced": verification.replaced,
             "adapt_why": "; ".join(reasons)}
 

@@ -84,25 +84,25 @@ def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
     return [m.register_forward_hook(hook) for m in modules], counter
 
 
-def expected_replacements(spec: ModelSpec, twin: Twin, replaceable) -> int:
+def expected_replacements(spec: ModelSpec, twin: Twin, targets) -> int:
     depth = len(twin.model.get_submodule(twin.layers_path))
-    return sum(1 for layer in spec.layers if layer.index < depth and layer.mlp.kind == "moe"
-               and replaceable(layer.mlp) is None)
+    return sum(1 for layer in spec.layers if layer.index < depth and layer.mlp.kind == "moe" and targets(layer))
 
 
-def verify(spec: ModelSpec, twin: Twin, adapt, replaceable, seeds=SEEDS) -> Verification:
-    """Run the twin through HuggingFace and through `adapt`; compare everything. Never raises: an
-    adapter that crashes is a failed verification, with the error in the note."""
-    expected = expected_replacements(spec, twin, replaceable)
+def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS) -> Verification:
+    """Run the twin through HuggingFace and through `adapt`; compare everything. `targets(layer)` names the
+    module (below the decoder layer) the adapter should replace, or None. Never raises: an adapter that
+    crashes is a failed verification, with the error in the note."""
+    expected = expected_replacements(spec, twin, targets)
     tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL}
     try:
-        return _verify(spec, twin, adapt, replaceable, seeds, expected, tolerances)
+        return _verify(spec, twin, adapt, targets, seeds, expected, tolerances)
     except Exception as exc:  # generated code under test: report, do not crash
         return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
 
 
-def _verify(spec, twin, adapt, replaceable, seeds, expected, tolerances) -> Verification:
-    from runtime.moe import MoEBlock
+def _verify(spec, twin, adapt, targets, seeds, expected, tolerances) -> Verification:
+    from runtime.moe import MoEBlock, RoutedExperts
 
     results = []
     replaced = 0
@@ -113,12 +113,12 @@ def _verify(spec, twin, adapt, replaceable, seeds, expected, tolerances) -> Veri
         adapted = copy.deepcopy(ref)
         names = dict(adapted.named_parameters())
         stack = adapted.get_submodule(twin.layers_path)
-        originals = [stack[layer.index].get_submodule(layer.mlp.path) for layer in spec.layers
-                     if layer.index < len(stack) and layer.mlp.kind == "moe" and replaceable(layer.mlp) is None]
+        originals = [stack[layer.index].get_submodule(targets(layer)) for layer in spec.layers
+                     if layer.index < len(stack) and layer.mlp.kind == "moe" and targets(layer)]
         original_hooks, original_calls = _count_calls(originals)
         adapt(adapted)
         replaced = getattr(adapted, "onboard_replaced", 0)
-        runtime_hooks, runtime_calls = _count_calls([m for m in adapted.modules() if isinstance(m, MoEBlock)])
+        runtime_hooks, runtime_calls = _count_calls([m for m in adapted.modules() if isinstance(m, (MoEBlock, RoutedExperts))])
         batch = twin.example_batch(seed)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from onboard.bundle import adapt, load_adapter
-from onboard.codegen import replaceable
 from onboard.capture import capture
+from onboard.codegen import swapped_path
 from onboard.inspection import build_spec
 from onboard.source import resolve
 from onboard.twin import build_twin
@@ -27,7 +27,8 @@ def test_catalogue_models_adapt_and_verify(model, tmp_path):
     assert result.replaced == result.expected >= 1
     assert all(r.runtime_calls == result.replaced and r.original_calls == 0 for r in result.seeds)
     files = sorted(p.name for p in (tmp_path / "bundle").iterdir())
-    assert files == ["REVIEW.md", "adapter.py", "kernels", "source.json", "spec.json", "verification.json"]
+    assert files == ["REVIEW.md", "adapter.py", "kernels", "plan.json", "source.json", "spec.json", "train.sh",
+                     "verification.json"]
     review = (tmp_path / "bundle" / "REVIEW.md").read_text()
     assert "PASSED" in review and "runtime.moe.MoEBlock" in review
 
@@ -55,7 +56,7 @@ def test_parameters_are_reused_not_copied(tmp_path):
 def test_regeneration_is_byte_identical(tmp_path):
     adapt(resolve("mixtral-8x7b"), tmp_path / "one")
     adapt(resolve("mixtral-8x7b"), tmp_path / "two")
-    for name in ("spec.json", "adapter.py", "source.json"):
+    for name in ("spec.json", "adapter.py", "source.json", "plan.json", "train.sh"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
 
 
@@ -74,7 +75,7 @@ def _verify_rendered(deepseek, tmp_path):
     spec, twin = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
     (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
-    return verify(spec, twin, load_adapter(tmp_path).adapt, replaceable)
+    return verify(spec, twin, load_adapter(tmp_path).adapt, lambda layer: swapped_path(layer, twin))
 
 
 def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
@@ -196,15 +197,34 @@ def test_zero_experts_are_identity_slots(tmp_path):
 
 def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
     """Inkling's router also scores its shared experts: read as identity experts it fails verification,
-    so the bundle keeps those blocks as HuggingFace code and says why."""
+    so the bundle keeps those blocks and their routing as HuggingFace code, says why, and takes over only
+    the experts."""
     from onboard.families import default_config
     from onboard.source import from_config
 
     spec, result = adapt(from_config(default_config("inkling_text"), "inkling_text"), tmp_path / "b")
-    assert result.passed and result.replaced == 0
-    refused = json.loads((tmp_path / "b" / "verification.json").read_text())["refused"]
+    recorded = json.loads((tmp_path / "b" / "verification.json").read_text())
+    refused, partial = recorded["refused"], recorded["experts_only"]
     assert refused and all("did not verify" in why for why in refused.values())
-    assert "did not verify" in (tmp_path / "b" / "REVIEW.md").read_text()
+    assert partial and all("did not verify" in why for why in partial.values())
+    assert result.passed and result.replaced == result.expected > 0
+    assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
+    review = (tmp_path / "b" / "REVIEW.md").read_text()
+    assert "did not verify" in review and "runtime.moe.RoutedExperts" in review
+
+
+@pytest.mark.parametrize("family", ["phimoe", "zaya"])
+def test_routers_the_runtime_cannot_reproduce_keep_routing_and_swap_experts(family, tmp_path):
+    """PhiMoE's sparse mixer and ZAYA's router network stay HuggingFace code; their experts run in the runtime."""
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    spec, result = adapt(from_config(default_config(family), family), tmp_path / "b")
+    partial = json.loads((tmp_path / "b" / "verification.json").read_text())["experts_only"]
+    assert partial and result.passed and result.replaced == result.expected > 0
+    assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
+    assert "adapter.py" in {p.name for p in (tmp_path / "b").iterdir()}
+    assert "RoutedExperts(experts)" in (tmp_path / "b" / "adapter.py").read_text()
 
 
 def test_hash_routed_layers_are_reproduced(tmp_path):
