@@ -73,6 +73,14 @@ def cmd_verify(args) -> int:
     return _print_verification(spec, verification, args.bundle)
 
 
+def cmd_train(args) -> int:
+    from onboard.train import run
+
+    return run(args.bundle, args.plan, steps=args.steps, layers=args.layers, width=args.width,
+               checkpoint_dir=args.checkpoint_dir, runlog=args.runlog, data=args.data, lr=args.lr, seed=args.seed,
+               checkpoint_every=args.checkpoint_every)
+
+
 def cmd_catalogue(args) -> int:
     from onboard.source import catalogue_index
 
@@ -136,6 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapt", action="store_true", help="also adapt and verify each family (bundles in a temp dir)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_families)
+
+    p = sub.add_parser("train", help="train a bundle's adapted model (torchrun for plans over several processes)")
+    p.add_argument("bundle", help="bundle directory written by onboard adapt")
+    p.add_argument("--plan", help="plan JSON (default: the bundle's plan.json)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps in the whole run (default 10)")
+    p.add_argument("--layers", type=int, help="decoder layers to train (default: the tiny twin's)")
+    p.add_argument("--width", type=int, default=1, help="widen the twin's hidden size, heads and MLPs (default 1)")
+    p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16); default: synthetic tokens")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", help="default: BUNDLE/checkpoints (a rerun resumes from the newest)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (default: at the end)")
+    p.add_argument("--runlog", help="run log JSON lines (default: BUNDLE/runs/train.jsonl)")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("catalogue", help="list the bundled model configs")
     p.add_argument("--json", action="store_true")
