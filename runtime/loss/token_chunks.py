@@ -40,14 +40,19 @@ class TokenChunkedLoss(torch.autograd.Function):
             rows = slice(start, start + chunk)
             h, target = hidden[rows], labels[rows].unsqueeze(1)
             y = head_logits(h, weight, bias, transform)
-            lse = torch.logsumexp(y, dim=1)
-            ce += (lse - y.gather(1, target).squeeze(1)).sum()
+            picked = y.gather(1, target).squeeze(1)
+            slope = transform.slope(y) if want else 1.0
+            # one exp over the block: exp(y - max) in place, its row sums give the log-sum-exp
+            peak = y.amax(1, keepdim=True)
+            e = y.sub_(peak).exp_()
+            total = e.sum(1)
+            lse = peak.squeeze(1) + total.log()
+            ce += (lse - picked).sum()
             z += lse.square().sum()
             if not want:
                 continue
-            slope = transform.slope(y)
-            # d/dy of (lse - y[label] + zw * lse^2) = softmax * (1 + 2 zw lse) - onehot(label), in place on y
-            g = y.sub_(lse.unsqueeze(1)).exp_().mul_((inv_divisor * (1.0 + 2.0 * z_weight * lse)).unsqueeze(1))
+            # d/dy of (lse - y[label] + zw * lse^2) = softmax * (1 + 2 zw lse) - onehot(label)
+            g = e.mul_((inv_divisor * (1.0 + 2.0 * z_weight * lse) / total).unsqueeze(1))
             g.scatter_add_(1, target, g.new_full(target.shape, -inv_divisor))
             if not (isinstance(slope, float) and slope == 1.0):
                 g.mul_(slope)
