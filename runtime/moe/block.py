@@ -141,6 +141,21 @@ class MoEBlock(nn.Module):
         self.weight_on_input = weight_on_input
         self.tokens_per_expert: torch.Tensor | None = None  # last step's counts, for run logs
         self.last_routing: Routing | None = None
+        # set by runtime.parallel: runs the experts across an expert-parallel group (a plain callable, not a
+        # module, so it adds no parameters or state-dict entries)
+        self.expert_parallel: Callable | None = None
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of the whole model (all ranks together under expert parallelism)."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel.num_experts
+        return self.experts.num_experts
+
+    def _run_experts(self, tokens: torch.Tensor, d: Dispatch, scale: torch.Tensor | None) -> torch.Tensor:
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self.experts, tokens, d, scale)
+        return self.experts(tokens, d, scale=scale)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         shape = hidden_states.shape
@@ -154,18 +169,18 @@ class MoEBlock(nn.Module):
         if self.table is not None:
             fixed = self.table[kwargs[self.token_input].reshape(-1)].long()
         routing = route(logits, self.spec, self.router_bias, fixed)
-        d = plan_dispatch(routing.indices, self.experts.num_experts, self.capacity_factor)
+        d = plan_dispatch(routing.indices, self.num_experts, self.capacity_factor)
         tokens = registry.lookup("moe.permute", permute)(x, d)
         weights = routing.weights.reshape(-1).index_select(0, d.order)  # in sorted order
         if self.weight_on_input:  # e.g. Llama 4: scale the token before the expert, sum outputs unweighted
             tokens = tokens * weights.unsqueeze(-1).to(tokens.dtype)
-            expert_out = self.experts(tokens, d)
+            expert_out = self._run_experts(tokens, d, None)
         else:
-            expert_out = self.experts(tokens, d, scale=weights)
+            expert_out = self._run_experts(tokens, d, weights)
         # assignments dropped by a capacity limit contribute nothing; the residual stream carries the token
         out = registry.lookup("moe.unpermute", unpermute)(expert_out, d, x.shape[0]).to(x.dtype)
         if self.zero_experts:  # a zero expert returns its input: it adds weight * token
-            identity = (routing.indices >= self.experts.num_experts).to(routing.weights.dtype)
+            identity = (routing.indices >= self.num_experts).to(routing.weights.dtype)
             out = out + (routing.weights * identity).sum(-1, keepdim=True).to(x.dtype) * x
         if self.output_bias is not None:
             out = out + self.output_bias

@@ -1,1 +1,29 @@
-"""Parallel layout: device mesh, FSDP2, expert parallelism."""
+"""Parallel layout: device mesh, FSDP2, expert parallelism.
+
+Usage (every rank, after `torch.distributed.init_process_group`; a single process needs no group):
+
+    mesh = build_mesh(plan)                  # ParallelMesh: dense mesh, expert mesh, EP group
+    model = parallelize(model, plan, mesh)   # LoRA (plan.lora) -> EP -> FSDP2, in place; returns model
+
+`parallelize` steps, in this order (each one relies on the previous):
+1. LoRA when `plan.lora`: adapters on attention projections (nn.Linear) and grouped adapters on expert
+   stacks; everything else frozen (`runtime.lora`).
+2. Expert parallelism when `plan.ep > 1`: every `runtime.moe.MoEBlock` keeps E/ep experts (its rank's
+   slice of each stack, LoRA stacks included, as plain local Parameters) and gets an `ExpertParallel`
+   hook that exchanges tokens with `all_to_all_single` (variable splits, async, local experts computed
+   while remote tokens are in flight when `plan.overlap`).
+3. FSDP2 over the data-parallel ranks: experts `fully_shard`ed first over the ranks holding the same
+   experts (gradients divided by the whole data-parallel size, so they match single-process training on
+   the concatenated batch), then each decoder layer, then the root, on the (dp_replicate, dp_shard) mesh.
+
+Each rank feeds its own micro-batch; the gradients equal those of one process on all ranks' batches with
+the mean of the per-rank losses. Expert parameters under EP hold only the local experts: use
+`gather_experts` (or `runtime.lora.lora_state_dict`) to write full tensors.
+"""
+
+from runtime.parallel.api import decoder_layers, gather_experts, moe_blocks, parallelize
+from runtime.parallel.expert import ExpertParallel, shard_experts
+from runtime.parallel.mesh import ParallelMesh, build_mesh
+
+__all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "decoder_layers", "gather_experts", "moe_blocks",
+           "parallelize", "shard_experts"]

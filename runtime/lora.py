@@ -1,0 +1,159 @@
+"""LoRA: low-rank adapters on attention projections (nn.Linear) and on expert stacks (one A/B pair per expert).
+
+The base weights stay the same Parameter objects under the same names, frozen; adapters are new parameters
+named `lora_*` beside them, so a checkpoint of the adapters alone is `lora_state_dict(model)`. Expert
+adapters are stacks with one row per expert, so expert parallelism splits them exactly like the experts.
+Apply LoRA before `runtime.parallel.parallelize` shards anything (it does so itself when `plan.lora` is set).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.moe.block import GroupedExperts, ModuleExperts
+from runtime.moe.grouped import grouped_mm
+from runtime.plan import LoRA
+
+PREFIX = "lora_"
+
+
+class LoRALinear(nn.Module):
+    """y = x W^T + b + (alpha / r) x A^T B^T, with W and b the wrapped nn.Linear's own parameters."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.scaling = alpha / rank
+        self.lora_a = nn.Parameter(base.weight.new_empty(rank, base.in_features))
+        self.lora_b = nn.Parameter(base.weight.new_zeros(base.out_features, rank))  # starts as the base model
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+
+
+class LoRAGroupedExperts(GroupedExperts):
+    """GroupedExperts whose stacks each get a per-expert low-rank update, computed as two grouped matmuls.
+
+    An existing GroupedExperts becomes one in place (its class is swapped, as FSDP2 does), so its
+    parameters keep their names and identities."""
+
+    STACKS = ("gate_up", "up", "down")
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, d) -> torch.Tensor:
+        y = super()._mm(x, w, d)
+        for name in self.STACKS:
+            if w is getattr(self, name):
+                a, b = getattr(self, f"{PREFIX}{name}_a"), getattr(self, f"{PREFIX}{name}_b")
+                low = grouped_mm(x, a, d.counts, out_in=True)
+                return y + grouped_mm(low, b, d.counts, out_in=True) * self.lora_scaling
+        return y
+
+    @classmethod
+    def convert(cls, experts: GroupedExperts, rank: int, alpha: float) -> None:
+        experts.__class__ = cls
+        experts.lora_scaling = alpha / rank
+        e = experts.experts
+        for name in cls.STACKS:
+            w = getattr(experts, name)
+            if w is None:
+                continue
+            out_dim, in_dim = (w.shape[2], w.shape[1]) if experts.transposed else (w.shape[1], w.shape[2])
+            a = nn.Parameter(w.new_empty(e, rank, in_dim))
+            for row in a.data:  # each expert's A initialised as an nn.Linear's weight
+                nn.init.kaiming_uniform_(row, a=math.sqrt(5))
+            setattr(experts, f"{PREFIX}{name}_a", a)
+            setattr(experts, f"{PREFIX}{name}_b", nn.Parameter(w.new_zeros(e, out_dim, rank)))
+
+
+def _is_attention(name: str) -> bool:
+    return any("attn" in part or "attention" in part for part in name.split("."))
+
+
+def apply_lora(model: nn.Module, lora: LoRA) -> list[str]:
+    """Add adapters to the targets of `lora` and freeze everything else; returns the adapted module names.
+
+    Targets: "attention" (every nn.Linear under a module named *attn* / *attention*), "experts" (runtime
+    expert stacks, and the nn.Linear layers of per-module experts), or fnmatch patterns of module names."""
+    if lora.rank < 1:
+        raise ValueError(f"LoRA rank must be at least 1, got {lora.rank}")
+    known = {"attention", "experts"}
+    patterns = [t for t in lora.targets if t not in known]
+    expert_roots = [name for name, m in model.named_modules() if isinstance(m, (GroupedExperts, ModuleExperts))]
+    adapted = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts) and "experts" in lora.targets:
+            LoRAGroupedExperts.convert(module, lora.rank, lora.alpha)
+            adapted.append(name)
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        in_experts = any(name.startswith(root + ".") for root in expert_roots)
+        wanted = (("attention" in lora.targets and _is_attention(name) and not in_experts)
+                  or ("experts" in lora.targets and in_experts)
+                  or any(fnmatch.fnmatch(name, p) for p in patterns))
+        if wanted:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, LoRALinear(module, lora.rank, lora.alpha))
+            adapted.append(name)
+    if not adapted:
+        raise ValueError(f"LoRA targets {lora.targets} match no module of {type(model).__name__}")
+    for pname, p in model.named_parameters():
+        p.requires_grad_(is_lora_name(pname))
+    return adapted
+
+
+def is_lora_name(name: str) -> bool:
+    return name.rpartition(".")[2].startswith(PREFIX)
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(is_lora_name(name) for name, _ in model.named_parameters())
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters alone, as full tensors (FSDP2 shards and expert-parallel slices gathered).
+    Under torch.distributed this is collective: every rank must call it."""
+    import torch.distributed as dist
+
+    state = {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from runtime.parallel import gather_experts
+
+        state = gather_experts(model, state)
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load full adapter tensors (as `lora_state_dict` wrote them) into a model, sharded or not."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from runtime.parallel import moe_blocks
+
+    own = {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"LoRA state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    slices = {}
+    for name, block in moe_blocks(model):
+        shard = getattr(block.experts, "expert_shard", None)
+        if shard is not None:
+            rank, size, total = shard
+            slices[f"{name}.experts." if name else "experts."] = (rank * (total // size), total // size)
+    with torch.no_grad():
+        for key, target in own.items():
+            full = state[key]
+            for prefix, (lo, n) in slices.items():
+                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                    full = full[lo:lo + n]
+            if isinstance(target, DTensor):
+                target.to_local().copy_(distribute_tensor(full.to(target.dtype), target.device_mesh,
+                                                          target.placements).to_local())
+            else:
+                target.copy_(full)

@@ -1,0 +1,93 @@
+"""`parallelize`: LoRA, expert parallelism and FSDP2 applied to a (runtime-adapted) HuggingFace model."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from runtime.moe.block import MoEBlock
+from runtime.parallel.expert import ExpertParallel, shard_experts
+from runtime.parallel.mesh import ParallelMesh
+from runtime.plan import Plan
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoEBlock)]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer stack: the ModuleList holding the most parameters."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no layer stack (nn.ModuleList) to shard layer by layer")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None) -> nn.Module:
+    """Apply LoRA (plan.lora), expert parallelism (plan.ep) and FSDP2 to `model` in place; returns it.
+
+    `trace`, when given, collects the expert-parallel issue / wait events of every MoE block."""
+    if plan.lora is not None:
+        from runtime.lora import apply_lora, has_lora
+
+        if not has_lora(model):  # adapters already in place (loaded, or initialised by the caller) are kept
+            apply_lora(model, plan.lora)
+    blocks = moe_blocks(model)
+    if plan.ep > 1:
+        if not blocks:
+            raise ValueError("ep > 1 but the model has no runtime MoE blocks (adapt it first)")
+        for _, block in blocks:
+            experts = block.num_experts
+            shard_experts(block.experts, experts, mesh.ep_rank, plan.ep)
+            block.expert_parallel = ExpertParallel(experts, mesh.ep_group, overlap=plan.overlap, trace=trace)
+    if mesh.dense is None:
+        return model
+    if plan.ep > 1:
+        for _, block in blocks:
+            fully_shard(block.experts, mesh=mesh.experts)
+            # each rank's expert gradients already sum the tokens of its whole EP group: divide by every
+            # data-parallel rank, not only by those FSDP reduces over
+            block.experts.set_gradient_divide_factor(float(plan.dp))
+            if dist.get_backend() == "gloo":
+                # a custom factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: plain SUM plus a
+                # separate division gives the same gradients
+                block.experts.set_force_sum_reduction_for_comms(True)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh.dense)
+    fully_shard(model, mesh=mesh.dense)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+
+def gather_experts(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A full state dict on every rank: FSDP2 shards gathered and expert-parallel slices concatenated
+    (per-module experts renumbered to their global index). Collective: every rank must call it."""
+    state = {k: _full(v) for k, v in (state if state is not None else model.state_dict()).items()}
+    for name, block in moe_blocks(model):
+        shard = getattr(block.experts, "expert_shard", None)
+        if shard is None or block.expert_parallel is None:
+            continue
+        _, size, total = shard
+        group = block.expert_parallel.group
+        local = total // size
+        prefix = f"{name}.experts." if name else "experts."
+        for key in [k for k in state if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            parts = rest.split(".")
+            value = state.pop(key)
+            pieces = [torch.empty_like(value) for _ in range(size)]
+            dist.all_gather(pieces, value.contiguous(), group=group)
+            if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # ModuleExperts: one key each
+                for r, piece in enumerate(pieces):
+                    state[prefix + ".".join(["experts", str(r * local + int(parts[1])), *parts[2:]])] = piece
+            elif "." not in rest and value.dim() and value.shape[0] == local:  # a stack sliced by EP
+                state[key] = torch.cat(pieces)
+            else:
+                state[key] = value
+    return state

@@ -1,0 +1,100 @@
+"""Expert parallelism: each rank of the EP group holds E/ep experts; tokens travel to them and back.
+
+Per MoE block and step: the per-expert counts are exchanged first (equal splits, synchronous: the token
+splits depend on them), then the tokens bound for other ranks leave with an asynchronous All-to-All of
+variable splits while this rank's own tokens run through its local experts. Received tokens arrive
+grouped by source rank; they are regrouped by local expert, computed, and sent back the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.moe.block import ModuleExperts
+from runtime.moe.dispatch import Dispatch
+from runtime.parallel import exchange
+from runtime.parallel.exchange import Exchange, Mark
+
+
+class ExpertParallel:
+    """The `MoEBlock.expert_parallel` hook: runs sorted tokens through experts spread over `group`."""
+
+    def __init__(self, num_experts: int, group, *, overlap: bool = True, trace: list | None = None):
+        self.num_experts = num_experts
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local = num_experts // self.size
+        self.overlap = overlap
+        self.trace = trace  # a list to record issue / wait order into (tests and debugging)
+
+    def _log(self, event: str) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    def __call__(self, experts: nn.Module, tokens: torch.Tensor, d: Dispatch,
+                 scale: torch.Tensor | None) -> torch.Tensor:
+        el, me = self.local, self.rank
+        counts = d.counts.to(torch.int64)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.group)
+        recv_counts = recv_counts.view(self.size, el)
+        send = counts.view(self.size, el).sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        lo = sum(send[:me])
+        hi = lo + send[me]
+        # this rank's own tokens never enter the exchange
+        send[me] = recv[me] = 0
+        recv_counts[me] = 0
+
+        dispatch = Exchange(send, recv, self.group, "dispatch", self.trace)
+        in_flight = exchange.start(torch.cat([tokens[:lo], tokens[hi:]]), dispatch)
+        if not self.overlap:
+            received = exchange.finish(in_flight, dispatch)
+        local = Dispatch(order=d.order[lo:hi], expert_ids=d.expert_ids[lo:hi] - me * el,
+                         counts=counts[me * el:(me + 1) * el], keep=None, top_k=d.top_k)
+        self._log("local_experts")
+        local_out = experts(tokens[lo:hi], local, scale=None if scale is None else scale[lo:hi])
+        if self.trace is not None:
+            local_out = Mark.apply(local_out, self.trace, "local_experts_backward")
+        if self.overlap:
+            received = exchange.finish(in_flight, dispatch)
+
+        remote_out = self._remote(experts, received, recv_counts)
+        combine = Exchange(recv, send, self.group, "combine", self.trace)
+        returned = exchange.finish(exchange.start(remote_out, combine), combine)
+        if scale is not None:
+            returned = returned * torch.cat([scale[:lo], scale[hi:]]).unsqueeze(-1).to(returned.dtype)
+        return torch.cat([returned[:lo], local_out, returned[lo:]])
+
+    def _remote(self, experts: nn.Module, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Run rows grouped by (source rank, local expert) through the local experts, in received order."""
+        ids = torch.arange(self.local, device=received.device).repeat(self.size)
+        expert_ids = torch.repeat_interleave(ids, recv_counts.reshape(-1))
+        order = torch.sort(expert_ids, stable=True).indices
+        d = Dispatch(order=order, expert_ids=expert_ids[order], counts=recv_counts.sum(0), keep=None, top_k=1)
+        y = experts(received.index_select(0, order), d, scale=None)
+        return y.index_select(0, torch.argsort(order))
+
+
+def shard_experts(experts: nn.Module, num_experts: int, rank: int, size: int) -> None:
+    """Keep this rank's slice of every per-expert tensor of `experts` (stacks, biases, LoRA stacks).
+
+    The slice becomes a new Parameter (not a view) so that the full stack can be freed and FSDP2 sees a
+    plain tensor to shard over the ranks that hold the same experts."""
+    if num_experts % size:
+        raise ValueError(f"{num_experts} experts cannot be split over an expert-parallel group of {size}")
+    local = num_experts // size
+    lo = rank * local
+    if isinstance(experts, ModuleExperts):
+        experts.experts = nn.ModuleList(list(experts.experts)[lo:lo + local])
+        experts.expert_shard = (rank, size, num_experts)
+        return
+    for name, p in list(experts.named_parameters(recurse=False)):
+        if p.dim() == 0 or p.shape[0] < num_experts:
+            continue
+        setattr(experts, name, nn.Parameter(p.detach()[lo:lo + local].clone(), requires_grad=p.requires_grad))
+    experts.experts = local  # rows computed (extra zero-expert rows are gone with the slice)
+    experts.expert_shard = (rank, size, num_experts)  # read by checkpoint / adapter gathering
