@@ -19,6 +19,7 @@ from pathlib import Path
 from onboard.capture import capture
 from onboard.codegen import (
     environment,
+    loss_target,
     moe_kinds,
     render_adapter,
     render_kernels,
@@ -46,6 +47,7 @@ def load_adapter(directory: Path):
 
 def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refused: dict | None = None) -> str:
     kinds, skipped = moe_kinds(spec, twin, refused)
+    loss, loss_why = loss_target(spec, twin, refused)
     for kind in kinds:
         kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
                                                     kind["router"].bias, kind["router"].linear_bias, kind["output_bias"], kind["shared_gate_weight"], *kind["shared"]] if p})
@@ -61,6 +63,7 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refus
         params_total=human(spec.params_total), params_active=human(spec.params_active),
         attention_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers})),
         twin_hidden=twin.config.hidden_size, twin_layers=len(twin.layer_signatures),
+        loss=loss, loss_why=loss_why,
     )
 
 
@@ -92,12 +95,16 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None) -> 
             indent=2, sort_keys=True) + "\n")
         refused: dict[str, str] = {}
         verification = _render_and_verify(staging, spec, twin, refused)
-        hypotheses = _hypotheses(spec, refused)
-        if not verification.passed and hypotheses:
-            # readings of the model that verification has to confirm (extra routing slots taken as identity
-            # experts): drop them, keep those blocks as HuggingFace code, and verify again
+        # readings of the model that verification has to confirm (extra routing slots taken as identity
+        # experts; the loss computed from the decoder's last hidden state): when the bundle fails, drop
+        # them one group at a time, keep those parts as HuggingFace code, and verify again
+        for hypotheses in (_hypotheses(spec, refused), _loss_hypothesis(spec, twin, refused)):
+            if verification.passed or not hypotheses:
+                continue
             if verification.seeds:
-                detail = f"max relative logits difference {max(r.logits_max_rel for r in verification.seeds):.1e}"
+                seeds = verification.seeds
+                detail = (f"max relative logits difference {max(r.logits_max_rel for r in seeds):.1e}, "
+                          f"loss {max(abs(r.loss_ref - r.loss_adapted) for r in seeds):.1e}")
             else:
                 detail = verification.note
             for path, what in hypotheses.items():
@@ -124,6 +131,12 @@ def _hypotheses(spec: ModelSpec, refused: dict) -> dict[str, str]:
     return out
 
 
+def _loss_hypothesis(spec: ModelSpec, twin: Twin, refused: dict) -> dict[str, str]:
+    if loss_target(spec, twin, refused)[0] is None:
+        return {}
+    return {"loss": "computing the loss from the decoder's last hidden state through the LM head"}
+
+
 def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, refused: dict) -> Verification:
     (staging / "adapter.py").write_text(render_adapter(spec, twin, refused))
     shutil.rmtree(staging / "kernels", ignore_errors=True)
@@ -133,7 +146,8 @@ def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, refused: dict
         for name, source_text in kernels.items():
             (staging / "kernels" / name).write_text(source_text)
     module = load_adapter(staging)
-    return verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused))
+    return verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused),
+                  loss_swapped=loss_target(spec, twin, refused)[0] is not None)
 
 
 def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification,
@@ -173,6 +187,7 @@ def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
     module = load_adapter(directory)
     refused = json.loads((directory / "verification.json").read_text()).get("refused", {}) \
         if (directory / "verification.json").is_file() else {}
-    verification = verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused))
+    verification = verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused),
+                          loss_swapped=loss_target(spec, twin, refused)[0] is not None)
     write_verification(directory, spec, twin, verification, refused)
     return spec, verification

@@ -93,6 +93,28 @@ def swapped_path(layer: Layer, twin: Twin, refused: dict | None = None) -> str |
     return {"block": layer.mlp.path, "experts": layer.mlp.experts_path}.get(mode)
 
 
+def loss_target(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple[dict | None, str | None]:
+    """How the adapter computes the training loss without full logits (None, and why, when it does not)."""
+    if refused and "loss" in refused:
+        return None, refused["loss"]
+    head = spec.head or {}
+    if head.get("loss") != "cross_entropy":
+        return None, "no cross-entropy loss found after the LM head"
+    path = head.get("path")
+    try:
+        module = twin.model.get_submodule(path) if path else None
+    except AttributeError:
+        module = None
+    if module is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
+        return None, "the LM head is not one linear projection"
+    if not callable(getattr(twin.model, "get_decoder", None)):
+        return None, "the model does not expose its decoder (get_decoder), so its last hidden state is out of reach"
+    softcap = head.get("logit_softcap")
+    if softcap is True:
+        return None, "the logits are soft-capped by a value the graph does not show"
+    return {"head": path, "softcap": softcap}, None
+
+
 def _experts_module(twin: Twin, layer: int, path: str):
     return twin.model.get_submodule(f"{twin.layers_path}.{layer}.{path}")
 
@@ -170,11 +192,14 @@ class _Roles(dict):
 
 def render_adapter(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> str:
     kinds, _ = moe_kinds(spec, twin, refused)
-    stays = ["attention", "norms", "embeddings", "LM head and loss"]
+    loss, _ = loss_target(spec, twin, refused)
+    stays = ["attention", "norms", "embeddings"]
     if any(layer.mlp.kind == "dense" for layer in spec.layers):
         stays.insert(1, "dense MLPs")
+    if loss is None:
+        stays.append("LM head and loss")
     return environment().get_template("adapter.py.j2").render(
-        spec=spec, kinds=kinds, stays=", ".join(stays),
+        spec=spec, kinds=kinds, stays=", ".join(stays), loss=loss,
         moe_layer_count=sum(len(k["indices"]) for k in kinds),
     )
 

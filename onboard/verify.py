@@ -42,6 +42,7 @@ class SeedResult:
     grad_failures: list[str] = field(default_factory=list)
     runtime_calls: int = 0
     original_calls: int = 0
+    runtime_loss_calls: int = 0  # forward passes whose loss the runtime computed (0 when the loss stays HF)
     passed: bool = False
 
 
@@ -89,19 +90,21 @@ def expected_replacements(spec: ModelSpec, twin: Twin, targets) -> int:
     return sum(1 for layer in spec.layers if layer.index < depth and layer.mlp.kind == "moe" and targets(layer))
 
 
-def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS) -> Verification:
+def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS, *, loss_swapped: bool = False) -> Verification:
     """Run the twin through HuggingFace and through `adapt`; compare everything. `targets(layer)` names the
     module (below the decoder layer) the adapter should replace, or None. Never raises: an adapter that
-    crashes is a failed verification, with the error in the note."""
+    crashes is a failed verification, with the error in the note. With `loss_swapped` the adapter must also
+    compute the training loss in the runtime (without full logits); the logits are then compared from a
+    forward pass without labels."""
     expected = expected_replacements(spec, twin, targets)
     tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL}
     try:
-        return _verify(spec, twin, adapt, targets, seeds, expected, tolerances)
+        return _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped)
     except Exception as exc:  # generated code under test: report, do not crash
         return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
 
 
-def _verify(spec, twin, adapt, targets, seeds, expected, tolerances) -> Verification:
+def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped) -> Verification:
     from runtime.moe import MoEBlock, RoutedExperts
 
     results = []
@@ -124,14 +127,26 @@ def _verify(spec, twin, adapt, targets, seeds, expected, tolerances) -> Verifica
         out_ref.loss.backward()
         out_ad = adapted(**batch, use_cache=False)
         out_ad.loss.backward()
+        loss_calls = getattr(adapted, "onboard_loss_calls", 0)
+        logits_ad = out_ad.logits
+        if logits_ad is None or logits_ad.numel() == 0:  # the runtime loss never made logits: ask for them
+            with torch.no_grad():
+                logits_ad = adapted(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
         for h in original_hooks + runtime_hooks:
             h.remove()
-        results.append(_compare(seed, ref, out_ref, out_ad, names, runtime_calls[0], original_calls[0]))
-    aux = _aux_losses(twin, spec, adapt) if replaced else {}
+        result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls[0], original_calls[0])
+        result.runtime_loss_calls = loss_calls
+        if loss_swapped and loss_calls == 0:
+            result.passed = False
+        results.append(result)
+    aux = _aux_losses(twin, spec, adapt) if replaced or loss_swapped else {}
     passed = bool(results) and all(r.passed for r in results) and replaced == expected and aux.get("passed", True)
     note = "" if replaced == expected else f"adapter replaced {replaced} blocks, expected {expected}"
     if expected == 0:
-        note = "no MoE block the runtime can take over: the adapter leaves the model as it is"
+        note = "no MoE block the runtime can take over" + ("" if loss_swapped else
+                                                         ": the adapter leaves the model as it is")
+    if loss_swapped and results and not all(r.runtime_loss_calls for r in results):
+        note = (note + "; " if note else "") + "the runtime loss did not run"
     if not aux.get("passed", True):
         note = (note + "; " if note else "") + "the router auxiliary loss differs"
     return Verification(passed, replaced, expected, results, tolerances, note, _backends() if replaced else {}, aux)
@@ -159,7 +174,10 @@ def _aux_losses(twin: Twin, spec: ModelSpec, adapt) -> dict:
         return {"passed": False, "error": one_line(exc)}
     b_aux = getattr(b, "aux_loss", None)
     a_aux, b_aux = float(a_aux), float(b_aux) if b_aux is not None else float("nan")
-    return {"hf": a_aux, "adapted": b_aux, "passed": abs(a_aux - b_aux) <= LOSS_RTOL * max(1.0, abs(a_aux))}
+    # the training loss with the auxiliary term added in
+    a_loss, b_loss = float(a.loss), float(b.loss) if b.loss is not None else float("nan")
+    close = [abs(x - y) <= LOSS_RTOL * max(1.0, abs(x)) for x, y in ((a_aux, b_aux), (a_loss, b_loss))]
+    return {"hf": a_aux, "adapted": b_aux, "hf_loss": a_loss, "adapted_loss": b_loss, "passed": all(close)}
 
 
 def _backends() -> dict:
@@ -171,13 +189,14 @@ def _backends() -> dict:
             (("moe.grouped_mm", grouped_mm), ("moe.permute", permute), ("moe.unpermute", unpermute))}
 
 
-def _compare(seed, ref, out_ref, out_ad, adapted_params, runtime_calls, original_calls) -> SeedResult:
-    a, b = out_ref.logits.detach().double(), out_ad.logits.detach().double()
+def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, runtime_calls,
+             original_calls) -> SeedResult:
+    a, b = out_ref.logits.detach().double(), logits_adapted.detach().double()
     scale = max(1.0, float(a.abs().max()))
     max_abs = float((a - b).abs().max())
     kl = float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
                                           reduction="batchmean") / a.shape[1])
-    loss_ref, loss_ad = float(out_ref.loss), float(out_ad.loss)
+    loss_ref, loss_ad = float(out_ref.loss.detach()), float(loss_adapted.detach())
     failures, worst, worst_name, checked = [], 0.0, "", 0
     for name, p in ref.named_parameters():
         q = adapted_params[name]
@@ -198,4 +217,4 @@ def _compare(seed, ref, out_ref, out_ad, adapted_params, runtime_calls, original
     passed = (max_abs <= LOGITS_RTOL * scale and abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
               and not failures and original_calls == 0 and math.isfinite(loss_ad))
     return SeedResult(seed, max_abs, max_abs / scale, loss_ref, loss_ad, kl, checked, worst, worst_name,
-                      failures[:20], runtime_calls, original_calls, passed)
+                      failures[:20], runtime_calls, original_calls, passed=passed)

@@ -1,0 +1,77 @@
+"""Make a HuggingFace causal LM compute its training loss without the full logits tensor.
+
+transformers' causal-LM heads all follow one shape: decoder → last hidden state → LM head (on the positions
+`logits_to_keep` selects) → `loss_function(logits, labels)` → plus the router auxiliary loss times its
+coefficient when router logits are requested. `swap_causal_lm_loss` keeps that forward, asks it for no
+logits at all (an empty `logits_to_keep`), takes the decoder's last hidden state and computes the loss with
+`runtime.loss.lm_head_loss` on the head's own parameters. Without labels the model is untouched (generation
+and evaluation get their logits as before).
+
+This is a reading of the model, not a certainty: a model that transforms the hidden state or the logits
+in ways not given here (`softcap`, `logit_scale`) computes a different loss, which verification catches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.loss.head import lm_head_loss
+
+
+def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, softcap: float | None = None,
+                        logit_scale: float = 1.0, chunk_tokens: int | None = None,
+                        chunk_vocab: int | None = None) -> nn.Module:
+    """Swap the loss in place (the model's class becomes a subclass with a new `forward`; parameters,
+    names and state dict are unchanged). `model.onboard_loss_calls` counts the runtime loss calls."""
+    head = model.get_submodule(head_path)
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+        raise ValueError(f"{head_path} is not a linear LM head (no 2-D weight)")
+    if not callable(getattr(model, "get_decoder", None)):
+        raise ValueError(f"{type(model).__name__} has no get_decoder(): cannot reach its last hidden state")
+    base = type(model)
+    if getattr(base, "_onboard_loss_swapped", False):
+        base = base.__mro__[1]
+    options = {"head_path": head_path, "softcap": softcap, "logit_scale": logit_scale,
+               "chunk_tokens": chunk_tokens, "chunk_vocab": chunk_vocab}
+
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None:
+            return base.forward(self, *args, **kwargs)
+        return _forward_with_loss(self, base, options, args, labels, kwargs)
+
+    model.__class__ = type(base.__name__, (base,), {"forward": forward, "_onboard_loss_swapped": True,
+                                                   "__module__": base.__module__})
+    model.onboard_loss_calls = 0
+    return model
+
+
+def _last_hidden(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple):
+        return output[0]
+    return output.last_hidden_state
+
+
+def _forward_with_loss(model, base, options, args, labels, kwargs):
+    captured = {}
+    hook = model.get_decoder().register_forward_hook(
+        lambda _module, _inputs, output: captured.__setitem__("hidden", _last_hidden(output)))
+    try:
+        no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
+        out = base.forward(model, *args, labels=None, **{**kwargs, "logits_to_keep": no_logits})
+    finally:
+        hook.remove()
+    head = model.get_submodule(options["head_path"])
+    loss = lm_head_loss(captured["hidden"], head.weight, labels, bias=getattr(head, "bias", None),
+                        softcap=options["softcap"], logit_scale=options["logit_scale"],
+                        num_items_in_batch=kwargs.get("num_items_in_batch"),
+                        chunk_tokens=options["chunk_tokens"], chunk_vocab=options["chunk_vocab"])
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:  # the model adds its router load-balancing loss to the training loss
+        coef = getattr(model, "router_aux_loss_coef", getattr(model.config, "router_aux_loss_coef", 0.0))
+        loss = loss + coef * aux.to(loss.device)
+    model.onboard_loss_calls += 1
+    out.loss = loss
+    return out
