@@ -18,11 +18,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision inputs (the state is sensitive to rounding), fp64 stays fp64 (tests)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def prepare_qk(query: torch.Tensor, key: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool,
                scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 queries and keys, normalised if asked, queries scaled (default 1/sqrt(head dim)), and repeated
+    """Queries and keys in the compute dtype, normalised if asked, queries scaled (default 1/sqrt(head dim)), and repeated
     when several value heads share one key head (grouped value attention, head h uses key head h // group)."""
-    query, key = query.float(), key.float()
+    dtype = compute_dtype(query)
+    query, key = query.to(dtype), key.to(dtype)
     if use_qk_l2norm:
         query, key = l2norm(query), l2norm(key)
     query = query * (query.shape[-1] ** -0.5 if scale is None else scale)
@@ -42,10 +48,11 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, *, scale: float | Non
     value dtype, final state or None)."""
     batch, length, heads, v_dim = value.shape
     q, k = prepare_qk(query, key, heads, use_qk_l2norm_in_kernel, scale)
-    v, g, beta = value.float(), g.float(), beta.float()
+    v, g, beta = (x.to(q.dtype) for x in (value, g, beta))
     if g.dim() == 3:
         g = g.unsqueeze(-1)
-    state = (torch.zeros(batch, heads, k.shape[-1], v_dim, device=v.device) if initial_state is None else initial_state.float())
+    state = (torch.zeros(batch, heads, k.shape[-1], v_dim, dtype=v.dtype, device=v.device) if initial_state is None
+             else initial_state.to(v.dtype))
     outs = []
     for t in range(length):
         state = state * g[:, t].exp().unsqueeze(-1)

@@ -172,15 +172,15 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     if g.dim() == 4 and g.shape[-1] != kd:
         raise ValueError(f"per-channel gate has {g.shape[-1]} channels, keys have {kd}")
     pad = -length % chunk_size
-    gate = g.float() if g.dim() == 4 else g.float().unsqueeze(-1)
+    gate = g.to(q.dtype) if g.dim() == 4 else g.to(q.dtype).unsqueeze(-1)
 
     def heads_first(x):  # (B, T, H, D) -> (B*H, T+pad, D), zero padded: padded tokens leave the state unchanged
         x = x.transpose(1, 2)
         return F.pad(x, (0, 0, 0, pad)).reshape(batch * heads, length + pad, x.shape[-1])
 
-    q, k, v, gate = (heads_first(x) for x in (q, k, value.float(), gate))
-    b = F.pad(beta.float().transpose(1, 2), (0, pad)).reshape(batch * heads, length + pad)
-    s0 = None if initial_state is None else initial_state.float().reshape(batch * heads, kd, vd)
+    q, k, v, gate = (heads_first(x) for x in (q, k, value.to(q.dtype), gate))
+    b = F.pad(beta.to(q.dtype).transpose(1, 2), (0, pad)).reshape(batch * heads, length + pad)
+    s0 = None if initial_state is None else initial_state.to(q.dtype).reshape(batch * heads, kd, vd)
     core = registry.lookup("linear_attention.chunk_gated_delta", _chunk_core)
     o, final = core(q.contiguous(), k.contiguous(), v.contiguous(), gate.contiguous(), b.contiguous(), s0,
                     chunk_size, block)

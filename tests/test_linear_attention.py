@@ -1,0 +1,317 @@
+"""Chunked gated delta rule, causal conv and the swap into HuggingFace linear-attention modules.
+
+The chunked core is checked against the token-by-token recurrence (fp64, so any algebra slip shows), the
+swapped modules against transformers' own modeling code on tiny random-weight models, forward and backward.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from runtime.attention import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    find_linear_cores,
+    recurrent_gated_delta_rule,
+    swap_linear_core,
+    unswap_linear_core,
+)
+from runtime.attention.decay_pairs import decay_pairs, decay_pairs_backward
+from runtime.attention.gated_delta import _chunk_core
+from runtime.attention.triangular import unit_lower_inverse
+from runtime.kernels import registry
+
+OP = "linear_attention.chunk_gated_delta"
+
+
+def _problem(per_channel, *, batch=2, length=37, key_heads=2, heads=4, kd=8, vd=6, decay=0.5, state=True,
+             dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, key_heads, kd, generator=gen, dtype=dtype)
+    k = torch.randn(batch, length, key_heads, kd, generator=gen, dtype=dtype)
+    v = torch.randn(batch, length, heads, vd, generator=gen, dtype=dtype)
+    gate = (batch, length, heads, kd) if per_channel else (batch, length, heads)
+    g = -F.softplus(torch.randn(gate, generator=gen, dtype=dtype)) * decay
+    beta = torch.rand(batch, length, heads, generator=gen, dtype=dtype)
+    s0 = torch.randn(batch, heads, kd, vd, generator=gen, dtype=dtype) if state else None
+    return q, k, v, g, beta, s0
+
+
+def _outputs_and_grads(fn, problem, **kw):
+    inputs = [x.clone().requires_grad_() for x in problem if x is not None]
+    s0 = inputs[5] if len(inputs) == 6 else None
+    o, final = fn(*inputs[:5], initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    weights = torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)
+    loss = (o * weights).sum() + (final * final).sum()
+    return [o, final, *torch.autograd.grad(loss, inputs)]
+
+
+def _rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head gate", "per-channel gate"])
+@pytest.mark.parametrize("case", ["padded", "grouped-values", "no-state", "strong-decay"])
+def test_chunked_core_equals_the_recurrence(per_channel, case):
+    """Output, final state and the gradient of every input, fp64: the chunk algebra is exact."""
+    kw = {"padded": {}, "grouped-values": {"key_heads": 1, "heads": 3}, "no-state": {"state": False, "length": 32},
+          "strong-decay": {"decay": 40.0}}[case]
+    problem = _problem(per_channel, **kw)
+    got = _outputs_and_grads(chunk_gated_delta_rule, problem, chunk_size=8)
+    ref = _outputs_and_grads(recurrent_gated_delta_rule, problem)
+    for a, b in zip(got, ref):
+        assert torch.isfinite(a).all()
+        assert _rel(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp32_and_chunk_size_do_not_change_the_result(per_channel):
+    problem = _problem(per_channel, dtype=torch.float32, length=45)
+    ref = _outputs_and_grads(recurrent_gated_delta_rule, tuple(x.double() if x is not None else None for x in problem))
+    for chunk in (1, 6, 16, 64):
+        got = _outputs_and_grads(chunk_gated_delta_rule, problem, chunk_size=chunk)
+        assert got[0].dtype == torch.float32
+        for a, b in zip(got, ref):
+            assert _rel(a.double(), b) < 2e-5, chunk
+
+
+def test_scale_option_and_packed_sequences():
+    q, k, v, g, beta, _ = _problem(True, batch=1, length=30)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, chunk_size=8)
+    ref, _ = recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3)
+    assert _rel(o, ref) < 1e-10
+    cu = torch.tensor([0, 7, 19, 30])
+    packed, finals = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, cu_seqlens=cu, output_final_state=True)
+    for i in range(3):
+        s, e = cu[i], cu[i + 1]
+        alone, final = recurrent_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                                  output_final_state=True)
+        assert _rel(packed[:, s:e], alone) < 1e-10 and _rel(finals[i:i + 1], final) < 1e-10
+
+
+def test_bad_shapes_are_one_line_errors():
+    q, k, v, g, beta, _ = _problem(True)
+    with pytest.raises(ValueError, match="channels"):
+        chunk_gated_delta_rule(q, k, v, g[..., :3], beta)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        chunk_gated_delta_rule(q[:, :, :1].expand(-1, -1, 3, -1), k[:, :, :1].expand(-1, -1, 3, -1), v, g, beta)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_decay_pairs_against_the_elementwise_definition(per_channel):
+    """X[i, j] = sum_d a_i b_j exp(G_i - G_j) for j <= i, with decays far past fp32's exp range."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 3, 16, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 16, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = -torch.rand(3, 16, 5 if per_channel else 1, generator=gen, dtype=torch.float64) * 30
+    G = g.cumsum(1).requires_grad_()
+    lower = torch.ones(16, 16, dtype=torch.bool).tril()
+    decay = (G[:, :, None] - G[:, None]).masked_fill(~lower[..., None], float("-inf")).exp()
+    ref = (a[:, :, :, None] * b[None, :, None] * decay).sum(-1)
+    assert _rel(decay_pairs(a.detach().float(), b.detach().float(), G.detach().float(), 4).double(), ref) < 1e-5
+    assert _rel(decay_pairs(a.detach(), b.detach(), G.detach(), 4), ref) < 1e-12
+    dx = torch.randn(ref.shape, generator=gen, dtype=torch.float64) * lower
+    ref.backward(dx)
+    for got, want in zip(decay_pairs_backward(a.detach(), b.detach(), G.detach(), dx, 4), (a.grad, b.grad, G.grad)):
+        assert _rel(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("size", [1, 5, 16, 64])
+def test_unit_lower_inverse(size):
+    a = torch.randn(3, size, size, dtype=torch.float64) * 0.3
+    expected = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + a.tril(-1))
+    assert _rel(unit_lower_inverse(a), expected) < 1e-12
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_conv_matches_transformers(activation):
+    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
+
+    x = torch.randn(2, 6, 11, requires_grad=True)
+    w, bias = torch.randn(6, 4, requires_grad=True), torch.randn(6, requires_grad=True)
+    ours = causal_conv1d(x, w, bias, activation)
+    theirs = causal_conv1d_fn(x, w, bias, activation)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    grads = torch.autograd.grad(ours.sum(), (x, w, bias))
+    for a, b in zip(grads, torch.autograd.grad(theirs.sum(), (x, w, bias))):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_conv_keeps_packed_sequences_apart():
+    x, w = torch.randn(1, 3, 12), torch.randn(3, 4)
+    cu = torch.tensor([0, 5, 12])
+    packed = causal_conv1d(x, w, activation="silu", cu_seq_lens_q=cu)
+    alone = torch.cat([causal_conv1d(x[..., :5], w, activation="silu"),
+                       causal_conv1d(x[..., 5:], w, activation="silu")], -1)
+    assert torch.allclose(packed, alone, atol=1e-6)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d(x, w, activation="tanhshrink")
+
+
+# --- swapping into transformers' modules -----------------------------------------------------------------
+
+_MOE = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16, "intermediate_size": 32, "linear_conv_kernel_dim": 4}
+_GDN = {"linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+CONFIGS = {
+    "qwen3_next": {**_MOE, **_GDN},
+    "qwen3_5_moe_text": {**_MOE, **_GDN},
+    "kimi_linear": {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "num_key_value_heads": 2, "layer_types": ["linear_attention", "full_attention"],
+                    "mlp_layer_types": ["dense", "sparse"], "num_experts": 4, "num_experts_per_token": 2,
+                    "moe_intermediate_size": 16, "intermediate_size": 32, "linear_num_heads": 2,
+                    "linear_head_dim": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                    "v_head_dim": 8, "linear_conv_kernel_dim": 4, "pad_token_id": 0, "bos_token_id": 1,
+                    "eos_token_id": 2},
+}
+
+
+def _tiny(model_type):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+def _run(model, ids):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _errors(got, ref):
+    """(logits error, worst gradient error on the model's gradient scale, worst gradient error per tensor,
+    against that tensor's largest value plus 1e-3 of the model's: a tensor with almost no gradient is not
+    judged on its own rounding)."""
+    scale = max(float(g.abs().max()) for g in ref[1].values())
+    diffs = {name: float((got[1][name] - g).abs().max()) for name, g in ref[1].items()}
+    per_tensor = max(d / (float(ref[1][name].abs().max()) + 1e-3 * scale) for name, d in diffs.items())
+    return _rel(got[0], ref[0]), max(diffs.values()) / scale, per_tensor
+
+
+def _matches(got, ref) -> bool:
+    logits, grads, per_tensor = _errors(got, ref)
+    # transformers' core runs in fp32 whatever the input: measured against an fp64 run, its own gradients of
+    # the gate parameters (small sums with cancellation) are off by up to 5e-5 on the per-tensor scale
+    return logits < 1e-5 and grads < 1e-5 and per_tensor < 1e-4
+
+
+def _linear_modules(model):
+    return [m for m in model.modules() if any(k == "chunk_gated_delta" for k in find_linear_cores(m).values())]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def swapped(request):
+    """A tiny model's logits and gradients through transformers, then the same model swapped."""
+    model = _tiny(request.param)
+    ids = torch.randint(0, 64, (2, 70), generator=torch.Generator().manual_seed(1))
+    ref = _run(model, ids)
+    modules = _linear_modules(model)
+    tensors = {n: p for n, p in model.named_parameters()}
+    for m in modules:
+        assert sorted(swap_linear_core(m, chunk_size=16).values()) == ["causal_conv1d", "chunk_gated_delta"]
+    assert {n: p for n, p in model.named_parameters()} == tensors  # same names, same tensor objects
+    return model, ids, ref, modules
+
+
+def test_swapped_model_matches_transformers(swapped):
+    model, ids, ref, modules = swapped
+    assert modules
+    assert _matches(_run(model, ids), ref)
+    for m in modules:
+        assert m.runtime_core_calls == {"chunk_gated_delta": 1, "causal_conv1d": 1}
+
+
+@pytest.mark.parametrize("bug", ["gate one token late", "state crosses chunks one token early"])
+def test_planted_bugs_fail_the_comparison(swapped, bug):
+    model, ids, ref, _ = swapped
+
+    def late_gate(q, k, v, g, beta, s0, chunk, block):
+        return _chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk, block)
+
+    def early_boundary(q, k, v, g, beta, s0, chunk, block):
+        # each chunk's outputs are right, but the state handed to the next chunk stops one token short
+        outs, s = [], s0
+        for c0 in range(0, q.shape[1], chunk):
+            part = [x[:, c0:c0 + chunk] for x in (q, k, v, g, beta)]
+            outs.append(_chunk_core(*part, s, chunk, block)[0])
+            s = _chunk_core(*[x[:, :-1] for x in part], s, 1, block)[1]
+        return torch.cat(outs, 1), s
+
+    registry.register(OP, "cpu", late_gate if bug.startswith("gate") else early_boundary)
+    try:
+        got = _run(model, ids)
+    finally:
+        registry.unregister(OP, "cpu")
+    assert not _matches(got, ref)
+    assert max(_errors(got, ref)) > 1e-3  # not a near miss
+
+
+def test_unswap_restores_the_class():
+    model = _tiny("qwen3_next")
+    m = _linear_modules(model)[0]
+    cls = type(m)
+    swap_linear_core(m)
+    assert type(m) is not cls and isinstance(m, cls)
+    unswap_linear_core(m)
+    assert type(m) is cls
+
+
+# an unseen family: its own names, the same contract
+def novel_delta(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+    return recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def ungated_delta(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, **kwargs):
+    return novel_delta(query, key, value, g * 0, beta, chunk_size, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel)
+
+
+class NovelMixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 4 * 8 + 4, bias=False)
+
+    def inputs(self, x):
+        q, k, v, rest = self.proj(x).split([8, 8, 16, 4], -1)
+        b, t = x.shape[:2]
+        return (q.view(b, t, 1, 8), k.view(b, t, 1, 8), v.view(b, t, 2, 8), -F.softplus(rest[..., :2]),
+                rest[..., 2:].sigmoid())
+
+    def forward(self, x):
+        return novel_delta(*self.inputs(x), use_qk_l2norm_in_kernel=True)[0].flatten(2)
+
+
+class LookAlikeMixer(NovelMixer):
+    def forward(self, x):
+        return ungated_delta(*self.inputs(x), use_qk_l2norm_in_kernel=True)[0].flatten(2)
+
+
+def test_unseen_family_is_swapped_by_signature_and_probe():
+    torch.manual_seed(0)
+    mixer, x = NovelMixer(), torch.randn(2, 21, 16)
+    ref = mixer(x)
+    assert swap_linear_core(mixer, chunk_size=8) == {"novel_delta": "chunk_gated_delta"}
+    assert torch.allclose(mixer(x), ref, atol=1e-5) and mixer.runtime_core_calls["chunk_gated_delta"] == 1
+
+
+def test_look_alike_with_another_meaning_is_refused():
+    mixer = LookAlikeMixer()
+    assert find_linear_cores(mixer) == {"ungated_delta": "chunk_gated_delta"}  # the signature alone says yes
+    with pytest.raises(ValueError, match="does not compute"):
+        swap_linear_core(mixer)
+    assert type(mixer) is LookAlikeMixer
+
+
+def test_module_without_a_linear_core_is_refused():
+    with pytest.raises(ValueError, match="no chunked delta-rule core"):
+        swap_linear_core(nn.Linear(3, 3))
