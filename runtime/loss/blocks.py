@@ -11,12 +11,40 @@ import torch.nn.functional as F
 from runtime.loss.logits import LogitTransform
 
 
+def raw_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 head output of `hidden` rows against `weight` rows (a slice of the vocabulary), a fresh tensor."""
+    z = F.linear(hidden, weight, bias)
+    return z.float() if z.dtype != torch.float32 else z
+
+
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 transform: LogitTransform) -> torch.Tensor:
-    """Transformed fp32 logits of `hidden` rows against `weight` rows (a slice of the vocabulary)."""
-    z = F.linear(hidden, weight, bias)
-    z = z.float() if z.dtype != torch.float32 else z
-    return transform.apply_(z)
+    """Transformed fp32 logits of `hidden` rows against `weight` rows."""
+    return transform.apply_(raw_logits(hidden, weight, bias))
+
+
+def cross_entropy_rows_(z: torch.Tensor, labels: torch.Tensor, transform: LogitTransform, z_weight: float,
+                        inv_divisor: float, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp and label logit of each row of raw fp32 logits `z` [rows, V] (whole rows); with
+    `want_grad`, `z` is overwritten by d/dz of inv_divisor * sum(lse - y[label] + z_weight * lse^2).
+
+    The reference of op "loss.cross_entropy_rows" (a kernel fuses these passes over the block into two)."""
+    y = transform.apply_(z)
+    target = labels.unsqueeze(1)
+    picked = y.gather(1, target).squeeze(1)
+    slope = transform.slope(y) if want_grad else 1.0
+    # one exp over the block: exp(y - max) in place, its row sums give the log-sum-exp
+    peak = y.amax(1, keepdim=True)
+    e = y.sub_(peak).exp_()
+    total = e.sum(1)
+    lse = peak.squeeze(1) + total.log()
+    if want_grad:
+        # d/dy of (lse - y[label] + zw * lse^2) = softmax * (1 + 2 zw lse) - onehot(label)
+        g = e.mul_((inv_divisor * (1.0 + 2.0 * z_weight * lse) / total).unsqueeze(1))
+        g.scatter_add_(1, target, g.new_full(target.shape, -inv_divisor))
+        if not (isinstance(slope, float) and slope == 1.0):
+            g.mul_(slope)
+    return lse, picked
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.loss.blocks import backprop_block, head_logits
+from runtime.kernels import registry
+from runtime.loss.blocks import backprop_block, cross_entropy_rows_, raw_logits
 from runtime.loss.logits import LogitTransform
 
 
@@ -34,33 +35,23 @@ class TokenChunkedLoss(torch.autograd.Function):
         grad_weight = _fp32_zeros(weight, grads[1])
         grad_bias = _fp32_zeros(bias, grads[2])
         want = any(g is not None for g in (grad_hidden, grad_weight, grad_bias))
+        rows_op = registry.lookup("loss.cross_entropy_rows", cross_entropy_rows_)
         ce = hidden.new_zeros((), dtype=torch.float32)
-        z = ce.clone()
+        z_sum = ce.clone()
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            h, target = hidden[rows], labels[rows].unsqueeze(1)
-            y = head_logits(h, weight, bias, transform)
-            picked = y.gather(1, target).squeeze(1)
-            slope = transform.slope(y) if want else 1.0
-            # one exp over the block: exp(y - max) in place, its row sums give the log-sum-exp
-            peak = y.amax(1, keepdim=True)
-            e = y.sub_(peak).exp_()
-            total = e.sum(1)
-            lse = peak.squeeze(1) + total.log()
+            h = hidden[rows]
+            z = raw_logits(h, weight, bias)
+            lse, picked = rows_op(z, labels[rows], transform, z_weight, inv_divisor, want)
             ce += (lse - picked).sum()
-            z += lse.square().sum()
+            z_sum += lse.square().sum()
             if not want:
                 continue
-            # d/dy of (lse - y[label] + zw * lse^2) = softmax * (1 + 2 zw lse) - onehot(label)
-            g = e.mul_((inv_divisor * (1.0 + 2.0 * z_weight * lse) / total).unsqueeze(1))
-            g.scatter_add_(1, target, g.new_full(target.shape, -inv_divisor))
-            if not (isinstance(slope, float) and slope == 1.0):
-                g.mul_(slope)
-            backprop_block(g, h, weight, grad_hidden[rows] if grad_hidden is not None else None,
+            backprop_block(z, h, weight, grad_hidden[rows] if grad_hidden is not None else None,
                            grad_weight, grad_bias)
         ctx.grads = (grad_hidden, grad_weight, grad_bias) if want else None
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        z_part = z * (z_weight * inv_divisor)
+        z_part = z_sum * (z_weight * inv_divisor)
         ctx.mark_non_differentiable(z_part)
         return ce * inv_divisor + z_part, z_part
 

@@ -1,0 +1,73 @@
+"""The rendered Triton cross-entropy rows against the PyTorch reference, then the whole token-chunked loss
+through the registry against full logits. Run with TRITON_INTERPRET=1 (tests/test_loss.py does); exits
+non-zero with the failing check on stderr."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels import registry
+from runtime.loss import LogitTransform, lm_head_loss
+from runtime.loss.blocks import cross_entropy_rows_
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location("rendered_loss_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rendered_loss_kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def close(a, b, what, tol=1e-5):
+    err = (a - b).abs().max().item()
+    if not err <= tol:
+        sys.exit(f"{what}: max |diff| {err:.3g} > {tol}")
+    print(f"{what}: ok ({err:.1e})")
+
+
+def main(path: str) -> None:
+    k = load(Path(path))
+    torch.manual_seed(0)
+    rows, vocab = 5, k.VOCAB
+    labels = torch.randint(0, vocab, (rows,))
+    for transform, z_weight in ((LogitTransform(), 0.0), (LogitTransform(0.7, 3.0), 0.1)):
+        for want in (False, True):
+            z = torch.randn(rows, vocab) * 4
+            z_ref = z.clone()
+            got = k.cross_entropy_rows(z, labels, transform, z_weight, 0.25, want)
+            ref = cross_entropy_rows_(z_ref, labels, transform, z_weight, 0.25, want)
+            what = f"rows (scale {transform.scale}, cap {transform.softcap}, grad {want})"
+            close(got[0], ref[0], what + " lse")
+            close(got[1], ref[1], what + " label logit")
+            if want:
+                close(z, z_ref, what + " gradient")
+    k.register()
+    registry.use("triton")
+    try:
+        assert registry.lookup("loss.cross_entropy_rows", cross_entropy_rows_) is k.cross_entropy_rows
+        hidden = torch.randn(2, 7, 16, requires_grad=True)
+        weight = (torch.randn(vocab, 16) * 0.3).requires_grad_()
+        labels = torch.randint(0, vocab, (2, 7))
+        labels[0, 3] = -100
+        loss = lm_head_loss(hidden, weight, labels, softcap=3.0, z_loss_weight=0.05, chunk_tokens=4)
+        loss.backward()
+        h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        logits = 3.0 * torch.tanh(F.linear(h2[:, :-1], w2) / 3.0).reshape(-1, vocab)
+        target = labels[:, 1:].reshape(-1)
+        keep = target != -100
+        ref = F.cross_entropy(logits, target) + 0.05 * torch.logsumexp(logits[keep], -1).square().mean()
+        ref.backward()
+        close(loss, ref, "token-chunked loss through the registry")
+        close(hidden.grad, h2.grad, "its hidden gradient")
+        close(weight.grad, w2.grad, "its weight gradient")
+    finally:
+        registry.use(None)
+    print("registered under the triton backend: ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
