@@ -4,6 +4,11 @@ The chunked core is checked against the token-by-token recurrence (fp64, so any 
 swapped modules against transformers' own modeling code on tiny random-weight models, forward and backward.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,6 +154,25 @@ def test_conv_keeps_packed_sequences_apart():
     assert torch.allclose(packed, alone, atol=1e-6)
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d(x, w, activation="tanhshrink")
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_rendered_triton_kernels_match_the_reference(gate, tmp_path):
+    """templates/kernels/gated_delta_triton.py.j2 rendered small, run by Triton's CPU interpreter in its own
+    process (Triton reads TRITON_INTERPRET at import), forward and the backward from what it saved."""
+    pytest.importorskip("triton")
+    from onboard.codegen import environment
+
+    source = environment().get_template("kernels/gated_delta_triton.py.j2").render(
+        name="tiny", head_k=32, head_v=32, chunk=32, block=16, block_v=16, block_k=16, gate=gate, dtype="fp32")
+    path = tmp_path / "gated_delta_triton.py"
+    path.write_text(source)
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
+    result = subprocess.run([sys.executable, str(here / "kernels" / "check_gated_delta_triton.py"), str(path)],
+                            check=False, capture_output=True, text=True, env=env, timeout=600, cwd=here.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dg: ok" in result.stdout and "registered under the triton backend: ok" in result.stdout
 
 
 # --- swapping into transformers' modules -----------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""Rendered Triton gated-delta kernels against the token-by-token reference, forward and backward.
+
+Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_linear_attention.py
+does. Argument: the rendered module's path. Exits non-zero with the failing check on stderr.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from runtime.kernels import registry
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location("rendered_gated_delta", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rendered_gated_delta"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def close(a, b, what, tol=1e-4):
+    a, b = a.detach(), b.detach()
+    err = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+    if not err <= tol:
+        sys.exit(f"{what}: max relative diff {err:.3g} > {tol}")
+    print(f"{what}: ok ({err:.1e})")
+
+
+def problem(k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, length, heads = 1, k.CHUNK + 19, 2  # two chunks, the second one padded
+    q, key = (torch.randn(batch, length, heads, k.HEAD_K, generator=gen) for _ in range(2))
+    v = torch.randn(batch, length, heads, k.HEAD_V, generator=gen)
+    gate = (batch, length, heads, k.HEAD_K) if k.PER_CHANNEL else (batch, length, heads)
+    # strong decay: the per-channel split must stay inside fp32's exp range
+    g = -F.softplus(torch.randn(gate, generator=gen)) * 3
+    beta = torch.rand(batch, length, heads, generator=gen)
+    s0 = torch.randn(batch, heads, k.HEAD_K, k.HEAD_V, generator=gen)
+    return [x.requires_grad_() for x in (q, key, v, g, beta, s0)]
+
+
+def run(fn, inputs, **kw):
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    o, final = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    weights = torch.linspace(-1, 1, o.numel()).view_as(o)
+    loss = (o * weights).sum() + (final * final).sum()
+    return [o, final, *torch.autograd.grad(loss, inputs)]
+
+
+def main(path: str) -> None:
+    k = load(Path(path))
+    kind = "per-channel" if k.PER_CHANNEL else "per-head"
+    k.register()
+    registry.use("triton")
+    try:
+        assert registry.lookup("linear_attention.chunk_gated_delta", None) is k.chunk_gated_delta
+        inputs = problem(k, 0)
+        calls = []
+        forward = k.TritonChunkGatedDelta.forward
+        k.TritonChunkGatedDelta.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))
+        got = run(chunk_gated_delta_rule, inputs, chunk_size=k.CHUNK)
+        k.TritonChunkGatedDelta.forward = staticmethod(forward)
+        if not calls:
+            sys.exit("the Triton forward did not run")
+        ref = run(recurrent_gated_delta_rule, [x.double() for x in inputs])
+        names = ["output", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
+        for name, a, b in zip(names, got, ref):
+            close(a, b, f"{kind} {name}")
+        # a chunk size it was not rendered for falls through to the PyTorch path
+        other = run(chunk_gated_delta_rule, inputs, chunk_size=k.CHUNK // 2)
+        close(other[0], ref[0], f"{kind} fallback output")
+    finally:
+        registry.use(None)
+    print("registered under the triton backend: ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
