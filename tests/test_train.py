@@ -1,0 +1,230 @@
+"""Training loop: losses fall, accumulation and resume are exact, checkpoints are atomic, the CLI fails
+in one line, and a run killed with SIGKILL resumes to the same losses as one that was never stopped."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli import main
+from onboard.bundle import adapt
+from onboard.source import resolve
+from onboard.train import build_model, train_config
+from runtime.plan import Plan
+from runtime.runlog import read_runs
+from runtime.train import TrainConfig, train
+from runtime.train.checkpoint import checkpoints
+from runtime.train.data import TokenFile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "mixtral"
+    adapt(resolve("mixtral-8x7b"), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def factory(bundle):
+    model, record = build_model(bundle, layers=2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def make():  # fresh modules, the same weights every time (the loop seeds before calling it anyway)
+        model, _ = build_model(bundle, layers=2)
+        model.load_state_dict(state)
+        return model, record
+
+    return make
+
+
+def _plan(**kw):
+    return Plan(**{"seq_len": 32, "micro_batch": 2, "dtype": "fp32", **kw})
+
+
+def _losses(result):
+    return [s.loss for s in result.steps]
+
+
+def test_loss_falls_and_the_run_log_has_every_field(factory, tmp_path):
+    log = tmp_path / "run.jsonl"
+    result = train(factory, _plan(micro_batch=4), TrainConfig(steps=30, lr=3e-3, runlog=str(log), progress=False))
+    losses = _losses(result)
+    assert sum(losses[-10:]) / 10 < losses[0] - 0.5
+    runs, skipped = read_runs(log)
+    assert not skipped and len(runs) == 1
+    run = runs[0]
+    assert run.model["hidden"] == 64 and run.model["layers"] == 2 and run.model["experts"] == 8
+    assert run.plan["micro_batch"] == 4 and run.header["precision"] == "fp32"
+    assert [s["step"] for s in run.steps] == list(range(30))
+    for s in run.steps:
+        assert s["step_time_s"] > 0 and s["tokens_per_s"] > 0 and s["peak_memory_bytes"] > 0
+        assert s["comm_time_s"] == 0.0  # one process: nothing to communicate
+        # every token goes to top-2 of the 8 experts, in each of the 2 MoE layers
+        assert [sum(layer) for layer in s["expert_tokens"]] == [4 * 32 * 2] * 2
+    assert [s["loss"] for s in run.steps] == losses
+
+
+def test_gradient_accumulation_equals_the_bigger_micro_batch(factory):
+    one = _losses(train(factory, _plan(micro_batch=2), TrainConfig(steps=4, lr=1e-2, progress=False)))
+    two = _losses(train(factory, _plan(micro_batch=1, grad_accum=2), TrainConfig(steps=4, lr=1e-2, progress=False)))
+    assert np.allclose(one, two, rtol=0, atol=1e-5)
+
+
+def test_resume_continues_exactly(factory, tmp_path):
+    whole = _losses(train(factory, _plan(), TrainConfig(steps=6, lr=1e-2, progress=False)))
+    cfg = TrainConfig(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(tmp_path / "ck"))
+    first = train(factory, _plan(), cfg)
+    assert first.resumed_from is None and _losses(first) == whole[:3]
+    cfg.steps = 6
+    second = train(factory, _plan(), cfg)
+    assert second.resumed_from == 3
+    assert [s.step for s in second.steps] == [3, 4, 5]
+    assert _losses(second) == whole[3:]
+
+
+def test_checkpoints_are_atomic_and_pruned(factory, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".step-00000099.tmp").mkdir()  # debris of a save that was killed: never loaded
+    result = train(factory, _plan(), TrainConfig(steps=4, checkpoint_dir=str(ck), checkpoint_every=1,
+                                                 keep_checkpoints=2, progress=False))
+    assert result.resumed_from is None
+    assert [step for step, _ in checkpoints(ck)] == [3, 4]
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000003", "step-00000004"]
+    again = train(factory, _plan(), TrainConfig(steps=4, checkpoint_dir=str(ck), progress=False))
+    assert again.resumed_from == 4 and again.steps == []
+
+
+def test_token_file_windows_and_bad_files(factory, tmp_path):
+    tokens = np.arange(1000, dtype=np.int32) % 500
+    np.save(tmp_path / "tokens.npy", tokens)
+    source = TokenFile(tmp_path / "tokens.npy", 32, 512)
+    assert source.sequence(3).tolist() == tokens[96:128].tolist()
+    assert source.sequence(31).tolist() == tokens[:32].tolist()  # wraps after the last whole window
+    result = train(factory, _plan(), TrainConfig(steps=2, data=str(tmp_path / "tokens.npy"), progress=False))
+    assert len(result.steps) == 2
+    np.save(tmp_path / "big.npy", np.array([0, 600] * 40))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        TokenFile(tmp_path / "big.npy", 32, 512)
+    (tmp_path / "tokens.txt").write_text("1 2 3")
+    with pytest.raises(ValueError, match=r"must be \.npy or \.bin"):
+        TokenFile(tmp_path / "tokens.txt", 32)
+
+
+def test_cli_errors_are_one_line(bundle, tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("onboard: error:") and "no such bundle" in err and "\n" not in err
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"micro_batch": 2, "pipeline": 4}))
+    assert main(["train", str(bundle), "--plan", str(plan)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "unknown plan field(s): pipeline" in err and "\n" not in err
+    plan.write_text(json.dumps({"ep": 3, "dp_shard": 2}))
+    assert main(["train", str(bundle), "--plan", str(plan)]) == 1
+    assert "cannot run" in capsys.readouterr().err
+
+
+def test_cli_trains_in_process_and_bundle_has_train_sh(bundle, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(_plan().to_json())
+    log, ck = tmp_path / "run.jsonl", tmp_path / "ck"
+    assert main(["train", str(bundle), "--plan", str(plan), "--steps", "2", "--layers", "1", "--runlog", str(log),
+                 "--checkpoint-dir", str(ck)]) == 0
+    runs, _ = read_runs(log)
+    assert len(runs[0].steps) == 2 and runs[0].model["layers"] == 1
+    assert [step for step, _ in checkpoints(ck)] == [2]
+    script = bundle / "train.sh"
+    assert os.access(script, os.X_OK)
+    assert "torchrun --standalone --nproc-per-node=1 -m runtime.train" in script.read_text()
+    assert Plan.load(bundle / "plan.json") == Plan()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several processes: torchrun, gloo, one rank killed with SIGKILL
+
+
+def _torchrun(bundle, config, plan, log, ck, steps, every):
+    kwargs = json.dumps({"bundle": str(bundle), "config": str(config)})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "runtime.train", "--model", "onboard.train:build_model", "--model-kwargs", kwargs, "--plan", str(plan),
+           "--steps", str(steps), "--lr", "1e-2", "--runlog", str(log), "--no-progress", "--threads", "1"]
+    if ck:
+        cmd += ["--checkpoint-dir", str(ck), "--checkpoint-every", str(every)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def _step_losses(log) -> dict[int, float]:
+    runs, _ = read_runs(log)
+    return {s["step"]: s["loss"] for run in runs for s in run.steps}
+
+
+@pytest.mark.multiprocess
+def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path):
+    steps, every = 60, 10
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(train_config(bundle, layers=2)))
+    plan = tmp_path / "plan.json"
+    plan.write_text(_plan(dp_replicate=2).to_json())
+    whole = _torchrun(bundle, config, plan, tmp_path / "whole.jsonl", None, steps, every)
+    out, _ = whole.communicate(timeout=300)
+    assert whole.returncode == 0, out.decode()[-2000:]
+    reference = _step_losses(tmp_path / "whole.jsonl")
+    assert sorted(reference) == list(range(steps))
+
+    ck, log = tmp_path / "ck", tmp_path / "killed.jsonl"
+    victim = _torchrun(bundle, config, plan, log, ck, steps, every)
+    deadline = time.time() + 240
+    while not checkpoints(ck) and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    pid = _rank_pid(victim.pid, 1)
+    assert pid is not None, "rank 1 was not found"
+    os.kill(pid, signal.SIGKILL)
+    try:
+        victim.wait(timeout=120)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+    assert victim.returncode != 0
+    done_before = _step_losses(log)
+    assert len(done_before) < steps, "the run finished before it was killed"
+    saved = checkpoints(ck)[-1][0]
+    assert saved >= every
+
+    resumed = _torchrun(bundle, config, plan, tmp_path / "resumed.jsonl", ck, steps, every)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out.decode()[-2000:]
+    runs, _ = read_runs(tmp_path / "resumed.jsonl")
+    assert runs[0].header["meta"]["resumed_from"] == saved
+    after = _step_losses(tmp_path / "resumed.jsonl")
+    assert sorted(after) == list(range(saved, steps))
+    for step, loss in after.items():
+        assert abs(loss - reference[step]) <= 1e-6, (step, loss, reference[step])
+    # the steps the killed run completed before the kill agree as well
+    for step, loss in done_before.items():
+        assert loss == reference[step]
