@@ -32,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout: int = 120) -> None:
+def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout: int = 300) -> None:
     """Start `world` ranks of `script` with env rendezvous; fail with their output if any rank fails."""
     (tmp_path / "job.json").write_text(json.dumps(job))
     port = _free_port()
@@ -56,11 +56,9 @@ def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout
     assert not failed, failed
 
 
-def adapted_twin(name: str):
-    """A catalogue model's tiny twin with its MoE blocks swapped for runtime.moe.MoEBlock."""
-    import tempfile
-
-    from onboard.bundle import load_adapter
+def write_bundle(name: str, folder: Path) -> Path:
+    """A catalogue model's tiny twin, its rendered adapter (runtime MoE blocks around HuggingFace's own
+    parameters) and its weights, as tests/parallel/worker.py `load_model` reads them."""
     from onboard.capture import capture
     from onboard.codegen import render_adapter
     from onboard.inspection import build_spec
@@ -68,40 +66,41 @@ def adapted_twin(name: str):
     from onboard.twin import build_twin
 
     source = resolve(name)
+    torch.manual_seed(0)
     twin = build_twin(source)
     spec = build_spec(source, twin, capture(twin))
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "spec.json").write_text(spec.to_json())
-        (Path(d) / "adapter.py").write_text(render_adapter(spec, twin))
-        load_adapter(Path(d)).adapt(twin.model)
-    assert twin.model.onboard_replaced >= 1
-    return twin.model.float().train()
+    folder.mkdir(parents=True)
+    (folder / "spec.json").write_text(spec.to_json())
+    (folder / "adapter.py").write_text(render_adapter(spec, twin))
+    (folder / "model.txt").write_text(name)
+    torch.save(twin.model.state_dict(), folder / "weights.pt")
+    return folder
 
 
-class _Pickled(dict):
+class _Bundles(dict):
     def __init__(self, folder: Path):
         super().__init__()
         self.folder = folder
 
     def __missing__(self, name: str) -> Path:
-        torch.manual_seed(0)
-        self[name] = self.folder / f"{name}.pt"
-        torch.save(adapted_twin(name), self[name])
+        self[name] = write_bundle(name, self.folder / name)
         return self[name]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Pickled adapted twins by catalogue name, each built once, when first asked for."""
-    return _Pickled(tmp_path_factory.mktemp("models"))
+    """Bundle folders by catalogue name, each written once, when first asked for."""
+    return _Bundles(tmp_path_factory.mktemp("models"))
 
 
 def reference(model_path: Path, plan: Plan, batch: torch.Tensor, lora_seed: int):
-    """One process, all ranks' sequences in one batch: losses of every step and the first step's grads."""
+    """One process, all ranks' sequences in one batch: losses of every step, the first step's gradients,
+    the final parameters."""
     sys.path.insert(0, str(WORKER.parent))
-    from worker import init_lora
+    from worker import init_lora, load_model
 
-    model = torch.load(model_path, weights_only=False)
+    model = load_model(str(model_path))
+    assert model.onboard_replaced >= 1
     if plan.lora is not None:
         apply_lora(model, plan.lora)
         init_lora(model, lora_seed)
@@ -115,38 +114,98 @@ def reference(model_path: Path, plan: Plan, batch: torch.Tensor, lora_seed: int)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-    return losses, grads
+    return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def run_case(models, tmp_path, name: str, world: int, plan: Plan):
-    batch = torch.randint(3, 512, (world * plan.micro_batch, SEQ), generator=torch.Generator().manual_seed(1))
-    torch.save(batch, tmp_path / "batch.pt")
-    job = {"model": str(models[name]), "plan": plan.to_dict(), "batch": str(tmp_path / "batch.pt"),
-           "lora_seed": 3, "steps": STEPS, "lr": LR, "out": str(tmp_path / "out.pt")}
-    launch(world, job, tmp_path)
-    got = torch.load(tmp_path / "out.pt", weights_only=False)
-    want_losses, want_grads = reference(models[name], plan, batch, 3)
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
-    assert sorted(got["grads"]) == sorted(want_grads)
-    for key, want in want_grads.items():
-        torch.testing.assert_close(got["grads"][key], want, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
-    return got
-
-
-LAYOUTS = {  # name: (world, plan degrees)
-    "fsdp": (2, {"dp_shard": 2}),
-    "ep": (2, {"dp_replicate": 2, "ep": 2}),
-    "fsdp_ep": (4, {"dp_shard": 4, "ep": 2}),
+MODELS = ("qwen3-30b-a3b", "qwen3-next-80b-a3b")  # an MoE family and a hybrid (gated delta net) family
+LAYOUTS = {  # world size: {layout: plan degrees}
+    2: {"fsdp": {"dp_shard": 2}, "ep": {"dp_replicate": 2, "ep": 2}, "fsdp_ep": {"dp_shard": 2, "ep": 2}},
+    4: {"fsdp": {"dp_shard": 4}, "ep": {"dp_replicate": 4, "ep": 4}, "fsdp_ep": {"dp_shard": 4, "ep": 2},
+        "hsdp_ep": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
 }
+CASES = [(world, name, layout, lora) for world in LAYOUTS for name in MODELS for layout in LAYOUTS[world]
+         for lora in (False, True)]
+
+
+def plan_for(world: int, layout: str, lora: bool, **extra) -> Plan:
+    return Plan(**LAYOUTS[world][layout], seq_len=SEQ, dtype="fp32",
+                lora=LoRA(rank=4, alpha=8.0) if lora else None, **extra)
+
+
+def case_id(world, name, layout, lora, suffix="") -> str:
+    return f"w{world}-{name}-{layout}-{'lora' if lora else 'full'}{suffix}"
+
+
+def batch_for(world: int, folder: Path) -> Path:
+    path = folder / f"batch{world}.pt"
+    if not path.exists():
+        torch.save(torch.randint(3, 512, (world, SEQ), generator=torch.Generator().manual_seed(world)), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(models, tmp_path_factory):
+    """Every case of one world size, run in a single launch of `world` processes; rank 0's results by id."""
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            folder = tmp_path_factory.mktemp(f"world{world}")
+            cases = [{"id": case_id(w, name, layout, lora), "model": str(models[name]),
+                      "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)),
+                      "lora_seed": 3, "steps": STEPS, "lr": LR}
+                     for w, name, layout, lora in CASES if w == world]
+            # the same EP run without overlap: the trace must show the exchange waited on before local compute
+            cases.append({**cases[0], "id": "no-overlap",
+                          "plan": plan_for(world, "ep", False, overlap=False).to_dict()})
+            launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder)
+            cache[world] = {"out": torch.load(folder / "out.pt", weights_only=False), "folder": folder}
+        return cache[world]
+
+    return get
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-next-80b-a3b"])
-def test_matches_single_process(models, tmp_path, name, layout, lora):
-    world, degrees = LAYOUTS[layout]
-    plan = Plan(**degrees, seq_len=SEQ, dtype="fp32", lora=LoRA(rank=4, alpha=8.0) if lora else None)
-    got = run_case(models, tmp_path, name, world, plan)
+@pytest.mark.parametrize(("world", "name", "layout", "lora"), CASES, ids=[case_id(*c) for c in CASES])
+def test_matches_single_process(results, models, world, name, layout, lora):
+    run = results(world)
+    got = run["out"][case_id(world, name, layout, lora)]
+    plan = plan_for(world, layout, lora)
+    batch = torch.load(batch_for(world, run["folder"]))
+    want_losses, want_grads, want_params = reference(models[name], plan, batch, 3)
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert sorted(got["grads"]) == sorted(want_grads)
+    for key, want in want_grads.items():
+        torch.testing.assert_close(got["grads"][key], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"grad {key}: {m}")
+    # saved state: full tensors after the steps (FSDP2 shards gathered, expert slices concatenated)
+    assert sorted(got["params"]) == sorted(want_params)
+    for key, want in want_params.items():
+        torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"param {key}: {m}")
     if lora:
-        assert got["adapters"] and all(".lora_" in k for k in got["adapters"])
+        assert set(got["adapters"]) == {k for k in want_params if ".lora_" in k} and got["reloaded"]
+        assert all(".lora_" in k for k in want_grads)  # the base is frozen: only adapters train
+
+
+def _positions(trace: list, event: str) -> list[int]:
+    return [i for i, e in enumerate(trace) if e == event]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_local_experts_overlap_the_exchange(results, world):
+    """Local experts are issued after the dispatch All-to-All starts and before it is waited on, in forward
+    and in backward; with overlap off the wait comes first."""
+    out = results(world)["out"]
+    for name in MODELS:
+        trace = out[case_id(world, name, "ep", False)]["trace"]
+        starts, locals_, waits = (_positions(trace, e) for e in ("dispatch:start", "local_experts", "dispatch:wait"))
+        assert len(starts) == len(locals_) == len(waits) >= STEPS
+        assert all(s < c < w for s, c, w in zip(starts, locals_, waits))
+        bstarts, blocals, bwaits = (_positions(trace, e) for e in
+                                    ("dispatch:backward_start", "local_experts_backward", "dispatch:backward_wait"))
+        assert len(bstarts) == len(blocals) == len(bwaits) == len(starts)
+        assert all(s < c < w for s, c, w in zip(bstarts, blocals, bwaits))
+    trace = out["no-overlap"]["trace"]
+    assert all(w < c for w, c in zip(_positions(trace, "dispatch:wait"), _positions(trace, "local_experts")))

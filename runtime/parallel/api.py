@@ -51,9 +51,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
             # each rank's expert gradients already sum the tokens of its whole EP group: divide by every
             # data-parallel rank, not only by those FSDP reduces over
             block.experts.set_gradient_divide_factor(float(plan.dp))
-            if dist.get_backend() == "gloo":
-                # a custom factor makes FSDP2 reduce with PREMUL_SUM, which gloo lacks: plain SUM plus a
-                # separate division gives the same gradients
+            if dist.get_backend() == "gloo" and mesh.experts.size(1) > 1:
+                # a custom factor makes FSDP2 reduce-scatter with PREMUL_SUM, which gloo lacks: plain SUM
+                # plus a separate division gives the same gradients. Not with one rank per shard group:
+                # there FSDP2 (2.13) skips the reduce-scatter and divides by the factor itself, and a forced
+                # sum would divide a second time.
                 block.experts.set_force_sum_reduction_for_comms(True)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh.dense)

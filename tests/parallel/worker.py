@@ -1,10 +1,14 @@
-"""One rank of a multi-process training check: load the pickled adapted model, parallelize it, train.
+"""One rank of the multi-process training checks: for each case, load the pickled adapted model, parallelize
+it as the case's plan says, train a few SGD steps on this rank's sequences, and gather the results.
 
-Usage: python worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. The job names
-the pickled model, the plan, the batch (one row per rank) and where rank 0 writes its results: the mean
-loss of every step, the first step's gradients and, with LoRA, the adapters, all as full tensors.
+Usage: python worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. A case names a
+bundle folder (adapter.py, spec.json, the twin's weights and catalogue name), its plan and batch. Many cases run
+in one process group (each builds its own mesh) so the interpreters start once. Rank 0 writes, per case:
+the mean loss of every step, the first step's gradients, the final parameters and, with LoRA, the adapters
+(all full tensors), the expert-parallel trace, and whether adapters survived a save / load round trip.
 """
 
+import copy
 import json
 import sys
 from datetime import timedelta
@@ -19,33 +23,48 @@ torch.set_num_threads(1)
 def init_lora(model, seed: int) -> None:
     """Random adapters (B included) so every adapter gets a gradient; same values on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
 
 
-def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo", timeout=timedelta(seconds=job.get("timeout", 120)))
-    from runtime.lora import apply_lora, lora_state_dict
+_PRISTINE: dict = {}
+
+
+def load_model(folder: str):
+    """The adapted twin a bundle folder describes: the catalogue model's twin with the saved weights, put
+    through the bundle's adapter.py (as `onboard.bundle.load_adapter` loads it). A fresh copy per call."""
+    if folder not in _PRISTINE:
+        from onboard.bundle import load_adapter
+        from onboard.source import resolve
+        from onboard.twin import build_twin
+
+        name = (Path(folder) / "model.txt").read_text().strip()
+        model = build_twin(resolve(name), run_check=False).model
+        model.load_state_dict(torch.load(Path(folder) / "weights.pt"))
+        load_adapter(Path(folder)).adapt(model)
+        _PRISTINE[folder] = model.float().train()
+    return copy.deepcopy(_PRISTINE[folder])
+
+
+def run_case(case: dict) -> dict:
+    from runtime.lora import apply_lora, load_lora_state_dict, lora_state_dict
     from runtime.parallel import build_mesh, gather_experts, parallelize
     from runtime.plan import Plan
 
     rank = dist.get_rank()
-    plan = Plan.from_dict(job["plan"])
-    model = torch.load(job["model"], weights_only=False)
+    plan = Plan.from_dict(case["plan"])
+    model = load_model(case["model"])
     if plan.lora is not None:
         apply_lora(model, plan.lora)
-        init_lora(model, job["lora_seed"])
+        init_lora(model, case["lora_seed"])
     trace: list = []
     parallelize(model, plan, build_mesh(plan), trace=trace)
-    batch = torch.load(job["batch"])
-    ids = batch[rank * plan.micro_batch:(rank + 1) * plan.micro_batch]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=job["lr"])
+    ids = torch.load(case["batch"])[rank * plan.micro_batch:(rank + 1) * plan.micro_batch]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=case["lr"])
     losses, grads = [], None
-    for step in range(job["steps"]):
+    for step in range(case["steps"]):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         mean = loss.detach().clone()
@@ -55,9 +74,27 @@ def main() -> None:
             grads = gather_experts(model, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
-    adapters = lora_state_dict(model) if plan.lora is not None else None
-    if rank == 0:
-        torch.save({"losses": losses, "grads": grads, "trace": trace, "adapters": adapters}, job["out"])
+    out = {"losses": losses, "grads": grads, "trace": trace,
+           "params": gather_experts(model, dict(model.named_parameters()))}
+    if plan.lora is not None:
+        adapters = lora_state_dict(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.zero_()
+        load_lora_state_dict(model, adapters)
+        again = lora_state_dict(model)
+        out["adapters"] = adapters
+        out["reloaded"] = all(torch.equal(again[k], v) for k, v in adapters.items()) and set(again) == set(adapters)
+    return out
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo", timeout=timedelta(seconds=job.get("timeout", 120)))
+    results = {case["id"]: run_case(case) for case in job["cases"]}
+    if dist.get_rank() == 0:
+        torch.save(results, job["out"])
     dist.destroy_process_group()
 
 
