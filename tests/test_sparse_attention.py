@@ -15,7 +15,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32In
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
 import runtime.attention.indexer as indexer_mod
-import runtime.attention.sparse as sparse_mod
+import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import swap_sparse_attention
 from runtime.attention.indexer import LightningIndexer
@@ -58,16 +58,21 @@ def random_picks(batch, seq, keys_len, top_k, gen):
     return idx.to(torch.int32)
 
 
+PLANS = {"picked keys": 0, "masked GEMM": 10**6}  # DENSE_RATIO that selects each way of walking the chunks
+
+
+@pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("heads,kv_heads,dk,dv,top_k", [(3, 3, 12, 7, 6), (4, 2, 8, 8, 9), (4, 1, 6, 10, 3)])
-def test_sparse_attention_matches_masked_dense_attention(heads, kv_heads, dk, dv, top_k, monkeypatch):
-    """MLA-style per-head keys with Dk != Dv, GQA and MQA; -1 picks; chunked over queries."""
+def test_sparse_attention_matches_masked_dense_attention(heads, kv_heads, dk, dv, top_k, plan, monkeypatch):
+    """MLA-style per-head keys with Dk != Dv, GQA and MQA; -1 picks; one query per chunk, both chunk walkers."""
     gen = torch.Generator().manual_seed(0)
     batch, seq, keys_len = 2, 9, 12
     q = torch.randn(batch, heads, seq, dk, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(batch, kv_heads, keys_len, dk, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(batch, kv_heads, keys_len, dv, generator=gen, dtype=torch.float64, requires_grad=True)
     idx = random_picks(batch, seq, keys_len, top_k, gen)
-    monkeypatch.setattr(sparse_mod, "CHUNK_BYTES", 1)  # one query per chunk
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunks_mod, "DENSE_RATIO", PLANS[plan])
     out = sparse_attention(q, k, v, idx, 0.4)
     ref = dense_reference(q, k, v, idx, 0.4)
     assert out.shape == (batch, heads, seq, dv)
@@ -80,7 +85,9 @@ def test_sparse_attention_matches_masked_dense_attention(heads, kv_heads, dk, dv
         assert rel(a, b) < 1e-12
 
 
-def test_sparse_attention_gradcheck_and_fp32():
+@pytest.mark.parametrize("plan", PLANS)
+def test_sparse_attention_gradcheck_and_fp32(plan, monkeypatch):
+    monkeypatch.setattr(chunks_mod, "DENSE_RATIO", PLANS[plan])
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 2, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 1, 7, 4, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -293,4 +300,5 @@ def test_rendered_triton_kernel_matches_reference_under_interpreter(tmp_path):
     result = subprocess.run([sys.executable, str(HERE / "kernels" / "check_sparse_attention_triton.py"), str(path)],
                             check=False, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dv H=4 Hkv=1" in result.stdout and "HF DeepSeek-V3.2 logits, triton kernel: ok" in result.stdout
+    for line in ("loaded and registered", "dv H=4 Hkv=1", "HF DeepSeek-V3.2 logits, triton kernel: ok"):
+        assert line in result.stdout

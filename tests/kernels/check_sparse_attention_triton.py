@@ -1,5 +1,6 @@
-"""Rendered Triton DSA sparse attention against the PyTorch reference, forward and backward, then a tiny HF
-DeepSeek-V3.2 with the kernel selected against HuggingFace eager.
+"""Rendered Triton DSA sparse attention, loaded by runtime.kernels.loader as a bundle's kernels are, against the
+PyTorch reference, forward and backward; then a tiny HF DeepSeek-V3.2 with the kernel selected against
+HuggingFace eager.
 
 Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_sparse_attention.py does.
 Exits non-zero with the failing check on stderr.
@@ -10,15 +11,15 @@ import sys
 from pathlib import Path
 
 import torch
-from check_moe_triton import load  # this folder is on sys.path when run as a script
 
 from runtime.attention.dsa import (
     reset_sparse_calls,
     sparse_calls,
     swap_sparse_attention,
 )
-from runtime.attention.sparse import sparse_attention_reference
+from runtime.attention.sparse import sparse_attention, sparse_attention_reference
 from runtime.kernels import registry
+from runtime.kernels.loader import load_rendered
 
 
 def close(a, b, what, tol=1e-5):
@@ -37,7 +38,7 @@ def picks(batch, seq, keys_len, top_k, gen):
     return idx.to(torch.int32)
 
 
-def check_layouts(k):
+def check_layouts(kernel):
     gen = torch.Generator().manual_seed(0)
     # (heads, kv heads, qk dim, v dim, top-k): MLA-like per-head keys with Dk != Dv, GQA, MQA, top-k not a
     # multiple of the key block
@@ -50,7 +51,7 @@ def check_layouts(k):
         v = kv[..., 3:].transpose(1, 2).detach().requires_grad_()
         idx = picks(batch, seq, keys_len, top_k, gen)
         ins = [t.detach().clone().requires_grad_() for t in (q, kk, v)]
-        got = k.sparse_attention(q, kk, v, idx, 0.3)
+        got = kernel(q, kk, v, idx, 0.3)
         ref = sparse_attention_reference(*ins, idx, 0.3)
         what = f"H={heads} Hkv={kv_heads} Dk={dk} Dv={dv} K={top_k}"
         close(got, ref, f"forward {what}")
@@ -61,7 +62,7 @@ def check_layouts(k):
             close(a.grad, b.grad, f"d{name} {what}")
 
 
-def check_hf_model(k):
+def check_hf_model():
     from transformers import AutoModelForCausalLM, DeepseekV32Config
 
     cfg = DeepseekV32Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
@@ -88,18 +89,16 @@ def check_hf_model(k):
 
 def main(path: str) -> None:
     torch.set_num_threads(1)
-    k = load(Path(path))
-    check_layouts(k)
-    k.register()
+    loaded = load_rendered(Path(path).parent)
+    if Path(path).name not in loaded:
+        sys.exit(f"the loader did not load {path}: {loaded}")
     registry.use("triton")
-    try:
-        from runtime.attention.sparse import sparse_attention
-
-        assert registry.lookup("attention.sparse", sparse_attention) is k.sparse_attention
-        print("registered under the triton backend: ok")
-        check_hf_model(k)
-    finally:
-        registry.use(None)
+    kernel = registry.lookup("attention.sparse", sparse_attention_reference)
+    if kernel is sparse_attention_reference or registry.backend_of("attention.sparse", sparse_attention) != "triton":
+        sys.exit("the rendered kernel did not register as attention.sparse under the triton backend")
+    print("loaded and registered under the triton backend: ok")
+    check_layouts(kernel)
+    check_hf_model()
 
 
 if __name__ == "__main__":
