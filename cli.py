@@ -119,6 +119,86 @@ def cmd_families(args) -> int:
     return 0
 
 
+def _plan_row(c) -> str:
+    p = c.plan
+    memory = f"{p.recompute}/{p.swap}" + (f"/chunk{p.loss_chunk}" if p.loss_chunk else "")
+    return (f"{p.tp:>3} {p.pp:>3} {p.cp:>3} {p.dp_shard:>5} {p.dp_replicate:>5} {p.ep:>4} {p.micro_batch:>3} "
+            f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} {c.tokens_per_s:>12,.0f}")
+
+
+def cmd_plan(args) -> int:
+    import time
+
+    from onboard.plan import load_spec, plan_model, plot_frontier, write_plan
+
+    spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    start = time.perf_counter()
+    report = plan_model(spec, devices=args.devices, hardware_name=args.hardware, mode=args.mode,
+                        seq_len=args.seq_len, global_batch=args.global_batch, predictor=args.predictor)
+    seconds = time.perf_counter() - start
+    top = report.result.ranked[:args.top]
+    if report.best:
+        write_plan(report.best.plan, args.out)
+    if args.plot:
+        plot_frontier(report, args.plot)
+    if args.json:
+        print(json.dumps({"model": spec.name, "hardware": report.hardware.name, "devices": args.devices,
+                          "global_batch": report.global_batch, "predictor": report.predictor_label,
+                          "layouts": report.result.layouts, "fitting": len(report.result.ranked),
+                          "search_s": round(seconds, 3), "plans": [c.plan.to_dict() for c in top],
+                          "suggestions": report.suggestions}, indent=2, sort_keys=True))
+        return 0 if top else 4
+    print(f"{spec.name} on {args.devices} x {report.hardware.name}, {args.mode}, seq {args.seq_len}, "
+          f"global batch {report.global_batch}: {len(report.result.ranked)} of {report.result.layouts} layouts fit "
+          f"({seconds:.2f}s, predictor {report.predictor_label})")
+    if not top:
+        print("no plan fits in memory:")
+        for line in report.suggestions:
+            print(f"  - {line}")
+        return 4
+    print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'fsdp':>5} {'repl':>5} {'ep':>4} {'mb':>3} {'accum':>5}  "
+          f"{'recompute/swap/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12}")
+    for c in top:
+        print(_plan_row(c))
+    print(f"plan: {args.out}" + (f"; plot: {args.plot}" if args.plot else ""))
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from onboard.plan import load_spec, predict_plan
+
+    spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    out = predict_plan(spec, args.plan, hardware_name=args.hardware, predictor=args.predictor)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    print(f"{out['model']} on {out['devices']} x {out['hardware']} ({out['predictor']}): "
+          f"step {out['step_time_s']:.3f} s (cost model {out['cost_model_step_time_s']:.3f} s), "
+          f"{out['tokens_per_s']:,.0f} tokens/s, {out['memory_per_device_bytes'] / 1e9:.1f} GB per device "
+          f"of {out['memory_capacity_bytes'] / 1e9:.0f}")
+    return 0
+
+
+def cmd_predictor(args) -> int:
+    from onboard.plan import evaluate_predictor, train_predictor
+
+    if args.action == "train":
+        model = train_predictor(args.logs, args.out)
+        t = model.meta["training"]
+        print(f"{model.label}: {t['runs']} runs of {t['models']} models, {t['skipped']} skipped -> {model.path}")
+        for reason, count in t["skipped_reasons"].items():
+            print(f"  skipped {count}: {reason}")
+        return 0
+    scores, data = evaluate_predictor(args.logs)
+    print(f"leave-one-model-out over {len(data)} runs of {len(set(data.groups))} models "
+          f"({len(data.skipped)} lines/runs skipped); absolute % error of step time")
+    print(f"{'source':<22} {'runs':>5} {'cost median':>12} {'cost mean':>10} {'learned median':>15} {'learned mean':>13}")
+    for s in scores:
+        print(f"{s.source:<22} {s.runs:>5} {s.cost_median:>12.1%} {s.cost_mean:>10.1%} "
+              f"{s.learned_median:>15.1%} {s.learned_mean:>13.1%}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onboard", description="Onboard MoE models onto the training runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +242,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("catalogue", help="list the bundled model configs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_catalogue)
+
+    p = sub.add_parser("plan", help="rank parallel plans by predicted throughput; writes plan.json")
+    _add_model_args(p)
+    p.add_argument("--devices", type=int, required=True, help="number of accelerators")
+    p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
+    p.add_argument("--mode", choices=("full", "lora"), default="full")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: about 4M tokens)")
+    p.add_argument("--top", type=int, default=10, help="plans to print")
+    p.add_argument("--out", default="plan.json", help="where the best plan is written (default plan.json)")
+    p.add_argument("--plot", help="PNG of the throughput / memory frontier (needs matplotlib)")
+    p.add_argument("--predictor", help="trained predictor file or directory (default: the bundled newest)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("predict", help="predicted step time, tokens/s and memory of one plan")
+    _add_model_args(p)
+    p.add_argument("--plan", required=True, help="plan.json")
+    p.add_argument("--hardware", required=True)
+    p.add_argument("--predictor", help="trained predictor file or directory (default: the bundled newest)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("predictor", help="train or evaluate the learned throughput predictor")
+    p.add_argument("action", choices=("train", "eval"))
+    p.add_argument("--logs", nargs="+", help="run-log files or directories (default: what ships in predictors/data)")
+    p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites")
+    p.set_defaults(func=cmd_predictor)
     return parser
 
 

@@ -139,7 +139,8 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     bubble_s = busy * (plan.pp - 1) / m if plan.pp > 1 else 0.0
 
     # -- memory per device --------------------------------------------------------------------
-    fsdp = plan.dp_shard * plan.cp
+    # FSDP2 shards over dp_shard x cp (torchtitan); with dp_shard = 1 context parallel shards nothing (Megatron)
+    fsdp = plan.dp_shard * plan.cp if plan.dp_shard > 1 else 1
     expert_shard = plan.tp * max(plan.ep, fsdp)
     dense_params = d.params_total - d.expert_params
     local = (dense_params / (plan.tp * fsdp) + d.expert_params / expert_shard) * stage_share / plan.pp

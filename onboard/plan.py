@@ -1,0 +1,192 @@
+"""Planner front end: a ModelSpec and a device count in, ranked parallel plans (predictors/) out.
+
+Turns the spec into the key dimensions the predictors read (`runtime.runlog.model_record`, the same
+fields a run log carries), runs the search, and explains what would fit when nothing does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from onboard.errors import OnboardError
+from onboard.spec import ModelSpec
+from predictors import learned
+from predictors.dims import Dims
+from predictors.errors import PredictorError
+from predictors.hardware import Hardware, find
+from predictors.planner import Candidate, SearchResult, default_global_batch, search
+from runtime.plan import LoRA, Plan
+from runtime.runlog import model_record
+
+GB = 1e9
+
+
+def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False) -> ModelSpec:
+    """A spec.json written by `onboard inspect --json` / `onboard adapt`, or any model `inspect` accepts."""
+    path = Path(ref)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            data.pop("costs", None)  # `onboard inspect --json` adds them beside the spec
+            return ModelSpec.from_dict(data)
+        except (ValueError, KeyError, TypeError) as e:
+            raise OnboardError(f"{path} is not a ModelSpec JSON: {e}") from None
+    from onboard.inspection import inspect_model
+
+    return inspect_model(ref, trust_remote_code=trust_remote_code, online=online)[0]
+
+
+def dims_of(spec: ModelSpec) -> Dims:
+    return Dims.from_record(model_record(spec.to_dict()))
+
+
+def hardware(name: str) -> Hardware:
+    try:
+        return find(name)
+    except PredictorError as e:
+        raise OnboardError(str(e)) from None
+
+
+def load_predictor(path: str | None = None):
+    try:
+        return learned.load(path)
+    except PredictorError as e:
+        raise OnboardError(str(e)) from None
+
+
+@dataclass
+class PlanReport:
+    spec: ModelSpec
+    hardware: Hardware
+    devices: int
+    result: SearchResult
+    global_batch: int
+    predictor_label: str
+    suggestions: list
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.result.ranked[0] if self.result.ranked else None
+
+
+def _stamp(c: Candidate, hw: Hardware, devices: int, label: str) -> Plan:
+    c.plan.predicted = {"step_time_s": round(c.step_time_s, 6), "tokens_per_s": round(c.tokens_per_s, 1),
+                        "memory_per_device_bytes": int(c.memory_bytes), "cost_model_step_time_s":
+                        round(c.estimate.step_time_s, 6), "hardware": hw.name, "devices": devices,
+                        "predictor": label}
+    return c.plan
+
+
+def suggest(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None, seq_len: int, infeasible: list) -> list[str]:
+    """What would fit when nothing does: LoRA, more devices; the memory policies were already tried."""
+    out = []
+    if infeasible:
+        c = infeasible[0]
+        out.append(f"the leanest plan (tp={c.plan.tp} pp={c.plan.pp} cp={c.plan.cp} ep={c.plan.ep}, "
+                   f"recompute={c.plan.recompute}, swap={c.plan.swap}) needs {c.memory_bytes / GB:.1f} GB per device; "
+                   f"{hw.name} has {hw.memory_gb:g} GB")
+    if lora is None and search(d, devices, hw, lora=LoRA(), seq_len=seq_len).ranked:
+        out.append(f"LoRA (--mode lora) fits on {devices} devices")
+    for factor in (2, 4, 8, 16, 32, 64):
+        more = devices * factor
+        if search(d, more, hw, lora=lora, seq_len=seq_len).ranked:
+            out.append(f"{more} devices would fit")
+            break
+    else:
+        out.append(f"nothing fits even on {devices * 64} devices")
+    return out
+
+
+def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str = "full", seq_len: int = 4096,
+               global_batch: int | None = None, predictor: str | None = None) -> PlanReport:
+    if devices < 1:
+        raise OnboardError(f"--devices must be at least 1, got {devices}")
+    if mode not in ("full", "lora"):
+        raise OnboardError(f"--mode must be full or lora, got {mode!r}")
+    if global_batch is not None and global_batch < 1:
+        raise OnboardError(f"--global-batch must be positive, got {global_batch}")
+    hw = hardware(hardware_name)
+    d = dims_of(spec)
+    model = load_predictor(predictor)
+    lora = LoRA() if mode == "lora" else None
+    batch = global_batch or default_global_batch(devices, seq_len)
+    result = search(d, devices, hw, lora=lora, seq_len=seq_len, global_batch=batch, predictor=model)
+    if not result.layouts:
+        raise OnboardError(f"no legal layout of {devices} devices for global batch {batch} "
+                           f"(it must be a multiple of the data-parallel degree)")
+    for c in result.ranked:
+        _stamp(c, hw, devices, model.label)
+    suggestions = [] if result.ranked else suggest(d, devices, hw, lora=lora, seq_len=seq_len,
+                                                   infeasible=result.infeasible)
+    return PlanReport(spec, hw, devices, result, batch, model.label, suggestions)
+
+
+def write_plan(plan: Plan, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(plan.to_json())
+    tmp.replace(path)
+    return path
+
+
+def predict_plan(spec: ModelSpec, plan_path, *, hardware_name: str, predictor: str | None = None) -> dict:
+    try:
+        plan = Plan.load(plan_path)
+    except ValueError as e:
+        raise OnboardError(str(e)) from None
+    d = dims_of(spec)
+    problems = plan.problems(d.experts or None)
+    if problems:
+        raise OnboardError(f"plan {plan_path}: {'; '.join(problems)}")
+    hw = hardware(hardware_name)
+    model = load_predictor(predictor)
+    step, est = model.predict(d, plan, hw, plan.dtype)
+    return {"model": spec.name, "hardware": hw.name, "devices": plan.world_size, "predictor": model.label,
+            "step_time_s": step, "tokens_per_s": plan.tokens_per_step / step,
+            "cost_model_step_time_s": est.step_time_s,
+            "memory_per_device_bytes": int(est.memory_per_device_bytes),
+            "memory_capacity_bytes": int(hw.memory_bytes),
+            "memory_parts_bytes": {k: int(v) for k, v in est.memory.items() if k != "total"}}
+
+
+def plot_frontier(report: PlanReport, path) -> Path:
+    """Predicted tokens/s against memory per device of every plan considered; fitting ones highlighted."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise OnboardError("--plot needs matplotlib (pip install 'onboard[plot]')") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fit = report.result.ranked
+    over = report.result.infeasible
+    ax.scatter([c.memory_bytes / GB for c in over], [c.tokens_per_s for c in over], s=6, c="lightgray",
+               label="over memory (cost model)")
+    ax.scatter([c.memory_bytes / GB for c in fit], [c.tokens_per_s for c in fit], s=8, label="fits (predicted)")
+    ax.axvline(report.hardware.memory_gb, color="red", linestyle="--", label=f"{report.hardware.name} memory")
+    ax.set_xlabel("memory per device (GB)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{report.spec.name} on {report.devices} x {report.hardware.name}")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def train_predictor(logs: list[str] | None, out: str | None):
+    try:
+        return learned.train(logs or None, out)
+    except PredictorError as e:
+        raise OnboardError(str(e)) from None
+
+
+def evaluate_predictor(logs: list[str] | None):
+    try:
+        return learned.evaluate(logs or None)
+    except PredictorError as e:
+        raise OnboardError(str(e)) from None

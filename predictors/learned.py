@@ -1,0 +1,219 @@
+"""The learned throughput predictor: gradient-boosted trees on cost-model features.
+
+Target: log(measured step time / cost-model step time), so the trees learn where the analytical model is
+wrong rather than the whole answer, and a model never seen in training still gets the cost model's
+physics. Each source carries equal total weight, so the 1,440 single-node vTrain rows do not drown
+the multi-node ones.
+
+Saved as `throughput-vN.joblib` (the scikit-learn estimator) with `throughput-vN.json` beside it (version,
+training files with their digests, row counts per source, skipped lines, scikit-learn version, and the
+model file's sha256, which loading checks). Training writes the next free version; nothing is ever
+overwritten or deleted. joblib files are pickles: load only files you or this package wrote.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import joblib
+import numpy as np
+import sklearn
+from sklearn.ensemble import HistGradientBoostingRegressor
+from threadpoolctl import threadpool_limits
+
+from predictors.costmodel import Estimate, estimate
+from predictors.dims import Dims
+from predictors.errors import PredictorError
+from predictors.features import FEATURES, Dataset, features, load_dataset
+from predictors.hardware import Hardware
+from runtime.plan import Plan
+
+MODELS_DIR = Path(__file__).parent / "models"
+DATA_DIR = Path(__file__).parent / "data"
+STEM = "throughput"
+FORMAT = 1
+
+
+def default_training_paths() -> list[Path]:
+    """Everything that ships: converted published runs and the runtime's run logs (data/runlogs/)."""
+    return sorted(DATA_DIR.glob("*.jsonl")) + ([DATA_DIR / "runlogs"] if (DATA_DIR / "runlogs").is_dir() else [])
+
+
+def _weights(sources: list) -> np.ndarray:
+    counts = Counter(sources)
+    return np.array([1.0 / counts[s] for s in sources]) * len(sources) / len(counts)
+
+
+def fit(X: np.ndarray, y: np.ndarray, sources: list) -> HistGradientBoostingRegressor:
+    model = HistGradientBoostingRegressor(max_iter=100, learning_rate=0.1, max_leaf_nodes=15, min_samples_leaf=8,
+                                          l2_regularization=1.0, random_state=0)
+    # one thread: these fits take a fraction of a second, and OpenMP threads on a busy machine make
+    # them take minutes (spin-waiting for cores other processes hold)
+    with threadpool_limits(1):
+        model.fit(X, y, sample_weight=_weights(sources))
+    return model
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files_of(paths) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        out.extend(sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])
+    return out
+
+
+def _shown(path: Path) -> str:
+    """Shipped files relative to the package, so the bundled metadata does not name a build machine."""
+    try:
+        return str(path.resolve().relative_to(Path(__file__).resolve().parent.parent))
+    except ValueError:
+        return str(path)
+
+
+def _next_version(directory: Path) -> int:
+    found = [int(m.group(1)) for p in directory.glob(f"{STEM}-v*.json")
+             if (m := re.fullmatch(rf"{STEM}-v(\d+)\.json", p.name))]
+    return max(found, default=0) + 1
+
+
+@dataclass
+class Predictor:
+    model: HistGradientBoostingRegressor
+    meta: dict
+    path: Path | None = None
+
+    def correction(self, X: np.ndarray) -> np.ndarray:
+        """Multiplier on the cost model's step time, one per row."""
+        with threadpool_limits(1):
+            return np.exp(self.model.predict(np.asarray(X, dtype=float).reshape(-1, len(FEATURES))))
+
+    def predict(self, d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> tuple[float, Estimate]:
+        est = estimate(d, plan, hw, precision)
+        factor = float(self.correction([features(d, plan, hw, precision, est)])[0])
+        return est.step_time_s * factor, est
+
+    @property
+    def label(self) -> str:
+        return f"{STEM}-v{self.meta.get('version')}"
+
+
+def train(paths=None, out=None) -> Predictor:
+    """Train on run logs and save as a new version; `out` is a directory or a new .joblib path."""
+    paths = [Path(p) for p in (paths or default_training_paths())]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise PredictorError(f"no such run-log file or directory: {', '.join(missing)}")
+    data = load_dataset(paths)
+    if len(data) < 10:
+        raise PredictorError(f"only {len(data)} usable runs in {', '.join(map(str, paths))}; need at least 10")
+    out = Path(out) if out else MODELS_DIR
+    if out.suffix == ".joblib":
+        target = out
+        if target.exists() or target.with_suffix(".json").exists():
+            raise PredictorError(f"{target} exists; retraining never overwrites a model, choose a new name")
+        version = _next_version(target.parent)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        version = _next_version(out)
+        target = out / f"{STEM}-v{version}.joblib"
+    model = fit(data.X, data.target, data.sources)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    joblib.dump(model, target)
+    meta = {
+        "format": FORMAT, "version": version, "kind": "HistGradientBoostingRegressor on log(measured / cost model)",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sklearn": sklearn.__version__, "features": list(FEATURES), "model_sha256": _sha256(target),
+        "training": {
+            "files": [{"path": _shown(f), "sha256": _sha256(f)} for f in _files_of(paths)],
+            "runs": len(data), "runs_per_source": dict(sorted(Counter(data.sources).items())),
+            "models": len(set(data.groups)), "skipped": len(data.skipped),
+            "skipped_reasons": dict(Counter(s.reason for s in data.skipped).most_common(10)),
+        },
+    }
+    target.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return Predictor(model, meta, target)
+
+
+def latest(directory=MODELS_DIR) -> Path:
+    directory = Path(directory)
+    version = _next_version(directory) - 1
+    if version < 1:
+        raise PredictorError(f"no trained predictor in {directory}; run `onboard predictor train`")
+    return directory / f"{STEM}-v{version}.joblib"
+
+
+def load(path=None) -> Predictor:
+    """A saved predictor (default: the newest version in the package); a clear error when it is damaged."""
+    path = Path(path) if path else latest()
+    if path.is_dir():
+        path = latest(path)
+    sidecar = path.with_suffix(".json")
+    try:
+        meta = json.loads(sidecar.read_text())
+    except OSError as e:
+        raise PredictorError(f"cannot read predictor metadata {sidecar}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PredictorError(f"predictor metadata {sidecar} is corrupt: {e.msg}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PredictorError(f"predictor metadata {sidecar} has format {meta.get('format') if isinstance(meta, dict) else '?'}, "
+                             f"this code reads {FORMAT}")
+    if meta.get("features") != list(FEATURES):
+        raise PredictorError(f"predictor {path} was trained on other features; retrain it")
+    if not path.is_file():
+        raise PredictorError(f"predictor model file {path} is missing")
+    if _sha256(path) != meta.get("model_sha256"):
+        raise PredictorError(f"predictor model file {path} is corrupt (its sha256 does not match {sidecar.name})")
+    try:
+        model = joblib.load(path)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise PredictorError(f"predictor model file {path} cannot be loaded: {type(e).__name__}: {e}") from None
+    if not hasattr(model, "predict"):
+        raise PredictorError(f"predictor model file {path} does not hold an estimator")
+    return Predictor(model, meta, path)
+
+
+@dataclass
+class SourceScore:
+    source: str
+    runs: int
+    cost_median: float
+    cost_mean: float
+    learned_median: float
+    learned_mean: float
+
+
+def evaluate(paths=None, data: Dataset | None = None) -> tuple[list[SourceScore], Dataset]:
+    """Leave-one-model-out absolute % error of step time, pure cost model vs learned, per source and 'all'."""
+    data = data or load_dataset([Path(p) for p in (paths or default_training_paths())])
+    groups = np.array(data.groups)
+    if len(set(data.groups)) < 2:
+        raise PredictorError("leave-one-model-out needs runs of at least two models")
+    predicted = np.empty(len(data))
+    for name in sorted(set(data.groups)):
+        held = groups == name
+        keep = ~held
+        model = fit(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k])
+        with threadpool_limits(1):
+            predicted[held] = data.cost_step[held] * np.exp(model.predict(data.X[held]))
+    cost_err = np.abs(data.cost_step - data.measured) / data.measured
+    learned_err = np.abs(predicted - data.measured) / data.measured
+    sources = np.array(data.sources)
+    scores = []
+    for source in [*sorted(set(data.sources)), "all"]:
+        m = np.ones(len(data), bool) if source == "all" else sources == source
+        scores.append(SourceScore(source, int(m.sum()), float(np.median(cost_err[m])), float(cost_err[m].mean()),
+                                  float(np.median(learned_err[m])), float(learned_err[m].mean())))
+    return scores, data

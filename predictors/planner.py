@@ -1,0 +1,113 @@
+"""Parallel-plan search: enumerate legal layouts, keep those that fit in memory, rank by predicted tokens/s.
+
+For each layout (tp, pp, cp, dp_shard / dp_replicate, ep, micro-batch) the memory policies are tried
+from cheapest to most memory-saving (no recompute, loss chunking, selective recompute, MoE swap, full
+recompute, swap everything) and the first that fits is kept, so a layout is never charged for recompute
+it does not need. The cost model prices every layout; the learned predictor ranks the ones that fit in
+one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictors.costmodel import Estimate, estimate, fits
+from predictors.dims import Dims
+from predictors.features import features
+from predictors.hardware import Hardware
+from runtime.plan import LoRA, Plan
+
+LOSS_CHUNK = 8192  # tokens per loss chunk: the logits of a chunk stay small next to a layer's activations
+POLICIES = (  # (recompute, swap, loss chunking)
+    ("none", "none", False), ("none", "none", True), ("selective", "none", True), ("selective", "moe", True),
+    ("full", "none", True), ("full", "all", True),
+)
+MICRO_BATCHES = (1, 2, 4)
+TARGET_TOKENS = 2 ** 22  # default global batch: about 4M tokens, a common pre-training setting
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    estimate: Estimate
+    step_time_s: float = 0.0  # learned prediction (the cost model's when no predictor is given)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.tokens_per_step / self.step_time_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.estimate.memory_per_device_bytes
+
+
+@dataclass
+class SearchResult:
+    ranked: list  # Candidates that fit, fastest first
+    infeasible: list  # the least memory-hungry policy of each layout that fits nowhere
+    layouts: int = 0
+    estimates: int = 0
+    notes: list = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def default_global_batch(devices: int, seq_len: int) -> int:
+    return devices * max(1, math.ceil(TARGET_TOKENS / (seq_len * devices)))
+
+
+def layouts(d: Dims, devices: int, hw: Hardware, seq_len: int, global_batch: int):
+    """Every (tp, pp, cp, dp_shard, dp_replicate, ep, micro_batch, grad_accum) that is legal."""
+    for tp in divisors(devices):
+        if tp > hw.devices_per_node or d.heads % tp:
+            continue
+        for pp in divisors(devices // tp):
+            if pp > max(1, d.layers // 2):  # at least two layers per stage
+                continue
+            for cp in (1, 2, 4, 8):
+                if (devices // (tp * pp)) % cp or seq_len % (2 * cp):
+                    continue
+                dp = devices // (tp * pp * cp)
+                for dp_shard in divisors(dp):
+                    eps = [e for e in divisors(dp_shard * cp) if d.experts and d.experts % e == 0] or [1]
+                    for ep in eps:
+                        for mb in MICRO_BATCHES:
+                            if global_batch % (mb * dp):
+                                continue
+                            yield {"tp": tp, "pp": pp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp // dp_shard, "ep": ep,
+                                       "micro_batch": mb, "grad_accum": global_batch // (mb * dp)}
+
+
+def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq_len: int = 4096,
+           global_batch: int | None = None, precision: str = "bf16", predictor=None) -> SearchResult:
+    global_batch = global_batch or default_global_batch(devices, seq_len)
+    result = SearchResult([], [])
+    for layout in layouts(d, devices, hw, seq_len, global_batch):
+        result.layouts += 1
+        best = None
+        for recompute, swap, chunk in POLICIES:
+            plan = Plan(**layout, seq_len=seq_len, recompute=recompute, swap=swap, lora=lora, dtype=precision,
+                        loss_chunk=LOSS_CHUNK if chunk else None)
+            est = estimate(d, plan, hw, precision)
+            result.estimates += 1
+            if fits(est, hw):
+                result.ranked.append(Candidate(plan, est, est.step_time_s))
+                break
+            if best is None or est.memory_per_device_bytes < best.memory_bytes:
+                best = Candidate(plan, est, est.step_time_s)
+        else:
+            result.infeasible.append(best)
+    if global_batch % devices and not result.layouts:
+        result.notes.append(f"global batch {global_batch} leaves no legal data-parallel split of {devices} devices")
+    if predictor is not None and result.ranked:
+        X = np.array([features(d, c.plan, hw, precision, c.estimate) for c in result.ranked])
+        for c, factor in zip(result.ranked, predictor.correction(X)):
+            c.step_time_s = c.estimate.step_time_s * float(factor)
+    result.ranked.sort(key=lambda c: (-c.tokens_per_s, c.memory_bytes))
+    result.infeasible.sort(key=lambda c: c.memory_bytes)
+    return result
