@@ -18,6 +18,7 @@ from pathlib import Path
 
 from onboard.capture import capture
 from onboard.codegen import (
+    attention_kinds,
     environment,
     loss_target,
     moe_kinds,
@@ -48,6 +49,10 @@ def load_adapter(directory: Path):
 def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refused: dict | None = None) -> str:
     kinds, skipped = moe_kinds(spec, twin, refused)
     loss, loss_why = loss_target(spec, twin, refused)
+    attention, attention_skipped = attention_kinds(spec, twin, refused)
+    attention_kept: dict[str, list[int]] = {}
+    for index, why in sorted(attention_skipped.items()):
+        attention_kept.setdefault(why, []).append(index)
     for kind in kinds:
         kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
                                                     kind["router"].bias, kind["router"].linear_bias, kind["output_bias"], kind["shared_gate_weight"], *kind["shared"]] if p})
@@ -61,9 +66,11 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refus
         spec=spec, kinds=kinds, skipped=[(ranges(i), why) for why, i in kept.items()], verification=verification,
         pattern=pattern,
         params_total=human(spec.params_total), params_active=human(spec.params_active),
-        attention_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers})),
         twin_hidden=twin.config.hidden_size, twin_layers=len(twin.layer_signatures),
-        loss=loss, loss_why=loss_why,
+        loss=loss, loss_why=loss_why, attention=attention,
+        attention_kept=[(ranges(i), why) for why, i in attention_kept.items()],
+        softmax_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers
+                                        if not layer.attention.kind.startswith(("linear:", "sparse:", "ssm:"))})),
     )
 
 
@@ -147,7 +154,15 @@ def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, refused: dict
             (staging / "kernels" / name).write_text(source_text)
     module = load_adapter(staging)
     return verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused),
-                  loss_swapped=loss_target(spec, twin, refused)[0] is not None)
+                  loss_swapped=loss_target(spec, twin, refused)[0] is not None,
+                  attention=_attention_expected(spec, twin, refused))
+
+
+def _attention_expected(spec: ModelSpec, twin: Twin, refused: dict) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for group in attention_kinds(spec, twin, refused)[0]:
+        out.setdefault(group["mode"], []).extend(group["indices"])
+    return out
 
 
 def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification,
@@ -188,6 +203,7 @@ def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
     refused = json.loads((directory / "verification.json").read_text()).get("refused", {}) \
         if (directory / "verification.json").is_file() else {}
     verification = verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused),
-                          loss_swapped=loss_target(spec, twin, refused)[0] is not None)
+                          loss_swapped=loss_target(spec, twin, refused)[0] is not None,
+                          attention=_attention_expected(spec, twin, refused))
     write_verification(directory, spec, twin, verification, refused)
     return spec, verification

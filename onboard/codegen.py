@@ -6,6 +6,7 @@ options give byte-identical files.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from dataclasses import asdict
@@ -13,6 +14,7 @@ from importlib import resources
 
 import jinja2
 
+from onboard.errors import one_line
 from onboard.report import describe_mlp, describe_router, ranges
 from onboard.spec import MLP, Layer, ModelSpec
 from onboard.twin import Twin
@@ -115,6 +117,50 @@ def loss_target(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tup
     return {"head": path, "softcap": softcap}, None
 
 
+def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tuple[str | None, str | None]:
+    """How the adapter runs a layer's attention in the runtime: ("linear", None) for a chunked gated delta
+    rule core, ("sparse", None) for DSA, or (None, why it stays HuggingFace code). Decided by trying the
+    runtime's swap on a copy of the twin's module, so a family whose functions only look right stays as it is."""
+    from runtime.attention import swap_linear_core, swap_sparse_attention
+
+    kind, path = layer.attention.kind, layer.attention.path
+    if refused and f"attention:{path}" in refused:
+        return None, refused[f"attention:{path}"]
+    if kind.startswith("linear:"):
+        mode, swap = "linear", swap_linear_core
+    elif kind == "sparse:dsa":
+        mode, swap = "sparse", lambda m: swap_sparse_attention(m, paths=[""])
+    elif kind.startswith("ssm:"):
+        return None, "a state-space (Mamba) mixer: the runtime has no kernel for it yet"
+    else:
+        return None, None  # softmax-family attention: transformers' own sdpa / flash paths serve it
+    try:
+        module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
+        copied = copy.deepcopy(module)
+        result = swap(copied)
+    except (AttributeError, ValueError) as exc:
+        return None, one_line(exc)
+    if mode == "sparse" and result.kept:
+        return None, "; ".join(result.kept.values())
+    return mode, None
+
+
+def attention_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple[list[dict], dict[int, str]]:
+    """Attention layers the adapter swaps, grouped by (mode, module path); and why other linear / sparse
+    attention layers stay as they are."""
+    groups: dict[tuple, list[int]] = {}
+    kept: dict[int, str] = {}
+    for layer in spec.layers:
+        mode, why = attention_swap(layer, twin, refused)
+        if mode:
+            groups.setdefault((mode, layer.attention.path, layer.attention.kind), []).append(layer.index)
+        elif why:
+            kept[layer.index] = f"{layer.attention.kind}: {why}"
+    kinds = [{"mode": mode, "path": path, "kind": kind, "indices": indices, "ranges": ranges(indices)}
+             for (mode, path, kind), indices in groups.items()]
+    return kinds, kept
+
+
 def _experts_module(twin: Twin, layer: int, path: str):
     return twin.model.get_submodule(f"{twin.layers_path}.{layer}.{path}")
 
@@ -193,13 +239,16 @@ class _Roles(dict):
 def render_adapter(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> str:
     kinds, _ = moe_kinds(spec, twin, refused)
     loss, _ = loss_target(spec, twin, refused)
-    stays = ["attention", "norms", "embeddings"]
+    stays = ["norms", "embeddings"]
     if any(layer.mlp.kind == "dense" for layer in spec.layers):
         stays.insert(1, "dense MLPs")
     if loss is None:
         stays.append("LM head and loss")
+    attention, _ = attention_kinds(spec, twin, refused)
+    if len(attention) < len({layer.attention.kind for layer in spec.layers}):
+        stays.insert(0, "attention" if not attention else "the other attention layers")
     return environment().get_template("adapter.py.j2").render(
-        spec=spec, kinds=kinds, stays=", ".join(stays), loss=loss,
+        spec=spec, kinds=kinds, stays=", ".join(stays), loss=loss, attention=attention,
         moe_layer_count=sum(len(k["indices"]) for k in kinds),
     )
 

@@ -26,6 +26,7 @@ LOGITS_RTOL = 1e-4
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-7
+CHECK_CHUNK = 8  # linear-attention chunk length under verification: the 32-token twin crosses 3 boundaries
 
 
 @dataclass
@@ -43,6 +44,7 @@ class SeedResult:
     runtime_calls: int = 0
     original_calls: int = 0
     runtime_loss_calls: int = 0  # forward passes whose loss the runtime computed (0 when the loss stays HF)
+    runtime_attention_calls: int = 0  # runtime linear-attention cores and sparse attentions run
     passed: bool = False
 
 
@@ -90,25 +92,32 @@ def expected_replacements(spec: ModelSpec, twin: Twin, targets) -> int:
     return sum(1 for layer in spec.layers if layer.index < depth and layer.mlp.kind == "moe" and targets(layer))
 
 
-def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS, *, loss_swapped: bool = False) -> Verification:
+def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS, *, loss_swapped: bool = False,
+           attention: dict | None = None) -> Verification:
     """Run the twin through HuggingFace and through `adapt`; compare everything. `targets(layer)` names the
     module (below the decoder layer) the adapter should replace, or None. Never raises: an adapter that
     crashes is a failed verification, with the error in the note. With `loss_swapped` the adapter must also
     compute the training loss in the runtime (without full logits); the logits are then compared from a
-    forward pass without labels."""
+    forward pass without labels. `attention` maps "linear" / "sparse" to the layer indices whose attention the
+    adapter must run in the runtime; the runtime's attention cores must then have run."""
     expected = expected_replacements(spec, twin, targets)
     tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL}
     try:
-        return _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped)
+        return _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped, attention or {})
     except Exception as exc:  # generated code under test: report, do not crash
         return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
 
 
-def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped) -> Verification:
+def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped, attention) -> Verification:
     from runtime.moe import MoEBlock, RoutedExperts
+
+    from runtime.attention import LINEAR_CORE_CALLS, reset_sparse_calls, sparse_calls
 
     results = []
     replaced = 0
+    depth = len(twin.model.get_submodule(twin.layers_path))
+    attention_expected = {mode: sum(1 for i in indices if i < depth) for mode, indices in attention.items()}
+    attention_swapped = 0
     for seed in seeds:
         ref = copy.deepcopy(twin.model)
         _redraw(ref, spec, twin.layers_path, seed)
@@ -119,32 +128,45 @@ def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swappe
         originals = [stack[layer.index].get_submodule(targets(layer)) for layer in spec.layers
                      if layer.index < len(stack) and layer.mlp.kind == "moe" and targets(layer)]
         original_hooks, original_calls = _count_calls(originals)
-        adapt(adapted)
+        _adapt_for_checking(adapt, adapted)
         replaced = getattr(adapted, "onboard_replaced", 0)
         runtime_hooks, runtime_calls = _count_calls([m for m in adapted.modules() if isinstance(m, (MoEBlock, RoutedExperts))])
         batch = twin.example_batch(seed)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()
+        attention_swapped = getattr(adapted, "onboard_attention_swapped", 0)
+        linear_before = sum(LINEAR_CORE_CALLS.values())
+        reset_sparse_calls()
         out_ad = adapted(**batch, use_cache=False)
         out_ad.loss.backward()
+        attention_calls = {"linear": sum(LINEAR_CORE_CALLS.values()) - linear_before, "sparse": sparse_calls()["sparse"]}
         loss_calls = getattr(adapted, "onboard_loss_calls", 0)
+        for h in original_hooks + runtime_hooks:
+            h.remove()
         logits_ad = out_ad.logits
         if logits_ad is None or logits_ad.numel() == 0:  # the runtime loss never made logits: ask for them
             with torch.no_grad():
                 logits_ad = adapted(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
-        for h in original_hooks + runtime_hooks:
-            h.remove()
         result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls[0], original_calls[0])
         result.runtime_loss_calls = loss_calls
+        result.runtime_attention_calls = sum(attention_calls.values())
         if loss_swapped and loss_calls == 0:
+            result.passed = False
+        if any(attention_expected.get(mode) and not attention_calls[mode] for mode in attention_calls):
             result.passed = False
         results.append(result)
     aux = _aux_losses(twin, spec, adapt) if replaced or loss_swapped else {}
-    passed = bool(results) and all(r.passed for r in results) and replaced == expected and aux.get("passed", True)
+    wanted = sum(attention_expected.values())
+    passed = (bool(results) and all(r.passed for r in results) and replaced == expected and aux.get("passed", True)
+              and attention_swapped == wanted)
     note = "" if replaced == expected else f"adapter replaced {replaced} blocks, expected {expected}"
     if expected == 0:
         note = "no MoE block the runtime can take over" + ("" if loss_swapped else
                                                          ": the adapter leaves the model as it is")
+    if attention_swapped != wanted:
+        note = (note + "; " if note else "") + f"adapter swapped {attention_swapped} attention layers, expected {wanted}"
+    if wanted and results and not all(r.runtime_attention_calls for r in results):
+        note = (note + "; " if note else "") + "the runtime attention did not run"
     if loss_swapped and results and not all(r.runtime_loss_calls for r in results):
         note = (note + "; " if note else "") + "the runtime loss did not run"
     if not aux.get("passed", True):
@@ -152,12 +174,22 @@ def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swappe
     return Verification(passed, replaced, expected, results, tolerances, note, _backends() if replaced else {}, aux)
 
 
+def _adapt_for_checking(adapt, model: nn.Module) -> nn.Module:
+    """Adapt `model`, with linear-attention chunks short enough that the twin's sequence spans several:
+    chunk boundaries are where a chunked recurrence goes wrong."""
+    import inspect
+
+    if "chunk_size" in inspect.signature(adapt).parameters:
+        return adapt(model, chunk_size=CHECK_CHUNK)
+    return adapt(model)
+
+
 def _aux_losses(twin: Twin, spec: ModelSpec, adapt) -> dict:
     """With router logits requested, the model's auxiliary load-balancing loss must not change."""
     ref = copy.deepcopy(twin.model)
     _redraw(ref, spec, twin.layers_path, 0)
     ref.eval()
-    adapted = adapt(copy.deepcopy(ref))
+    adapted = _adapt_for_checking(adapt, copy.deepcopy(ref))
     batch = twin.example_batch(0)
     try:
         with torch.no_grad():
