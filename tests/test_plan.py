@@ -1,0 +1,116 @@
+"""onboard.plan and the plan / predict / predictor verbs, on catalogue models inspected for real."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli import main
+from onboard.errors import OnboardError
+from onboard.plan import dims_of, plan_model, predict_plan
+from predictors.published import DATA_DIR
+from runtime.plan import Plan
+
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def flagship(inspected):
+    return inspected("onboard-flagship-2.8t")[0]
+
+
+@pytest.fixture(scope="module")
+def deepseek(inspected):
+    return inspected("deepseek-v3")[0]
+
+
+def test_flagship_lora_on_128_ascend_910c(flagship):
+    report = plan_model(flagship, devices=128, hardware_name="Ascend-910C", mode="lora", seq_len=8192)
+    best = report.best
+    assert best is not None and best.plan.lora is not None and best.plan.world_size == 128
+    assert best.memory_bytes < report.hardware.memory_bytes
+    top = report.result.ranked[:5]
+    assert any(c.plan.dp_shard > 1 and c.plan.ep > 1 for c in top), "FSDP2 + EP among the top plans"
+    assert all(not c.plan.problems(896) for c in report.result.ranked)
+    ranked = [c.tokens_per_s for c in report.result.ranked]
+    assert ranked == sorted(ranked, reverse=True)
+    assert set(best.plan.predicted) >= {"step_time_s", "tokens_per_s", "memory_per_device_bytes"}
+
+
+def test_deepseek_v3_full_on_2048_h800_fits(deepseek):
+    report = plan_model(deepseek, devices=2048, hardware_name="H800", mode="full", seq_len=4096)
+    best = report.best
+    assert best is not None and best.plan.lora is None
+    assert best.memory_bytes < 80 * GB
+    assert best.plan.ep > 1 and 256 % best.plan.ep == 0
+
+
+def test_nothing_fits_says_what_would(deepseek):
+    report = plan_model(deepseek, devices=8, hardware_name="H100", mode="full", seq_len=4096)
+    assert report.best is None
+    text = " ".join(report.suggestions)
+    assert "needs" in text and "devices would fit" in text
+    more = int(next(s for s in report.suggestions if "devices would fit" in s).split()[0])
+    assert plan_model(deepseek, devices=more, hardware_name="H100", seq_len=4096).best is not None
+
+
+def test_dims_come_from_the_spec(deepseek):
+    d = dims_of(deepseek)
+    assert d.params_total == deepseek.params_total and d.params_active == deepseek.params_active
+    assert d.experts == 256 and d.top_k == 8 and d.moe_layers == 58
+
+
+def test_plan_and_predict_verbs_round_trip(tmp_path, deepseek, capsys):
+    spec = tmp_path / "spec.json"
+    spec.write_text(deepseek.to_json())
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(spec), "--devices", "256", "--hardware", "H100", "--top", "3", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "tokens/s" in table and len([line for line in table.splitlines() if line.strip()[:1].isdigit()]) == 3
+    plan = Plan.load(out)
+    assert plan.world_size == 256 and plan.predicted["hardware"] == "H100"
+    assert main(["predict", str(spec), "--plan", str(out), "--hardware", "H100", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["step_time_s"] == pytest.approx(plan.predicted["step_time_s"], rel=1e-4)
+    assert got["memory_per_device_bytes"] == plan.predicted["memory_per_device_bytes"]
+    direct = predict_plan(deepseek, out, hardware_name="H100")
+    assert direct["tokens_per_s"] == pytest.approx(got["tokens_per_s"])
+
+
+def test_bad_input_is_one_line(tmp_path, deepseek, capsys):
+    spec = tmp_path / "spec.json"
+    spec.write_text(deepseek.to_json())
+    assert main(["plan", str(spec), "--devices", "16", "--hardware", "TPU-v9"]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"tp": 2, "warp": 9}')
+    assert main(["predict", str(spec), "--plan", str(bad), "--hardware", "H100"]) == 1
+    assert "unknown plan field" in capsys.readouterr().err
+    bad.write_text(Plan(ep=3, dp_shard=3).to_json())
+    with pytest.raises(OnboardError, match="ep=3 must divide the 256 experts"):
+        predict_plan(deepseek, bad, hardware_name="H100")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(["plan", str(spec), "--devices", "256", "--hardware", "H100", "--out", str(tmp_path / "p.json"),
+                     "--plot", str(tmp_path / "f.png")]) == 1
+        assert "matplotlib" in capsys.readouterr().err
+
+
+def test_predictor_verbs(tmp_path, capsys):
+    lines = (DATA_DIR / "published_runs.jsonl").read_text().splitlines()[:120]
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("\n".join(lines) + "\n{truncated\n")
+    models = tmp_path / "models"
+    assert main(["predictor", "train", "--logs", str(logs), "--out", str(models)]) == 0
+    out = capsys.readouterr().out
+    assert "throughput-v1: 60 runs" in out and "1 skipped" in out and "not JSON" in out
+    assert main(["predictor", "train", "--logs", str(logs), "--out", str(models)]) == 0
+    assert sorted(p.name for p in models.iterdir()) == [
+        "throughput-v1.joblib", "throughput-v1.json", "throughput-v2.joblib", "throughput-v2.json"]
+    capsys.readouterr()
+    assert main(["predictor", "eval", "--logs", str(logs)]) == 0
+    table = capsys.readouterr().out
+    assert "cost median" in table and "learned median" in table and table.rstrip().splitlines()[-1].startswith("all")
+    assert main(["predictor", "train", "--logs", str(tmp_path / "missing.jsonl")]) == 1
+    assert Path(models / "throughput-v1.joblib").exists()
