@@ -180,6 +180,8 @@ def cmd_predict(args) -> int:
 
 
 def cmd_predictor(args) -> int:
+    from collections import Counter
+
     from onboard.plan import evaluate_predictor, train_predictor
 
     if args.action == "train":
@@ -192,6 +194,8 @@ def cmd_predictor(args) -> int:
     scores, data = evaluate_predictor(args.logs)
     print(f"leave-one-model-out over {len(data)} runs of {len(set(data.groups))} models "
           f"({len(data.skipped)} lines/runs skipped); absolute % error of step time")
+    for reason, count in Counter(s.reason for s in data.skipped).most_common(5):
+        print(f"  skipped {count}: {reason}")
     print(f"{'source':<22} {'runs':>5} {'cost median':>12} {'cost mean':>10} {'learned median':>15} {'learned mean':>13}")
     for s in scores:
         print(f"{s.source:<22} {s.runs:>5} {s.cost_median:>12.1%} {s.cost_mean:>10.1%} "

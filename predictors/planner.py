@@ -79,8 +79,9 @@ def layouts(d: Dims, devices: int, hw: Hardware, seq_len: int, global_batch: int
                         for mb in MICRO_BATCHES:
                             if global_batch % (mb * dp):
                                 continue
-                            yield {"tp": tp, "pp": pp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp // dp_shard, "ep": ep,
-                                       "micro_batch": mb, "grad_accum": global_batch // (mb * dp)}
+                            yield {"tp": tp, "pp": pp, "cp": cp, "dp_shard": dp_shard,
+                                   "dp_replicate": dp // dp_shard, "ep": ep, "micro_batch": mb,
+                                   "grad_accum": global_batch // (mb * dp)}
 
 
 def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq_len: int = 4096,
