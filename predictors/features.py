@@ -14,7 +14,7 @@ import numpy as np
 from predictors.costmodel import Estimate, estimate
 from predictors.dims import Dims
 from predictors.errors import PredictorError
-from predictors.hardware import Hardware, find
+from predictors.hardware import Hardware, identify
 from runtime.plan import Plan
 from runtime.runlog import Skipped, read_runs
 
@@ -78,7 +78,7 @@ def load_dataset(paths) -> Dataset:
     for run in runs:
         where = f"run {run.header.get('run_id')} ({run.source})"
         try:
-            hw = find(run.hardware.get("name", ""))
+            hw = identify(run.hardware)
             d = Dims.from_record(run.model)
             plan = Plan.from_dict(run.plan)
             problems = plan.problems(d.experts or None)

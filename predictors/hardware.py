@@ -113,3 +113,22 @@ def find(name_or_path) -> Hardware:
         if wanted in {_key(hw.name), *map(_key, hw.aliases)}:
             return hw
     raise PredictorError(f"unknown hardware {text!r}; known: {', '.join(specs)} (or a path to a YAML spec)")
+
+
+def identify(described: dict) -> Hardware:
+    """The spec for a run log's `hardware` record, whose name may be what the driver reports
+    ("NVIDIA H100 80GB HBM3", "AMD EPYC 9654"): an exact name or alias first, then the longest bundled
+    name or alias inside it, then the CPU spec for a CPU run."""
+    name = str(described.get("name") or "")
+    try:
+        return find(name)
+    except PredictorError:
+        pass
+    text = _key(name)
+    keys = sorted(((_key(k), hw) for hw in _bundled() for k in (hw.name, *hw.aliases)), key=lambda kv: -len(kv[0]))
+    for key, hw in keys:
+        if len(key) >= 4 and key in text:
+            return hw
+    if described.get("device_type") == "cpu":
+        return find("cpu")
+    raise PredictorError(f"unknown hardware {name!r}; add a spec to predictors/hardware/")

@@ -13,7 +13,7 @@ from predictors.costmodel import estimate
 from predictors.dims import Dims
 from predictors.errors import PredictorError
 from predictors.features import load_dataset
-from predictors.hardware import bundled, find
+from predictors.hardware import bundled, find, identify
 from predictors.published import DATA_DIR, convert_row
 from runtime.plan import LoRA, Plan
 
@@ -48,6 +48,14 @@ def test_user_hardware_yaml(tmp_path):
         find(str(tmp_path / "broken.yaml"))
     with pytest.raises(PredictorError, match="unknown hardware"):
         find("TPU-v9")
+
+
+def test_run_log_hardware_names_as_drivers_report_them():
+    assert identify({"name": "NVIDIA H100 80GB HBM3", "device_type": "cuda"}).name == "H100"
+    assert identify({"name": "NVIDIA A100-SXM4-40GB"}).name == "A100-40G"
+    assert identify({"name": "AMD EPYC 9654", "device_type": "cpu"}).name == "cpu"
+    with pytest.raises(PredictorError, match="unknown hardware"):
+        identify({"name": "TPU v5p", "device_type": "xla"})
 
 
 # -- cost model ----------------------------------------------------------------------------------
