@@ -124,7 +124,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     state = {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from runtime.parallel import gather_experts
+        from runtime.parallel.state import gather_experts
 
         state = gather_experts(model, state)
     return {k: v.detach().clone() for k, v in state.items()}
@@ -132,28 +132,11 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full adapter tensors (as `lora_state_dict` wrote them) into a model, sharded or not."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from runtime.parallel.state import load_full_state
 
-    from runtime.parallel import moe_blocks
-
-    own = {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"LoRA state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    slices = {}
-    for name, block in moe_blocks(model):
-        shard = getattr(block.experts, "expert_shard", None)
-        if shard is not None:
-            rank, size, total = shard
-            slices[f"{name}.experts." if name else "experts."] = (rank * (total // size), total // size)
-    with torch.no_grad():
-        for key, target in own.items():
-            full = state[key]
-            for prefix, (lo, n) in slices.items():
-                if key.startswith(prefix) and "." not in key[len(prefix):]:
-                    full = full[lo:lo + n]
-            if isinstance(target, DTensor):
-                target.to_local().copy_(distribute_tensor(full.to(target.dtype), target.device_mesh,
-                                                          target.placements).to_local())
-            else:
-                target.copy_(full)
+    own = {k for k in model.state_dict() if is_lora_name(k)}
+    if not set(state) <= own or not all(is_lora_name(k) for k in state):
+        raise ValueError(f"not adapters of this model: {sorted(set(state) - own)[:3]}")
+    if own - set(state):
+        raise ValueError(f"adapters missing from the state: {sorted(own - set(state))[:3]}")
+    load_full_state(model, state, strict=False)

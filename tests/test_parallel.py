@@ -178,6 +178,11 @@ def test_matches_single_process(results, models, world, name, layout, lora):
     for key, want in want_grads.items():
         torch.testing.assert_close(got["grads"][key], want, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, key=key: f"grad {key}: {m}")
+    want_norm = sum(g.double().pow(2).sum() for g in want_grads.values()).sqrt().item()
+    assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
+    assert got["state_reloaded"]
+    if plan.ep > 1:
+        assert got["comm_seconds"] > 0
     # saved state: full tensors after the steps (FSDP2 shards gathered, expert slices concatenated)
     assert sorted(got["params"]) == sorted(want_params)
     for key, want in want_params.items():

@@ -17,13 +17,17 @@ Usage (every rank, after `torch.distributed.init_process_group`; a single proces
    the concatenated batch), then each decoder layer, then the root, on the (dp_replicate, dp_shard) mesh.
 
 Each rank feeds its own micro-batch; the gradients equal those of one process on all ranks' batches with
-the mean of the per-rank losses. Expert parameters under EP hold only the local experts: use
-`gather_experts` (or `runtime.lora.lora_state_dict`) to write full tensors.
+the mean of the per-rank losses. Expert parameters under EP hold only the local experts: `gather_experts`
+(or `runtime.lora.lora_state_dict`) returns full tensors to save, `load_full_state` (or
+`runtime.lora.load_lora_state_dict`) puts them back. `grad_norm` / `clip_grad_norm_` work across the dense
+and expert meshes; each block's `expert_parallel.comm` times what the exchanges did not hide.
 """
 
-from runtime.parallel.api import decoder_layers, gather_experts, moe_blocks, parallelize
+from runtime.parallel.api import decoder_layers, moe_blocks, parallelize
 from runtime.parallel.expert import ExpertParallel, shard_experts
+from runtime.parallel.grads import clip_grad_norm_, grad_norm
 from runtime.parallel.mesh import ParallelMesh, build_mesh
+from runtime.parallel.state import gather_experts, load_full_state
 
-__all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "decoder_layers", "gather_experts", "moe_blocks",
-           "parallelize", "shard_experts"]
+__all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "clip_grad_norm_", "decoder_layers", "gather_experts",
+           "grad_norm", "load_full_state", "moe_blocks", "parallelize", "shard_experts"]

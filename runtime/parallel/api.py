@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from runtime.moe.block import MoEBlock
 from runtime.parallel.expert import ExpertParallel, shard_experts
@@ -61,35 +59,3 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         fully_shard(layer, mesh=mesh.dense)
     fully_shard(model, mesh=mesh.dense)
     return model
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
-
-
-def gather_experts(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A full state dict on every rank: FSDP2 shards gathered and expert-parallel slices concatenated
-    (per-module experts renumbered to their global index). Collective: every rank must call it."""
-    state = {k: _full(v) for k, v in (state if state is not None else model.state_dict()).items()}
-    for name, block in moe_blocks(model):
-        shard = getattr(block.experts, "expert_shard", None)
-        if shard is None or block.expert_parallel is None:
-            continue
-        _, size, total = shard
-        group = block.expert_parallel.group
-        local = total // size
-        prefix = f"{name}.experts." if name else "experts."
-        for key in [k for k in state if k.startswith(prefix)]:
-            rest = key[len(prefix):]
-            parts = rest.split(".")
-            value = state.pop(key)
-            pieces = [torch.empty_like(value) for _ in range(size)]
-            dist.all_gather(pieces, value.contiguous(), group=group)
-            if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # ModuleExperts: one key each
-                for r, piece in enumerate(pieces):
-                    state[prefix + ".".join(["experts", str(r * local + int(parts[1])), *parts[2:]])] = piece
-            elif "." not in rest and value.dim() and value.shape[0] == local:  # a stack sliced by EP
-                state[key] = torch.cat(pieces)
-            else:
-                state[key] = value
-    return state

@@ -8,16 +8,30 @@ engine runs the nodes recorded between them (higher sequence numbers first) whil
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+
+class CommTime:
+    """Seconds spent blocked on token exchanges (what overlap could not hide), for run logs."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def reset(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 class Exchange:
     """One token exchange: its splits, its in-flight work and an optional trace of issue / wait events."""
 
-    def __init__(self, send_splits: list[int], recv_splits: list[int], group, name: str, trace: list | None):
+    def __init__(self, send_splits: list[int], recv_splits: list[int], group, name: str, trace: list | None,
+                 clock: CommTime | None = None):
         self.send_splits, self.recv_splits = send_splits, recv_splits
-        self.group, self.name, self.trace = group, name, trace
+        self.group, self.name, self.trace, self.clock = group, name, trace, clock
         self.work = None
         self.buffers: tuple = ()  # kept alive until the exchange completes
 
@@ -33,7 +47,10 @@ class Exchange:
         return out
 
     def wait(self) -> None:
+        start = time.perf_counter()
         self.work.wait()
+        if self.clock is not None:
+            self.clock.seconds += time.perf_counter() - start
         self.work, self.buffers = None, ()
 
 

@@ -8,6 +8,8 @@ grouped by source rank; they are regrouped by local expert, computed, and sent b
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,7 +17,7 @@ from torch import nn
 from runtime.moe.block import ModuleExperts
 from runtime.moe.dispatch import Dispatch
 from runtime.parallel import exchange
-from runtime.parallel.exchange import Exchange, Mark
+from runtime.parallel.exchange import CommTime, Exchange, Mark
 
 
 class ExpertParallel:
@@ -29,6 +31,7 @@ class ExpertParallel:
         self.local = num_experts // self.size
         self.overlap = overlap
         self.trace = trace  # a list to record issue / wait order into (tests and debugging)
+        self.comm = CommTime()  # time blocked on exchanges, forward and backward; `comm.reset()` per step
 
     def _log(self, event: str) -> None:
         if self.trace is not None:
@@ -39,7 +42,9 @@ class ExpertParallel:
         el, me = self.local, self.rank
         counts = d.counts.to(torch.int64)
         recv_counts = torch.empty_like(counts)
+        start = time.perf_counter()
         dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.group)
+        self.comm.seconds += time.perf_counter() - start
         recv_counts = recv_counts.view(self.size, el)
         send = counts.view(self.size, el).sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
@@ -49,7 +54,7 @@ class ExpertParallel:
         send[me] = recv[me] = 0
         recv_counts[me] = 0
 
-        dispatch = Exchange(send, recv, self.group, "dispatch", self.trace)
+        dispatch = Exchange(send, recv, self.group, "dispatch", self.trace, self.comm)
         in_flight = exchange.start(torch.cat([tokens[:lo], tokens[hi:]]), dispatch)
         if not self.overlap:
             received = exchange.finish(in_flight, dispatch)
@@ -63,7 +68,7 @@ class ExpertParallel:
             received = exchange.finish(in_flight, dispatch)
 
         remote_out = self._remote(experts, received, recv_counts)
-        combine = Exchange(recv, send, self.group, "combine", self.trace)
+        combine = Exchange(recv, send, self.group, "combine", self.trace, self.comm)
         returned = exchange.finish(exchange.start(remote_out, combine), combine)
         if scale is not None:
             returned = returned * torch.cat([scale[:lo], scale[hi:]]).unsqueeze(-1).to(returned.dtype)

@@ -48,44 +48,64 @@ def load_model(folder: str):
     return copy.deepcopy(_PRISTINE[folder])
 
 
-def run_case(case: dict) -> dict:
-    from runtime.lora import apply_lora, load_lora_state_dict, lora_state_dict
-    from runtime.parallel import build_mesh, gather_experts, parallelize
-    from runtime.plan import Plan
+def prepared(case: dict, plan, mesh, trace=None):
+    """A fresh copy of the case's model with LoRA (seeded adapters) and the plan's layout applied."""
+    from runtime.lora import apply_lora
+    from runtime.parallel import parallelize
 
-    rank = dist.get_rank()
-    plan = Plan.from_dict(case["plan"])
     model = load_model(case["model"])
     if plan.lora is not None:
         apply_lora(model, plan.lora)
         init_lora(model, case["lora_seed"])
+    return parallelize(model, plan, mesh, trace=trace)
+
+
+def run_case(case: dict) -> dict:
+    from runtime.lora import load_lora_state_dict, lora_state_dict
+    from runtime.parallel import (
+        build_mesh,
+        gather_experts,
+        grad_norm,
+        load_full_state,
+        moe_blocks,
+    )
+    from runtime.plan import Plan
+
+    rank = dist.get_rank()
+    plan = Plan.from_dict(case["plan"])
+    mesh = build_mesh(plan)
     trace: list = []
-    parallelize(model, plan, build_mesh(plan), trace=trace)
+    model = prepared(case, plan, mesh, trace)
     ids = torch.load(case["batch"])[rank * plan.micro_batch:(rank + 1) * plan.micro_batch]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=case["lr"])
-    losses, grads = [], None
+    out = {"losses": [], "trace": trace}
     for step in range(case["steps"]):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+        out["losses"].append(mean.item() / dist.get_world_size())
         if step == 0:
-            grads = gather_experts(model, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+            out["grads"] = gather_experts(model, {n: p.grad for n, p in model.named_parameters()
+                                                  if p.grad is not None})
+            out["grad_norm"] = grad_norm(model, mesh).item()
         opt.step()
         opt.zero_grad()
-    out = {"losses": losses, "grads": grads, "trace": trace,
-           "params": gather_experts(model, dict(model.named_parameters()))}
+    out["comm_seconds"] = sum(b.expert_parallel.comm.seconds for _, b in moe_blocks(model) if b.expert_parallel)
+    out["params"] = gather_experts(model, dict(model.named_parameters()))
+    # checkpoint round trip: full state out of this model, into a fresh one laid out the same way
+    full = gather_experts(model)
+    fresh = prepared(case, plan, mesh)
+    load_full_state(fresh, full)
+    again = gather_experts(fresh)
+    out["state_reloaded"] = set(again) == set(full) and all(torch.equal(again[k], v) for k, v in full.items())
     if plan.lora is not None:
         adapters = lora_state_dict(model)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.zero_()
-        load_lora_state_dict(model, adapters)
-        again = lora_state_dict(model)
+        fresh = prepared(case, plan, mesh)
+        load_lora_state_dict(fresh, adapters)
+        again = lora_state_dict(fresh)
         out["adapters"] = adapters
-        out["reloaded"] = all(torch.equal(again[k], v) for k, v in adapters.items()) and set(again) == set(adapters)
+        out["reloaded"] = set(again) == set(adapters) and all(torch.equal(again[k], v) for k, v in adapters.items())
     return out
 
 

@@ -1,0 +1,98 @@
+"""Full tensors out of a parallelized model (checkpoints, adapters) and back in.
+
+Under FSDP2 parameters are DTensors sharded over the data-parallel mesh; under expert parallelism an expert
+module holds only its rank's rows of each stack. Saving gathers both; loading slices a full tensor back to
+what this rank holds. Both are collective: every rank calls them with the same keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from runtime.parallel.api import moe_blocks
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+
+def gather_experts(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A full state dict on every rank: FSDP2 shards gathered and expert-parallel slices concatenated
+    (per-module experts renumbered to their global index). Collective: every rank must call it."""
+    state = {k: _full(v) for k, v in (state if state is not None else model.state_dict()).items()}
+    for name, block in moe_blocks(model):
+        shard = getattr(block.experts, "expert_shard", None)
+        if shard is None or block.expert_parallel is None:
+            continue
+        _, size, total = shard
+        group = block.expert_parallel.group
+        local = total // size
+        prefix = f"{name}.experts." if name else "experts."
+        for key in [k for k in state if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            parts = rest.split(".")
+            value = state.pop(key)
+            pieces = [torch.empty_like(value) for _ in range(size)]
+            dist.all_gather(pieces, value.contiguous(), group=group)
+            if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # ModuleExperts: one key each
+                for r, piece in enumerate(pieces):
+                    state[prefix + ".".join(["experts", str(r * local + int(parts[1])), *parts[2:]])] = piece
+            elif "." not in rest and value.dim() and value.shape[0] == local:  # a stack sliced by EP
+                state[key] = torch.cat(pieces)
+            else:
+                state[key] = value
+    return state
+
+
+def _expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Key prefix of each expert-parallel experts module -> (first expert, experts) this rank holds."""
+    slices = {}
+    for name, block in moe_blocks(model):
+        shard = getattr(block.experts, "expert_shard", None)
+        if shard is not None:
+            rank, size, total = shard
+            slices[f"{name}.experts." if name else "experts."] = (rank * (total // size), total // size)
+    return slices
+
+
+def _local_view(state: dict[str, torch.Tensor], slices: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Full-model keys and tensors -> this rank's: expert stacks cut to its rows, per-module experts
+    renumbered from their global index (and other ranks' experts left out)."""
+    out = {}
+    for key, value in state.items():
+        for prefix, (lo, n) in slices.items():
+            if not key.startswith(prefix):
+                continue
+            parts = key[len(prefix):].split(".")
+            if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():
+                index = int(parts[1]) - lo
+                key = prefix + ".".join(["experts", str(index), *parts[2:]]) if 0 <= index < n else None
+            elif len(parts) == 1 and value.dim():
+                value = value[lo:lo + n]
+            break
+        if key is not None:
+            out[key] = value
+    return out
+
+
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Copy full tensors (as `gather_experts` returns them) into a parallelized model, each rank keeping its
+    shard. With `strict`, the keys must be exactly the model's (state-dict keys of parameters and buffers)."""
+    own = model.state_dict()
+    local = _local_view(state, _expert_slices(model))
+    missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
+    if unexpected or (strict and missing):
+        raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for key in sorted(local):
+            full, target = local[key], own[key]
+            if tuple(full.shape) != tuple(target.shape):
+                raise ValueError(f"{key}: shape {tuple(full.shape)} does not fit {tuple(target.shape)}")
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements)
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(full)
