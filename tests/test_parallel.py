@@ -214,3 +214,83 @@ def test_local_experts_overlap_the_exchange(results, world):
         assert all(s < c < w for s, c, w in zip(bstarts, blocals, bwaits))
     trace = out["no-overlap"]["trace"]
     assert all(w < c for w, c in zip(_positions(trace, "dispatch:wait"), _positions(trace, "local_experts")))
+
+
+# ---- single process: LoRA and plan checks (no process group) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(models):
+    sys.path.insert(0, str(WORKER.parent))
+    from worker import load_model
+
+    return lambda: load_model(str(models["qwen3-30b-a3b"]))
+
+
+def test_lora_starts_as_the_base_model_and_trains_only_adapters(qwen3):
+    from runtime.lora import lora_state_dict
+
+    model, base = qwen3(), qwen3()
+    names = set(dict(model.named_parameters()))
+    adapted = apply_lora(model, LoRA(rank=4, alpha=8.0))
+    assert any("self_attn.q_proj" in n for n in adapted) and any(n.endswith("mlp.experts") for n in adapted)
+    assert names <= set(dict(model.named_parameters()))  # base parameters keep their names
+    ids = torch.randint(3, 512, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(loss, base(input_ids=ids, labels=ids, use_cache=False).loss)
+    loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(".lora_" in n for n in trained)
+    assert any(model.get_parameter(n).grad.abs().sum() > 0 for n in trained if n.endswith("_b"))
+    assert set(lora_state_dict(model)) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_grouped_lora_equals_merged_expert_weights(qwen3):
+    """Each expert's update is its own B_e A_e: the adapted experts compute what the base experts compute
+    with W_e + (alpha / r) B_e A_e, token by token."""
+    from runtime.lora import LoRAGroupedExperts
+    from runtime.moe.dispatch import permute, plan_dispatch
+
+    model = qwen3()
+    block = model.model.layers[0].mlp
+    LoRAGroupedExperts.convert(block.experts, rank=3, alpha=6.0)
+    experts = block.experts
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name in ("gate_up", "down"):
+            getattr(experts, f"lora_{name}_b").copy_(torch.randn(getattr(experts, f"lora_{name}_b").shape,
+                                                                 generator=gen))
+    x = torch.randn(20, 64, generator=gen)
+    d = plan_dispatch(torch.randint(0, 8, (20, 2), generator=gen), 8)
+    tokens = permute(x, d)
+    got = experts(tokens, d)
+    merged = {name: getattr(experts, name) + 2.0 * getattr(experts, f"lora_{name}_b") @ getattr(experts, f"lora_{name}_a")
+              for name in ("gate_up", "down")}
+    plain = qwen3().model.layers[0].mlp.experts
+    with torch.no_grad():
+        plain.gate_up.copy_(merged["gate_up"])
+        plain.down.copy_(merged["down"])
+    torch.testing.assert_close(got, plain(tokens, d), rtol=1e-5, atol=1e-5)
+
+
+def test_plan_problems_are_clear_errors():
+    from runtime.parallel import build_mesh
+
+    with pytest.raises(ValueError, match="tp=2"):
+        build_mesh(Plan(tp=2))
+    with pytest.raises(ValueError, match="needs 4 processes"):
+        build_mesh(Plan(dp_shard=4))
+    with pytest.raises(ValueError, match="ep=3"):
+        build_mesh(Plan(dp_shard=4, ep=3))
+    with pytest.raises(ValueError, match="match no module"):
+        apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoRA(targets=["attention"]))
+
+
+def test_single_process_parallelize_applies_lora_only(qwen3):
+    from runtime.parallel import build_mesh, parallelize
+
+    model = qwen3()
+    plan = Plan(lora=LoRA(rank=2))
+    parallelize(model, plan, build_mesh(plan))
+    assert all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert all(b.expert_parallel is None for b in model.modules() if hasattr(b, "expert_parallel"))
