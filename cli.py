@@ -176,6 +176,8 @@ def cmd_predict(args) -> int:
           f"step {out['step_time_s']:.3f} s (cost model {out['cost_model_step_time_s']:.3f} s), "
           f"{out['tokens_per_s']:,.0f} tokens/s, {out['memory_per_device_bytes'] / 1e9:.1f} GB per device "
           f"of {out['memory_capacity_bytes'] / 1e9:.0f}")
+    if out["extrapolates_on"]:
+        print(f"note: outside the training runs on {', '.join(out['extrapolates_on'])}; the correction is a guess there")
     return 0
 
 

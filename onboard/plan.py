@@ -143,8 +143,9 @@ def predict_plan(spec: ModelSpec, plan_path, *, hardware_name: str, predictor: s
         raise OnboardError(f"plan {plan_path}: {'; '.join(problems)}")
     hw = hardware(hardware_name)
     model = load_predictor(predictor)
-    step, est = model.predict(d, plan, hw, plan.dtype)
+    step, est, outside = model.explain(d, plan, hw, plan.dtype)
     return {"model": spec.name, "hardware": hw.name, "devices": plan.world_size, "predictor": model.label,
+            "extrapolates_on": outside,
             "step_time_s": step, "tokens_per_s": plan.tokens_per_step / step,
             "cost_model_step_time_s": est.step_time_s,
             "memory_per_device_bytes": int(est.memory_per_device_bytes),

@@ -38,6 +38,9 @@ MODELS_DIR = Path(__file__).parent / "models"
 DATA_DIR = Path(__file__).parent / "data"
 STEM = "throughput"
 FORMAT = 1
+# Trees cannot extrapolate sensibly; on a model or chip unlike the training runs the cost model keeps
+# the last word beyond this factor.
+MAX_CORRECTION = 4.0
 
 
 def default_training_paths() -> list[Path]:
@@ -96,14 +99,27 @@ class Predictor:
     path: Path | None = None
 
     def correction(self, X: np.ndarray) -> np.ndarray:
-        """Multiplier on the cost model's step time, one per row."""
+        """Multiplier on the cost model's step time, one per row, within MAX_CORRECTION either way."""
+        X = np.asarray(X, dtype=float).reshape(-1, len(FEATURES))
         with threadpool_limits(1):
-            return np.exp(self.model.predict(np.asarray(X, dtype=float).reshape(-1, len(FEATURES))))
+            raw = np.exp(self.model.predict(X))
+        return np.clip(raw, 1 / MAX_CORRECTION, MAX_CORRECTION)
+
+    def outside(self, x) -> list[str]:
+        """Features of one row outside what training saw: there the correction is an extrapolation."""
+        ranges = self.meta.get("feature_range") or {}
+        return [name for name, v in zip(FEATURES, x) if name in ranges
+                and not ranges[name][0] - 1e-9 <= v <= ranges[name][1] + 1e-9]
 
     def predict(self, d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> tuple[float, Estimate]:
+        step, est, _ = self.explain(d, plan, hw, precision)
+        return step, est
+
+    def explain(self, d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> tuple[float, Estimate, list]:
+        """Predicted step time, the cost model's estimate, and the features the prediction extrapolates on."""
         est = estimate(d, plan, hw, precision)
-        factor = float(self.correction([features(d, plan, hw, precision, est)])[0])
-        return est.step_time_s * factor, est
+        x = features(d, plan, hw, precision, est)
+        return est.step_time_s * float(self.correction([x])[0]), est, self.outside(x)
 
     @property
     def label(self) -> str:
@@ -136,6 +152,8 @@ def train(paths=None, out=None) -> Predictor:
         "format": FORMAT, "version": version, "kind": "HistGradientBoostingRegressor on log(measured / cost model)",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sklearn": sklearn.__version__, "features": list(FEATURES), "model_sha256": _sha256(target),
+        "feature_range": {name: [float(data.X[:, i].min()), float(data.X[:, i].max())]
+                          for i, name in enumerate(FEATURES)},
         "training": {
             "files": [{"path": _shown(f), "sha256": _sha256(f)} for f in _files_of(paths)],
             "runs": len(data), "runs_per_source": dict(sorted(Counter(data.sources).items())),
