@@ -224,6 +224,26 @@ def test_swapped_hf_model_matches_eager(family):
     assert max(worst.values()) < 1e-5, worst
 
 
+@pytest.mark.slow  # building the remote-code model takes most of it
+def test_swapped_flagship_dsa_layer_matches_eager():
+    """The remote-code flagship: KDA layers (left alone) share the config whose attention implementation changes."""
+    from test_flagship_model import MODEL_DIR, build_tiny
+    from transformers import AutoConfig
+
+    reference = build_tiny(AutoConfig.from_pretrained(MODEL_DIR, trust_remote_code=True), "eager")
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    adapted = copy.deepcopy(reference)
+    swapped = swap_sparse_attention(adapted)
+    assert swapped.attention == ["model.layers.3.self_attn"]
+    dsa.reset_sparse_calls()
+    worst = compare(reference, adapted, batch())
+    assert dsa.sparse_calls() == {"indexer": 1, "sparse": 1, "dense": 0}
+    assert max(worst.values()) < 1e-5, worst
+
+
 def test_left_padding_matches_hf_sdpa():
     """A left-padding query sees no key: sdpa (HF's default) and the runtime give it zeros; eager (finfo.min
     mask) averages every value instead, so this case is compared with sdpa."""
