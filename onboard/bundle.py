@@ -172,6 +172,12 @@ def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verificatio
     kinds, _ = moe_kinds(spec, twin, refused)
     # layers whose experts alone run in the runtime, and why the block (its routing) could not
     data["experts_only"] = {k["ranges"]: k["why_not_block"] for k in kinds if k["mode"] == "experts"}
+    # linear / sparse attention and the loss left as HuggingFace code, and why
+    attention_kept: dict[str, list[int]] = {}
+    for index, why in sorted(attention_kinds(spec, twin, refused)[1].items()):
+        attention_kept.setdefault(why, []).append(index)
+    data["kept"] = {"attention": {ranges(i): why for why, i in attention_kept.items()},
+                    "loss": loss_target(spec, twin, refused)[1]}
     (directory / "verification.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (directory / "REVIEW.md").write_text(render_review(spec, twin, verification, refused))
 

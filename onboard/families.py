@@ -131,26 +131,40 @@ def _adapt_row(source, spec, adapt_dir) -> dict:
     reasons = sorted({f"experts only ({why})" for why in partial.values()})
     kept = {why for layer in spec.layers if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp, refused))}
     reasons += sorted(kept - set(partial.values()))
+    seeds = verification.seeds
     return {"adapt": "verified" if verification.passed else "FAILED", "replaced": verification.replaced,
-            "adapt_why": "; ".join(reasons)}
+            "adapt_why": "; ".join(reasons),
+            "attention_swapped": bool(seeds) and all(r.runtime_attention_calls for r in seeds),
+            "loss_swapped": bool(seeds) and all(r.runtime_loss_calls for r in seeds),
+            "loss_why": recorded.get("kept", {}).get("loss") or "",
+            "attention_why": "; ".join(recorded.get("kept", {}).get("attention", {}).values())}
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| family | inspect | attention kinds | MLP kinds | adapt (MoE swapped in the twin, verified) | notes |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| family | inspect | attention kinds | MLP kinds | adapt: verified, MoE blocks swapped in the twin | "
+             "attention in runtime | loss in runtime | notes |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] in ("unsupported", "error"):
-            lines.append(f"| {r['family']} | no | | | | {r['why']} |")
+            lines.append(f"| {r['family']} | no | | | | | | {r['why']} |")
             continue
         notes = [f"{r['unmatched']} module(s) left as HuggingFace code"] if r["unmatched"] else []
-        adapt = ""
+        adapt, attention, loss = "", "", ""
+        if "attention_swapped" in r:
+            hybrid = any(k.startswith(("linear:", "sparse:")) for k in r["attention"])
+            attention = "yes" if r["attention_swapped"] else ("no" if hybrid else "n/a (softmax)")
+            loss = "yes" if r["loss_swapped"] else "no"
+            if r.get("attention_why"):
+                notes.append("attention kept as HuggingFace code: " + r["attention_why"])
+            if r.get("loss_why"):
+                notes.append("loss kept as HuggingFace code: " + r["loss_why"])
         if r.get("adapt") == "error":
             adapt = "error"
             notes.append("adapt raised: " + r.get("adapt_why", ""))
         elif "adapt" in r:
             adapt = f"{r['adapt']}, {r.get('replaced', 0)} swapped"
             if r.get("adapt_why"):
-                notes.append("MoE kept as HuggingFace code: " + r["adapt_why"])
+                notes.append("MoE: " + r["adapt_why"])
         lines.append(f"| {r['family']} | yes | {', '.join(r['attention'])} | {', '.join(r['mlp'])} | {adapt} | "
-                     f"{'; '.join(notes)} |")
+                     f"{attention} | {loss} | {'; '.join(notes)} |")
     return "\n".join(lines)

@@ -109,9 +109,8 @@ def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS, *, loss_swa
 
 
 def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped, attention) -> Verification:
-    from runtime.moe import MoEBlock, RoutedExperts
-
     from runtime.attention import LINEAR_CORE_CALLS, reset_sparse_calls, sparse_calls
+    from runtime.moe import MoEBlock, RoutedExperts
 
     results = []
     replaced = 0
