@@ -197,23 +197,30 @@ def _positions(trace: list, event: str) -> list[int]:
     return [i for i, e in enumerate(trace) if e == event]
 
 
+def _issued_between(trace: list, first: str, middle: str, last: str) -> int:
+    """How many times `middle` came after `first` and before `last` (each occurrence of each, in order)."""
+    a, b, c = (_positions(trace, e) for e in (first, middle, last))
+    assert len(a) == len(b) == len(c) >= STEPS, (first, middle, last, trace[:12])
+    return sum(x < y < z for x, y, z in zip(a, b, c))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_local_experts_overlap_the_exchange(results, world):
-    """Local experts are issued after the dispatch All-to-All starts and before it is waited on, in forward
-    and in backward; with overlap off the wait comes first."""
+def test_local_experts_overlap_the_exchanges(results, world):
+    """Local expert compute is issued after each All-to-All starts and before it is waited on: half of the
+    own tokens under the dispatch, half under the combine, in forward and (reverse exchanges) in backward.
+    With overlap off, the dispatch is waited on before any local compute."""
     out = results(world)["out"]
     for name in MODELS:
         trace = out[case_id(world, name, "ep", False)]["trace"]
-        starts, locals_, waits = (_positions(trace, e) for e in ("dispatch:start", "local_experts", "dispatch:wait"))
-        assert len(starts) == len(locals_) == len(waits) >= STEPS
-        assert all(s < c < w for s, c, w in zip(starts, locals_, waits))
-        bstarts, blocals, bwaits = (_positions(trace, e) for e in
-                                    ("dispatch:backward_start", "local_experts_backward", "dispatch:backward_wait"))
-        assert len(bstarts) == len(blocals) == len(bwaits) == len(starts)
-        assert all(s < c < w for s, c, w in zip(bstarts, blocals, bwaits))
+        for exchange, local in (("dispatch", "local_experts"), ("combine", "local_experts_combine")):
+            n = len(_positions(trace, f"{exchange}:start"))
+            assert _issued_between(trace, f"{exchange}:start", local, f"{exchange}:wait") == n
+            assert _issued_between(trace, f"{exchange}:backward_start", f"{local}_backward",
+                                   f"{exchange}:backward_wait") == n
     trace = out["no-overlap"]["trace"]
-    assert all(w < c for w, c in zip(_positions(trace, "dispatch:wait"), _positions(trace, "local_experts")))
+    waits, locals_ = _positions(trace, "dispatch:wait"), _positions(trace, "local_experts")
+    assert len(waits) == len(locals_) > 0 and all(w < c for w, c in zip(waits, locals_))
 
 
 # ---- single process: LoRA and plan checks (no process group) ------------------------------------------

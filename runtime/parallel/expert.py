@@ -2,8 +2,10 @@
 
 Per MoE block and step: the per-expert counts are exchanged first (equal splits, synchronous: the token
 splits depend on them), then the tokens bound for other ranks leave with an asynchronous All-to-All of
-variable splits while this rank's own tokens run through its local experts. Received tokens arrive
-grouped by source rank; they are regrouped by local expert, computed, and sent back the same way.
+variable splits while the first half of this rank's own tokens runs through its local experts. Received
+tokens arrive grouped by source rank; they are regrouped by local expert, computed, and sent back the same
+way while the second half of the own tokens runs. Backward mirrors it: each exchange's reverse is issued,
+the matching half's gradients are computed, then it is waited on.
 """
 
 from __future__ import annotations
@@ -54,25 +56,38 @@ class ExpertParallel:
         send[me] = recv[me] = 0
         recv_counts[me] = 0
 
+        own = counts[me * el:(me + 1) * el]
+        # this rank's rows are split in two: the first part runs while the tokens travel out, the second
+        # while the results travel back (without overlap all of it runs between the exchanges, unhidden)
+        mid = lo + (hi - lo + 1) // 2 if self.overlap else hi
         dispatch = Exchange(send, recv, self.group, "dispatch", self.trace, self.comm)
         in_flight = exchange.start(torch.cat([tokens[:lo], tokens[hi:]]), dispatch)
         if not self.overlap:
             received = exchange.finish(in_flight, dispatch)
-        local = Dispatch(order=d.order[lo:hi], expert_ids=d.expert_ids[lo:hi] - me * el,
-                         counts=counts[me * el:(me + 1) * el], keep=None, top_k=d.top_k)
-        self._log("local_experts")
-        local_out = experts(tokens[lo:hi], local, scale=None if scale is None else scale[lo:hi])
-        if self.trace is not None:
-            local_out = Mark.apply(local_out, self.trace, "local_experts_backward")
+        first = self._local(experts, tokens, d, scale, own, lo, (lo, mid), "local_experts")
         if self.overlap:
             received = exchange.finish(in_flight, dispatch)
 
         remote_out = self._remote(experts, received, recv_counts)
         combine = Exchange(recv, send, self.group, "combine", self.trace, self.comm)
-        returned = exchange.finish(exchange.start(remote_out, combine), combine)
+        in_flight = exchange.start(remote_out, combine)
+        second = self._local(experts, tokens, d, scale, own, lo, (mid, hi), "local_experts_combine")
+        returned = exchange.finish(in_flight, combine)
         if scale is not None:
             returned = returned * torch.cat([scale[:lo], scale[hi:]]).unsqueeze(-1).to(returned.dtype)
-        return torch.cat([returned[:lo], local_out, returned[lo:]])
+        return torch.cat([returned[:lo], first, second, returned[lo:]])
+
+    def _local(self, experts: nn.Module, tokens: torch.Tensor, d: Dispatch, scale: torch.Tensor | None,
+               own: torch.Tensor, base: int, rows: tuple[int, int], event: str) -> torch.Tensor:
+        """Sorted rows [a, b) of this rank's own tokens, whose `own` per-expert counts start at row `base`."""
+        a, b = rows
+        end = base + torch.cumsum(own, 0)
+        counts = end.clamp(a, b) - (end - own).clamp(a, b)
+        self._log(event)
+        part = Dispatch(order=d.order[a:b], expert_ids=d.expert_ids[a:b] - self.rank * self.local,
+                        counts=counts, keep=None, top_k=d.top_k)
+        y = experts(tokens[a:b], part, scale=None if scale is None else scale[a:b])
+        return Mark.apply(y, self.trace, f"{event}_backward") if self.trace is not None else y
 
     def _remote(self, experts: nn.Module, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Run rows grouped by (source rank, local expert) through the local experts, in received order."""
