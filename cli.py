@@ -147,11 +147,11 @@ def cmd_plan(args) -> int:
                           "layouts": report.result.layouts, "fitting": len(report.result.ranked),
                           "search_s": round(seconds, 3), "plans": [c.plan.to_dict() for c in top],
                           "suggestions": report.suggestions}, indent=2, sort_keys=True))
-        return 0 if top else 4
+        return 0 if report.best else 4
     print(f"{spec.name} on {args.devices} x {report.hardware.name}, {args.mode}, seq {args.seq_len}, "
           f"global batch {report.global_batch}: {len(report.result.ranked)} of {report.result.layouts} layouts fit "
           f"({seconds:.2f}s, predictor {report.predictor_label})")
-    if not top:
+    if not report.best:
         print("no plan fits in memory:")
         for line in report.suggestions:
             print(f"  - {line}")

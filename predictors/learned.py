@@ -39,8 +39,9 @@ DATA_DIR = Path(__file__).parent / "data"
 STEM = "throughput"
 FORMAT = 1
 # Trees cannot extrapolate sensibly; on a model or chip unlike the training runs the cost model keeps
-# the last word beyond this factor.
-MAX_CORRECTION = 4.0
+# the last word beyond this factor. 8x because the small single-node vTrain GPTs run up to ~8x slower
+# than the cost model says (launch and framework overheads it does not model); 4x cost them 2 points.
+MAX_CORRECTION = 8.0
 
 
 def default_training_paths() -> list[Path]:
@@ -225,7 +226,8 @@ def evaluate(paths=None, data: Dataset | None = None) -> tuple[list[SourceScore]
         keep = ~held
         model = fit(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k])
         with threadpool_limits(1):
-            predicted[held] = data.cost_step[held] * np.exp(model.predict(data.X[held]))
+            factor = np.clip(np.exp(model.predict(data.X[held])), 1 / MAX_CORRECTION, MAX_CORRECTION)
+        predicted[held] = data.cost_step[held] * factor
     cost_err = np.abs(data.cost_step - data.measured) / data.measured
     learned_err = np.abs(predicted - data.measured) / data.measured
     sources = np.array(data.sources)
