@@ -196,11 +196,19 @@ def test_corrupt_model_files_give_clear_errors(tmp_path):
         f.write(b"garbage")
     with pytest.raises(PredictorError, match="corrupt"):
         learned.load(broken)
+    # a file whose digest matches but which is not a pickle (written by hand, or a truncated copy re-stamped)
+    meta = json.loads(broken.with_suffix(".json").read_text())
+    broken.write_bytes(b"not a pickle")
+    meta["model_sha256"] = learned._sha256(broken)
+    broken.with_suffix(".json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorError, match="cannot be loaded"):
+        learned.load(broken)
     broken.with_suffix(".json").write_text("{")
     with pytest.raises(PredictorError, match="metadata .* is corrupt"):
         learned.load(broken)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(PredictorError, match="no trained predictor"):
-        learned.load(tmp_path / "empty") if (tmp_path / "empty").mkdir() is None else None
+        learned.load(tmp_path / "empty")
 
 
 def test_bundled_default_model_loads_and_predicts():
