@@ -5,7 +5,8 @@ for runtime.moe.MoEBlock) and runs forward + backward on its own tokens. Variant
   hf one process    transformers' block with every expert, this rank's tokens, no communication
   ep no overlap     the dispatch All-to-All is waited on before the local experts run
   ep overlap        the local experts run while the remote tokens are in flight
-Prints the slowest rank's median per variant and the ratios. Never passes or fails on time.
+Prints the slowest rank's median per variant, the ratios, and the time a step spent blocked waiting on
+exchanges (what overlap did not hide). Never passes or fails on time.
 
     python bench/overlap.py [--world 2] [--tokens 2048] [--hidden 512] [--experts 8] [--top-k 2] [--ffn 512]
 """
@@ -68,8 +69,8 @@ def rank_main(rank: int, args, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     hf = hf_block(args)
     x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank + 1))
-    variants = {"hf one process": step(hf, x), "ep no overlap": step(ep_block(hf, args, False), x),
-                "ep overlap": step(ep_block(hf, args, True), x)}
+    blocks = {"ep no overlap": ep_block(hf, args, False), "ep overlap": ep_block(hf, args, True)}
+    variants = {"hf one process": step(hf, x), **{name: step(b, x) for name, b in blocks.items()}}
     with torch.no_grad():
         ref = hf(x)
         errors = {name: (ep_block(hf, args, name == "ep overlap")(x) - ref).abs().max().item()
@@ -77,6 +78,8 @@ def rank_main(rank: int, args, port: int) -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():
         fn()  # warm-up
+    for b in blocks.values():
+        b.expert_parallel.comm.reset()
     for _ in range(args.repeats):
         for name, fn in variants.items():  # in turns, all ranks in step, so drift hits every variant alike
             dist.barrier()
@@ -85,14 +88,18 @@ def rank_main(rank: int, args, port: int) -> None:
             times[name].append(time.perf_counter() - start)
     medians = torch.tensor([statistics.median(times[name]) for name in variants])
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    blocked = torch.tensor([b.expert_parallel.comm.reset() / args.repeats for b in blocks.values()])
+    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
     if rank == 0:
         ms = dict(zip(variants, medians.tolist()))
         print(f"MoE layer fwd+bwd under expert parallelism, fp32, gloo, {args.world} processes x {args.threads} "
               f"thread(s), {args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, "
               f"top-{args.top_k}, expert FFN {args.ffn}; max |diff| vs HF: "
               + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+        waits = dict(zip(blocks, blocked.tolist()))
         for name, seconds in ms.items():
-            print(f"  {name:<15} {seconds * 1e3:8.1f} ms   vs hf one process {ms['hf one process'] / seconds:5.2f}x")
+            wait = f"   blocked on exchanges {waits[name] * 1e3:7.1f} ms" if name in waits else ""
+            print(f"  {name:<15} {seconds * 1e3:8.1f} ms   vs hf one process {ms['hf one process'] / seconds:5.2f}x{wait}")
         print(f"  overlap speed-up over no overlap: {ms['ep no overlap'] / ms['ep overlap']:.3f}x")
     dist.destroy_process_group()
 
