@@ -1,0 +1,89 @@
+"""Chunked gated delta rule: the runtime against transformers' own PyTorch implementations, same run.
+
+Gated DeltaNet (one decay per head) against qwen3_next's `torch_chunk_gated_delta_rule`, KDA (one decay per
+key channel) against kimi_linear's `chunk_kimi_delta_attention`; forward + backward, fp32, q/k L2-normalised
+in the kernel, gates drawn the way each model initialises them. Prints the median time of each, the ratio,
+and the largest error of the output and of every input gradient relative to that tensor's largest value.
+
+    python bench/linear_attention.py [--batch 2] [--tokens 2048] [--heads 8] [--dim 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers.models.kimi_linear import modeling_kimi_linear
+from transformers.models.qwen3_next import modeling_qwen3_next
+
+from runtime.attention import chunk_gated_delta_rule
+
+
+def inputs(kind: str, batch: int, tokens: int, heads: int, dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, tokens, heads, dim, generator=gen) for _ in range(3))
+    beta = torch.sigmoid(torch.randn(batch, tokens, heads, generator=gen))
+    if kind == "gdn":  # qwen3_next: A ~ U(0.01, 16) per head, dt_bias = 1
+        a = torch.empty(heads).uniform_(0.01, 16, generator=gen)
+        g = -a * F.softplus(torch.randn(batch, tokens, heads, generator=gen) * 0.5 + 1.0)
+    else:  # kimi_linear: A ~ U(1, 16) per head, dt ~ logU(1e-3, 0.1) per channel
+        a = torch.empty(heads, 1).uniform_(1, 16, generator=gen)
+        dt = torch.empty(heads, dim).uniform_(-6.9, -2.3, generator=gen).exp()
+        dt_bias = dt + torch.log(-torch.expm1(-dt))
+        g = -a * F.softplus(torch.randn(batch, tokens, heads, dim, generator=gen) * 0.5 + dt_bias)
+    return q, k, v, g, beta
+
+
+def fwd_bwd(fn, tensors, weights):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    start = time.perf_counter()
+    out, _ = fn(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True)
+    (out * weights).sum().backward()
+    return time.perf_counter() - start, [out.detach(), *(t.grad for t in leaves)]
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def compare(kind: str, reference, args) -> None:
+    tensors = inputs(kind, args.batch, args.tokens, args.heads, args.dim)
+    weights = torch.randn(args.batch, args.tokens, args.heads, args.dim, generator=torch.Generator().manual_seed(1))
+    times = {"runtime": [], "transformers": []}
+    results = {}
+    for _ in range(args.repeats + 1):  # the first round warms up both
+        for name, fn in (("runtime", chunk_gated_delta_rule), ("transformers", reference)):
+            seconds, results[name] = fwd_bwd(fn, tensors, weights)
+            times[name].append(seconds)
+    ours, theirs = (statistics.median(times[n][1:]) for n in ("runtime", "transformers"))
+    names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
+    errors = ", ".join(f"{n} {rel(a, b):.1e}" for n, a, b in zip(names, results["runtime"], results["transformers"]))
+    print(f"{kind.upper():4s} runtime {ours * 1e3:8.1f} ms   transformers {theirs * 1e3:8.1f} ms   "
+          f"speed-up {theirs / ours:5.1f}x   max rel err: {errors}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", choices=["gdn", "kda"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"fp32, batch {args.batch}, {args.tokens} tokens, {args.heads} heads, head dim {args.dim}, "
+          f"{args.threads} threads, forward + backward, median of {args.repeats}")
+    cases = {"gdn": modeling_qwen3_next.torch_chunk_gated_delta_rule,
+             "kda": modeling_kimi_linear.chunk_kimi_delta_attention}
+    for kind, reference in cases.items():
+        if args.only in (None, kind):
+            compare(kind, reference, args)
+
+
+if __name__ == "__main__":
+    main()
