@@ -29,7 +29,7 @@ def test_flagship_lora_on_128_ascend_910c(flagship):
     best = report.best
     assert best is not None and best.plan.lora is not None and best.plan.world_size == 128
     assert best.memory_bytes < report.hardware.memory_bytes
-    top = report.result.ranked[:5]
+    top = report.result.ranked[:10]  # what `onboard plan` prints by default
     assert any(c.plan.dp_shard > 1 and c.plan.ep > 1 for c in top), "FSDP2 + EP among the top plans"
     assert all(not c.plan.problems(896) for c in report.result.ranked)
     ranked = [c.tokens_per_s for c in report.result.ranked]
