@@ -14,13 +14,15 @@ into a dense (B, 1, S, T) mask and attends to every key; under any other registe
 passes them on as `indices=`. The swap uses that door: it registers `ATTENTION` in transformers'
 ALL_ATTENTION_FUNCTIONS (`dsa_attention`) and ALL_MASK_ATTENTION_FUNCTIONS (sdpa's boolean mask, 1 byte per
 query-key pair, built once per forward and shared by all layers), and makes it the `_attn_implementation` of the
-config those attention modules read. No module, parameter or buffer changes except the indexers, which are
-replaced by runtime modules that adopt the same projection modules (same names, same parameter objects).
+config those attention modules read (an object the whole model shares: its mask builder and every layer see the
+change, so swap the copy meant to run on the runtime, never the reference). No module, parameter or buffer
+changes except the indexers, replaced by runtime modules that adopt the same projection modules (same names, same
+parameter objects); an indexer the runtime does not reproduce on a probe input stays HuggingFace code (`kept`).
 
 `dsa_attention` turns the picks the mask hides (future keys, padding, the spare picks of a query that sees fewer
 than k keys) into -1 and runs `runtime.attention.sparse.sparse_attention`; a call without indices (a layer of the
-same config that has none) falls back to transformers' sdpa. Known difference from eager: a query that sees no key
-at all (a left-padding position) gets zeros, where eager's finfo.min mask averages every value.
+same config that has none) falls back to transformers' sdpa. A query that sees no key at all (a left-padding
+position) gets zeros, as under sdpa (HuggingFace's default); eager's finfo.min mask averages every value there.
 """
 
 from __future__ import annotations
