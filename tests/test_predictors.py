@@ -105,6 +105,10 @@ def test_communication_terms():
     assert pp.bubble_s == pytest.approx((pp.compute_s + pp.recompute_s) * 3 / 8)
     no_overlap = estimate(d, Plan(dp_shard=16, ep=16, seq_len=4096, overlap=False), hw)
     assert no_overlap.step_time_s > ep16.step_time_s
+    # topology: 64-way EP leaves an 8-GPU NVLink node but stays on a CloudMatrix384 super-node's UB plane
+    wide = Plan(dp_shard=64, ep=64, seq_len=4096)
+    ratio = estimate(d, wide, find("H100")).ep_s / estimate(d, wide, find("Ascend-910C")).ep_s
+    assert ratio == pytest.approx(find("Ascend-910C").scale_up_gbs / find("H100").scale_out_gbs)
 
 
 # -- published runs ------------------------------------------------------------------------------
