@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from runtime.plan import Plan
 from runtime.train.loop import TrainConfig, train
@@ -61,6 +62,10 @@ def main(argv=None) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"runtime.train (rank {rank}): error: {e}", file=sys.stderr)
         return 1
+    finally:
+        # a process group left to interpreter shutdown can abort the process while gloo threads still run
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

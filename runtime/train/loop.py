@@ -3,8 +3,12 @@
 `train(factory, plan, config)` builds the model on every rank (same seed, so the same weights), applies
 the plan's recompute and swap policies, and trains `config.steps` optimizer steps, resuming from the newest
 checkpoint in `config.checkpoint_dir` when there is one. Under torchrun (WORLD_SIZE > 1) it joins the
-process group; data parallelism averages gradients with one bucketed all-reduce per step, timed as
-communication. Rank 0 writes the run log and draws the progress bar.
+process group and hands the model to `runtime.parallel` (LoRA, expert parallelism, FSDP2, whose gradient
+reduction overlaps backward). Rank 0 writes the run log and draws the progress bar.
+
+`comm_time_s` in the run log is the time in the collectives the loop itself waits for (the gradient-norm
+and statistics all-reduces); FSDP2's and expert parallelism's collectives overlap compute and are inside
+the step time, not separated from it.
 
 The model contract is a HuggingFace causal LM: `model(input_ids=..., labels=..., use_cache=False).loss`.
 """
@@ -95,27 +99,19 @@ def hardware(device: torch.device, world: int) -> dict:
     return {"name": name, "devices": world, "device_type": device.type, "threads": torch.get_num_threads()}
 
 
-def _all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
-    """Average tensors over ranks with one all-reduce of one flat buffer (gloo is slow per call)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
 def _moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "tokens_per_expert")]
 
 
-def _apply_lora(model: nn.Module, plan: Plan) -> nn.Module:
-    try:
-        from runtime import lora
-    except ImportError:
-        raise ValueError("the plan asks for LoRA, and this runtime has no runtime.lora") from None
-    return lora.apply_lora(model, plan.lora) or model
+def _clip(model: nn.Module, params: list, mesh, max_norm: float) -> None:
+    if mesh is not None and mesh.ep > 1:
+        try:  # expert shards live on their own meshes: the parallel layer sums their norms group by group
+            from runtime.parallel.grads import clip_grad_norm_
+        except ImportError:
+            raise ValueError("gradient clipping with expert parallelism needs runtime.parallel.grads") from None
+        clip_grad_norm_(model, mesh, max_norm)
+    else:
+        nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
 
 
 def _data_source(cfg: TrainConfig, plan: Plan, vocab: int | None):
@@ -140,14 +136,21 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     model, record = built if isinstance(built, tuple) else (built, {})
     model.to(device).train()
     vocab = record.get("vocab") or getattr(getattr(model, "config", None), "vocab_size", None)
-    if plan.lora is not None:
-        model = _apply_lora(model, plan)
-    apply_recompute(model, plan.recompute)
-    params = [p for p in model.parameters() if p.requires_grad]
     if world > 1:
         with torch.no_grad():  # same start on every rank even if a factory drew weights differently
             for p in model.parameters():
                 dist.broadcast(p.data, 0)
+    mesh = None
+    if world > 1 or plan.lora is not None:
+        from runtime.parallel import build_mesh, parallelize
+
+        if plan.ep > 1 and cfg.checkpoint_dir:
+            raise ValueError("checkpoints of expert-parallel runs are not supported yet (experts are plain "
+                             "per-rank tensors that the checkpoint would take for replicas)")
+        mesh = build_mesh(plan)
+        model = parallelize(model, plan, mesh)  # LoRA, expert parallelism, FSDP2 (gradient reduction included)
+    apply_recompute(model, plan.recompute)
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                   foreach=False)
     resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
@@ -171,7 +174,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     results = []
     try:
         for step in range(start, cfg.steps):
-            results.append(_step(step, model, optimizer, params, plan, cfg, source, swap, autocast, blocks,
+            results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocast, blocks,
                                  rank, world, device))
             r = results[-1]
             if writer:
@@ -195,7 +198,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     return TrainResult(results, start if resumed else None, writer.run_id if writer else None)
 
 
-def _step(step, model, optimizer, params, plan, cfg, source, swap, autocast, blocks, rank, world, device):
+def _step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocast, blocks, rank, world, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -214,13 +217,10 @@ def _step(step, model, optimizer, params, plan, cfg, source, swap, autocast, blo
                 c = block.tokens_per_expert.double().cpu()
                 counts[i] = c if counts[i].numel() == 0 else counts[i] + c
     comm = 0.0
-    if world > 1:
-        grads = [p.grad for p in params if p.grad is not None]
-        t = time.perf_counter()
-        _all_reduce_mean(grads, world)
-        comm += time.perf_counter() - t
     if cfg.clip:
-        nn.utils.clip_grad_norm_(params, cfg.clip, foreach=False)
+        t = time.perf_counter()
+        _clip(model, params, mesh, cfg.clip)
+        comm += time.perf_counter() - t if world > 1 else 0.0  # the norm's all-reduce dominates it
     optimizer.step()
     stats = torch.cat([loss_sum.reshape(1), *counts])
     if world > 1:
