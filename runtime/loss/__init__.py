@@ -24,6 +24,11 @@ where nothing is predicted. The result equals HuggingFace's `ForCausalLMLoss` on
   at most [chunk_tokens, chunk_vocab] logits, online log-sum-exp, gradients recomputed in the backward
   (four matmuls). `chunk_tokens=None` sizes blocks to about 128 MiB of fp32 logits (`LOGITS_BUDGET`).
 
+Backend dispatch: the token-chunked loss asks `runtime.kernels.registry` for op "loss.cross_entropy_rows"
+(reference: `runtime.loss.blocks.cross_entropy_rows_`); templates/kernels/loss_triton.py.j2 renders a Triton
+kernel for it (render with name, vocab, block: a power of two, e.g. min(next_pow2(vocab), 4096)) whose
+`register()` the bundle loader calls. The head's matmuls stay with torch on every backend.
+
 Everything is accumulated in fp32 and gradients reach `hidden`, `weight` and `bias` in their own dtypes.
 Ignored tokens never go through the head. Bad shapes, dtypes, label ids or options raise ValueError.
 """

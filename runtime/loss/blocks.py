@@ -25,8 +25,9 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def cross_entropy_rows_(z: torch.Tensor, labels: torch.Tensor, transform: LogitTransform, z_weight: float,
                         inv_divisor: float, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp and label logit of each row of raw fp32 logits `z` [rows, V] (whole rows); with
-    `want_grad`, `z` is overwritten by d/dz of inv_divisor * sum(lse - y[label] + z_weight * lse^2).
+    """Log-sum-exp and label logit of each row of raw fp32 logits `z` [rows, V] (whole rows, labels all in
+    [0, V)). `z` is scratch: with `want_grad` it ends as d/dz of inv_divisor * sum(lse - y[label] + z_weight *
+    lse^2), else its contents are undefined.
 
     The reference of op "loss.cross_entropy_rows" (a kernel fuses these passes over the block into two)."""
     y = transform.apply_(z)
