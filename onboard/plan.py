@@ -163,12 +163,21 @@ def plot_frontier(report: PlanReport, path) -> Path:
     except ImportError:
         raise OnboardError("--plot needs matplotlib (pip install 'onboard[plot]')") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    cap = report.hardware.memory_gb
     fit = report.result.ranked
-    over = report.result.infeasible
+    over = [c for c in report.result.infeasible if c.memory_bytes / GB <= 2 * cap]  # the far ones say nothing
     ax.scatter([c.memory_bytes / GB for c in over], [c.tokens_per_s for c in over], s=6, c="lightgray",
                label="over memory (cost model)")
     ax.scatter([c.memory_bytes / GB for c in fit], [c.tokens_per_s for c in fit], s=8, label="fits (predicted)")
-    ax.axvline(report.hardware.memory_gb, color="red", linestyle="--", label=f"{report.hardware.name} memory")
+    frontier, best = [], 0.0
+    for c in sorted(fit, key=lambda c: c.memory_bytes):
+        if c.tokens_per_s > best:
+            best = c.tokens_per_s
+            frontier.append((c.memory_bytes / GB, best))
+    if frontier:
+        ax.step(*zip(*frontier), where="post", color="black", linewidth=1, label="frontier")
+    ax.axvline(cap, color="red", linestyle="--", label=f"{report.hardware.name} memory")
+    ax.set_xlim(0, 2 * cap)
     ax.set_xlabel("memory per device (GB)")
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{report.spec.name} on {report.devices} x {report.hardware.name}")

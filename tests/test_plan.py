@@ -89,12 +89,20 @@ def test_bad_input_is_one_line(tmp_path, deepseek, capsys):
     bad.write_text(Plan(ep=3, dp_shard=3).to_json())
     with pytest.raises(OnboardError, match="ep=3 must divide the 256 experts"):
         predict_plan(deepseek, bad, hardware_name="H100")
+
+
+def test_plot_or_a_clear_error(tmp_path, deepseek, capsys):
+    spec = tmp_path / "spec.json"
+    spec.write_text(deepseek.to_json())
+    png = tmp_path / "frontier.png"
+    rc = main(["plan", str(spec), "--devices", "256", "--hardware", "H100", "--out", str(tmp_path / "p.json"),
+               "--plot", str(png)])
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert main(["plan", str(spec), "--devices", "256", "--hardware", "H100", "--out", str(tmp_path / "p.json"),
-                     "--plot", str(tmp_path / "f.png")]) == 1
-        assert "matplotlib" in capsys.readouterr().err
+        assert rc == 1 and "matplotlib" in capsys.readouterr().err
+    else:
+        assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_predictor_verbs(tmp_path, capsys):
