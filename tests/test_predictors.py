@@ -241,3 +241,11 @@ def test_shipped_runs_leave_one_model_out_meets_the_bar():
     assert len(set(data.groups)) >= 40 and not data.skipped
     assert overall.learned_median <= 0.15
     assert overall.learned_median < overall.cost_median and overall.learned_mean < overall.cost_mean
+
+
+def test_bundled_model_is_trained_on_everything_that_ships():
+    """When run logs are added to predictors/data/ (runlogs/ included), retrain: `onboard predictor train`."""
+    meta = learned.load().meta
+    trained = {f["path"]: f["sha256"] for f in meta["training"]["files"]}
+    shipped = {learned._shown(f): learned._sha256(f) for f in learned._files_of(learned.default_training_paths())}
+    assert trained == shipped, "the newest model in predictors/models/ predates the shipped run logs; retrain it"
