@@ -80,9 +80,29 @@ def _init_distributed() -> tuple[int, int, torch.device]:
     return rank, (dist.get_world_size() if dist.is_initialized() else 1), device
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new high-water mark, so that several runs in one process each report their own peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM, the peak resident set size, to the current one
+    except OSError:
+        pass
+
+
 def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory (cuda) or peak resident set (cpu) since the last `reset_peak_memory`."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -172,6 +192,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
         bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, leave=False)
     blocks = _moe_blocks(model)
     results = []
+    reset_peak_memory(device)
     try:
         for step in range(start, cfg.steps):
             results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocast, blocks,
