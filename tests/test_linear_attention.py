@@ -116,11 +116,11 @@ def test_decay_pairs_against_the_elementwise_definition(per_channel):
     lower = torch.ones(16, 16, dtype=torch.bool).tril()
     decay = (G[:, :, None] - G[:, None]).masked_fill(~lower[..., None], float("-inf")).exp()
     ref = (a[:, :, :, None] * b[None, :, None] * decay).sum(-1)
-    assert _rel(decay_pairs(a.detach().float(), b.detach().float(), G.detach().float(), 4).double(), ref) < 1e-5
-    assert _rel(decay_pairs(a.detach(), b.detach(), G.detach(), 4), ref) < 1e-12
+    assert _rel(decay_pairs(a.detach().float(), b.detach().float(), G.detach().float()).double(), ref) < 1e-5
+    assert _rel(decay_pairs(a.detach(), b.detach(), G.detach()), ref) < 1e-12
     dx = torch.randn(ref.shape, generator=gen, dtype=torch.float64) * lower
     ref.backward(dx)
-    for got, want in zip(decay_pairs_backward(a.detach(), b.detach(), G.detach(), dx, 4), (a.grad, b.grad, G.grad)):
+    for got, want in zip(decay_pairs_backward(a.detach(), b.detach(), G.detach(), dx), (a.grad, b.grad, G.grad)):
         assert _rel(got, want) < 1e-12
 
 
@@ -251,22 +251,25 @@ def test_swapped_model_matches_transformers(swapped):
         assert m.runtime_core_calls == {"chunk_gated_delta": 1, "causal_conv1d": 1}
 
 
+def late_gate(q, k, v, g, beta, s0, chunk, block=None):
+    """Planted bug: the decay applied one token late."""
+    return _chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk)
+
+
+def early_boundary(q, k, v, g, beta, s0, chunk, block=None):
+    """Planted bug: each chunk's outputs are right, but the state handed to the next chunk stops one token
+    short."""
+    outs, s = [], s0
+    for c0 in range(0, q.shape[1], chunk):
+        part = [x[:, c0:c0 + chunk] for x in (q, k, v, g, beta)]
+        outs.append(_chunk_core(*part, s, chunk)[0])
+        s = _chunk_core(*[x[:, :-1] for x in part], s, 1)[1]
+    return torch.cat(outs, 1), s
+
+
 @pytest.mark.parametrize("bug", ["gate one token late", "state crosses chunks one token early"])
 def test_planted_bugs_fail_the_comparison(swapped, bug):
     model, ids, ref, _ = swapped
-
-    def late_gate(q, k, v, g, beta, s0, chunk, block):
-        return _chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk, block)
-
-    def early_boundary(q, k, v, g, beta, s0, chunk, block):
-        # each chunk's outputs are right, but the state handed to the next chunk stops one token short
-        outs, s = [], s0
-        for c0 in range(0, q.shape[1], chunk):
-            part = [x[:, c0:c0 + chunk] for x in (q, k, v, g, beta)]
-            outs.append(_chunk_core(*part, s, chunk, block)[0])
-            s = _chunk_core(*[x[:, :-1] for x in part], s, 1, block)[1]
-        return torch.cat(outs, 1), s
-
     registry.register(OP, "cpu", late_gate if bug.startswith("gate") else early_boundary)
     try:
         got = _run(model, ids)

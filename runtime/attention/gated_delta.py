@@ -36,13 +36,13 @@ class ChunkGatedDelta(torch.autograd.Function):
     Returns (o (N, T, V), final state (N, K, V))."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, s0, chunk: int, block: int):
+    def forward(ctx, q, k, v, g, beta, s0, chunk: int):
         n_seq, length, kd = k.shape
         vd, n = v.shape[-1], length // chunk
         q, k, v = (x.reshape(n_seq * n, chunk, x.shape[-1]) for x in (q, k, v))
         beta = beta.reshape(n_seq * n, chunk)
         G = g.reshape(n_seq * n, chunk, g.shape[-1]).cumsum(1)
-        x = decay_pairs(torch.stack((k, q)), k, G, block)
+        x = decay_pairs(torch.stack((k, q)), k, G)
         kk, qk = x[0], x[1]
         eg = G.exp()
         inv = unit_lower_inverse(kk * beta[..., None])
@@ -53,22 +53,21 @@ class ChunkGatedDelta(torch.autograd.Function):
         decay = last.exp().transpose(-1, -2)  # (M, K or 1, 1): scales the state's rows
 
         states, v_new, final = _scan_forward(u, w, k_end, decay, s0, n_seq, n)
-        o = (q * eg) @ states.flatten(0, 1) + qk.tril() @ v_new
+        o = (q * eg) @ states.flatten(0, 1) + qk @ v_new
         ctx.save_for_backward(q, k, v, beta, G, kk, qk, inv, r, states, v_new)
-        ctx.shape = (n_seq, n, chunk, block, s0 is not None)
+        ctx.shape = (n_seq, n, chunk, s0 is not None)
         return o.reshape(n_seq, length, vd), final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, beta, G, kk, qk, inv, r, states, v_new = ctx.saved_tensors
-        n_seq, n, chunk, block, has_s0 = ctx.shape
+        n_seq, n, chunk, has_s0 = ctx.shape
         vd, kd = v.shape[-1], k.shape[-1]
         do = do.reshape(n_seq * n, chunk, vd)
         eg = G.exp()
         last = G[:, -1:]
         k_end = k * (last - G).exp()
         decay = last.exp().transpose(-1, -2)
-        qk = qk.tril()
         q_dec = q * eg
         w = r[..., vd:]
         s_flat = states.flatten(0, 1)
@@ -92,7 +91,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         dk = dkb * (beta[..., None] * eg)
 
         dpairs, dkey, dG_pairs = decay_pairs_backward(torch.stack((k, q)), k, G,
-                                                      torch.stack((da * beta[..., None], dqk)), block)
+                                                      torch.stack((da * beta[..., None], dqk)))
         dk = dk + dpairs[0] + dkey + dk_end * (last - G).exp()
         dq = dpairs[1] + dq_dec * eg
         dG = dG + dq_dec * q_dec - dk_end * k_end
@@ -108,7 +107,7 @@ class ChunkGatedDelta(torch.autograd.Function):
 
         length = n * chunk
         return (dq.reshape(n_seq, length, kd), dk.reshape(n_seq, length, kd), dv.reshape(n_seq, length, vd),
-                dg.reshape(n_seq, length, -1), dbeta.reshape(n_seq, length), ds0 if has_s0 else None, None, None)
+                dg.reshape(n_seq, length, -1), dbeta.reshape(n_seq, length), ds0 if has_s0 else None, None)
 
 
 def _scan_forward(u, w, k_end, decay, s0, n_seq, n):
@@ -141,15 +140,16 @@ def _scan_backward(p_do, q_do, w, k_end, decay, dfinal, n_seq, n):
     return ds_next, dv_new.flatten(0, 1), ds
 
 
-def _chunk_core(q, k, v, g, beta, s0, chunk: int, block: int):
-    """The op that backend dispatch swaps (same contract as ChunkGatedDelta.forward)."""
-    return ChunkGatedDelta.apply(q, k, v, g, beta, s0, chunk, block)
+def _chunk_core(q, k, v, g, beta, s0, chunk: int, block: int | None = None):
+    """The op that backend dispatch swaps (the contract of ChunkGatedDelta.forward). `block` is accepted for
+    older callers and unused: rendered kernels fix their sub-block size when rendered."""
+    return ChunkGatedDelta.apply(q, k, v, g, beta, s0, chunk)
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                           scale: float | None = None, cu_seqlens: torch.Tensor | None = None, block: int = 8,
+                           scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
                            **_ignored):
     """Gated delta rule over a whole sequence, chunk-parallel; the signature of transformers'
     `torch_chunk_gated_delta_rule` / `chunk_kimi_delta_attention` (and flash-linear-attention's).
@@ -162,7 +162,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     if cu_seqlens is not None:
         return _packed(query, key, value, g, beta, cu_seqlens, chunk_size=chunk_size, initial_state=initial_state,
                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       scale=scale, block=block)
+                       scale=scale)
     batch, length, heads, vd = value.shape
     if g.shape[:3] != (batch, length, heads) or beta.shape != (batch, length, heads):
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must start with (batch, tokens, "
@@ -183,7 +183,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     s0 = None if initial_state is None else initial_state.to(q.dtype).reshape(batch * heads, kd, vd)
     core = registry.lookup("linear_attention.chunk_gated_delta", _chunk_core)
     o, final = core(q.contiguous(), k.contiguous(), v.contiguous(), gate.contiguous(), b.contiguous(), s0,
-                    chunk_size, block)
+                    chunk_size)
     o = o.view(batch, heads, length + pad, vd)[:, :, :length].transpose(1, 2).to(query.dtype)
     return o, (final.view(batch, heads, kd, vd) if output_final_state else None)
 
