@@ -123,7 +123,8 @@ def _plan_row(c) -> str:
     p = c.plan
     memory = f"{p.recompute}/{p.swap}" + (f"/chunk{p.loss_chunk}" if p.loss_chunk else "")
     return (f"{p.tp:>3} {p.pp:>3} {p.cp:>3} {p.dp_shard:>5} {p.dp_replicate:>5} {p.ep:>4} {p.micro_batch:>3} "
-            f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} {c.tokens_per_s:>12,.0f}")
+            f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} {c.tokens_per_s:>12,.0f}"
+            + (" *" if c.extrapolates_on else ""))
 
 
 def cmd_plan(args) -> int:
@@ -160,6 +161,8 @@ def cmd_plan(args) -> int:
           f"{'recompute/swap/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12}")
     for c in top:
         print(_plan_row(c))
+    if any(c.extrapolates_on for c in top):
+        print("* outside the predictor's training runs (see `onboard predict`): the learned correction is a guess")
     print(f"plan: {args.out}" + (f"; plot: {args.plot}" if args.plot else ""))
     return 0
 

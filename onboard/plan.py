@@ -75,7 +75,7 @@ def _stamp(c: Candidate, hw: Hardware, devices: int, label: str) -> Plan:
     c.plan.predicted = {"step_time_s": round(c.step_time_s, 6), "tokens_per_s": round(c.tokens_per_s, 1),
                         "memory_per_device_bytes": int(c.memory_bytes), "cost_model_step_time_s":
                         round(c.estimate.step_time_s, 6), "hardware": hw.name, "devices": devices,
-                        "predictor": label}
+                        "predictor": label, "extrapolates_on": c.extrapolates_on}
     return c.plan
 
 

@@ -34,6 +34,7 @@ class Candidate:
     plan: Plan
     estimate: Estimate
     step_time_s: float = 0.0  # learned prediction (the cost model's when no predictor is given)
+    extrapolates_on: list = field(default_factory=list)  # features outside the predictor's training runs
 
     @property
     def tokens_per_s(self) -> float:
@@ -107,8 +108,9 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
         result.notes.append(f"global batch {global_batch} leaves no legal data-parallel split of {devices} devices")
     if predictor is not None and result.ranked:
         X = np.array([features(d, c.plan, hw, precision, c.estimate) for c in result.ranked])
-        for c, factor in zip(result.ranked, predictor.correction(X)):
+        for c, x, factor in zip(result.ranked, X, predictor.correction(X)):
             c.step_time_s = c.estimate.step_time_s * float(factor)
+            c.extrapolates_on = predictor.outside(x)
     result.ranked.sort(key=lambda c: (-c.tokens_per_s, c.memory_bytes))
     result.infeasible.sort(key=lambda c: c.memory_bytes)
     return result
