@@ -47,6 +47,7 @@ class Estimate:
     recompute_s: float
     bubble_s: float
     memory_s: float  # elementwise and optimizer traffic through HBM
+    overhead_s: float  # fixed per-layer dispatch cost (the hardware spec's layer_overhead_ms)
     tp_s: float
     cp_s: float
     pp_s: float
@@ -211,8 +212,10 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     trained_local = n_lora / (plan.tp * fsdp * plan.pp) if lora else local
     traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
     memory_s = traffic / (hw.memory_bw_gbs * 1e9)
-    step = busy + bubble_s + exposed + swap_exposed + memory_s
+    overhead_s = layers_stage * m * hw.layer_overhead_ms / 1e3
+    step = busy + bubble_s + exposed + swap_exposed + memory_s + overhead_s
     return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
+                    overhead_s=overhead_s,
                     tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, swap_s=swap_s,
                     exposed_comm_s=exposed + swap_exposed, step_time_s=step, tokens_per_step=tokens_step,
                     memory=memory)

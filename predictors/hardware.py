@@ -32,6 +32,7 @@ class Hardware:
     devices_per_node: int
     scale_up_domain: int = 0  # devices that reach each other at scale-up bandwidth; 0: one node
     host_gbs: float = 25.0
+    layer_overhead_ms: float = 0.0  # per layer per micro-step: op dispatch where kernels are too small to hide it
     aliases: tuple = ()
     source: str = ""
     confidence: str = "high"

@@ -111,6 +111,14 @@ def test_communication_terms():
     assert ratio == pytest.approx(find("Ascend-910C").scale_up_gbs / find("H100").scale_out_gbs)
 
 
+def test_dispatch_overhead_only_where_the_spec_sets_it():
+    d = Dims.from_record({**MOE, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 256, "expert_ffn": 128})
+    plan = Plan(seq_len=128, micro_batch=2, grad_accum=3)
+    cpu = estimate(d, plan, find("cpu"), "fp32")
+    assert cpu.overhead_s == pytest.approx(8 * 3 * find("cpu").layer_overhead_ms / 1e3)
+    assert estimate(d, plan, find("H100")).overhead_s == 0
+
+
 # -- published runs ------------------------------------------------------------------------------
 NARAYANAN = {"source": "Narayanan et al. 2021, Table 1", "model": "GPT-1.7B", "layers": 24, "hidden": 2304,
              "heads": 24, "kv_heads": 24, "ffn": 9216, "vocab": 51200, "seq_len": 2048, "experts": None, "top_k": None,
