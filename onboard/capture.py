@@ -178,23 +178,23 @@ def capture_module(name: str, path: str, module: nn.Module, args: tuple, kwargs:
 class _Passthrough(nn.Module):
     """Stands in for a decoder layer when capturing embedding + head: returns its input unchanged."""
 
-    def __init__(self, returns_tuple: bool, original: nn.Module):
+    def __init__(self, returns: int, original: nn.Module):
         super().__init__()
-        self.returns_tuple = returns_tuple
+        self.returns = returns  # 0: a plain tensor; n: a tuple of n (extras, such as DSA picks, are None)
         # models read plain attributes of their layers (layer_type, attention_type, ...): keep them
         for key, value in vars(original).items():
             if not key.startswith("_") and key != "training" and isinstance(value, (bool, int, float, str, type(None))):
                 setattr(self, key, value)
 
     def forward(self, hidden_states, *args, **kwargs):
-        return (hidden_states,) if self.returns_tuple else hidden_states
+        return (hidden_states,) + (None,) * (self.returns - 1) if self.returns else hidden_states
 
 
-def _capture_head(twin: Twin, stack: nn.ModuleList, layer_returns_tuple: bool) -> Graph:
+def _capture_head(twin: Twin, stack: nn.ModuleList, layer_returns: int) -> Graph:
     original = list(stack)
     try:
         for i in range(len(stack)):
-            stack[i] = _Passthrough(layer_returns_tuple, original[i])
+            stack[i] = _Passthrough(layer_returns, original[i])
         batch = twin.example_batch()
         return capture_module("embedding+head", "", twin.model, (), {**batch, "use_cache": False})
     finally:
@@ -217,6 +217,7 @@ def capture(twin: Twin) -> Capture:
         layers[i] = capture_module(f"layer {i}", f"{twin.layers_path}.{i}", stack[i], args, kwargs)
     with torch.no_grad():
         args, kwargs = recorded[0]
-        returns_tuple = isinstance(stack[0](*args, **kwargs), tuple)
-    head = _capture_head(twin, stack, returns_tuple)
+        out = stack[0](*args, **kwargs)
+        returns = len(out) if isinstance(out, tuple) else 0
+    head = _capture_head(twin, stack, returns)
     return Capture(layers, head, first_of)
