@@ -56,6 +56,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         o = (q * eg) @ states.flatten(0, 1) + qk @ v_new
         ctx.save_for_backward(q, k, v, beta, G, kk, qk, inv, r, states, v_new)
         ctx.shape = (n_seq, n, chunk, s0 is not None)
+        ctx.scan_backward = _scan_backward
         return o.reshape(n_seq, length, vd), final
 
     @staticmethod
@@ -72,7 +73,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         w = r[..., vd:]
         s_flat = states.flatten(0, 1)
 
-        ds_next, dv_new, ds0 = _scan_backward(qk.transpose(-1, -2) @ do, q_dec.transpose(-1, -2) @ do,
+        ds_next, dv_new, ds0 = ctx.scan_backward(qk.transpose(-1, -2) @ do, q_dec.transpose(-1, -2) @ do,
                                               w, k_end, decay, dfinal, n_seq, n)
         ds_flat = ds_next.flatten(0, 1)
         dq_dec = do @ s_flat.transpose(-1, -2)

@@ -61,12 +61,13 @@ def main(path: str) -> None:
         assert registry.lookup("linear_attention.chunk_gated_delta", None) is k.chunk_gated_delta
         inputs = problem(k, 0)
         calls = []
-        forward = k.TritonChunkGatedDelta.forward
-        k.TritonChunkGatedDelta.forward = staticmethod(lambda *a: calls.append(1) or forward(*a))
+        forward, backward = k.TritonChunkGatedDelta.forward, k._scan_backward
+        k.TritonChunkGatedDelta.forward = staticmethod(lambda *a: calls.append("forward") or forward(*a))
+        k._scan_backward = lambda *a: calls.append("backward scan") or backward(*a)
         got = run(chunk_gated_delta_rule, inputs, chunk_size=k.CHUNK)
-        k.TritonChunkGatedDelta.forward = staticmethod(forward)
-        if not calls:
-            sys.exit("the Triton forward did not run")
+        k.TritonChunkGatedDelta.forward, k._scan_backward = staticmethod(forward), backward
+        if calls != ["forward", "backward scan"]:
+            sys.exit(f"the Triton kernels did not all run: {calls}")
         ref = run(recurrent_gated_delta_rule, [x.double() for x in inputs])
         names = ["output", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
         for name, a, b in zip(names, got, ref):
