@@ -123,6 +123,7 @@ LAYOUTS = {  # world size: {layout: plan degrees}
     4: {"fsdp": {"dp_shard": 4}, "ep": {"dp_replicate": 4, "ep": 4}, "fsdp_ep": {"dp_shard": 4, "ep": 2},
         "hsdp_ep": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
 }
+ROUND_TRIP = ("fsdp_ep", "hsdp_ep")  # save / load checked where both FSDP2 shards and expert slices exist
 CASES = [(world, name, layout, lora) for world in LAYOUTS for name in MODELS for layout in LAYOUTS[world]
          for lora in (False, True)]
 
@@ -153,7 +154,7 @@ def results(models, tmp_path_factory):
             folder = tmp_path_factory.mktemp(f"world{world}")
             cases = [{"id": case_id(w, name, layout, lora), "model": str(models[name]),
                       "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)),
-                      "lora_seed": 3, "steps": STEPS, "lr": LR}
+                      "lora_seed": 3, "steps": STEPS, "lr": LR, "round_trip": layout in ROUND_TRIP}
                      for w, name, layout, lora in CASES if w == world]
             # the same EP run without overlap: the trace must show the exchange waited on before local compute
             cases.append({**cases[0], "id": "no-overlap",
@@ -180,7 +181,7 @@ def test_matches_single_process(results, models, world, name, layout, lora):
                                    msg=lambda m, key=key: f"grad {key}: {m}")
     want_norm = sum(g.double().pow(2).sum() for g in want_grads.values()).sqrt().item()
     assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
-    assert got["state_reloaded"]
+    assert got.get("state_reloaded", layout not in ROUND_TRIP)
     if plan.ep > 1:
         assert got["comm_seconds"] > 0
     # saved state: full tensors after the steps (FSDP2 shards gathered, expert slices concatenated)
@@ -189,7 +190,11 @@ def test_matches_single_process(results, models, world, name, layout, lora):
         torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, key=key: f"param {key}: {m}")
     if lora:
-        assert set(got["adapters"]) == {k for k in want_params if ".lora_" in k} and got["reloaded"]
+        adapters = {k: v for k, v in want_params.items() if ".lora_" in k}
+        assert sorted(got["adapters"]) == sorted(adapters)
+        for key, want in adapters.items():  # saved adapters: full tensors, expert stacks whole
+            torch.testing.assert_close(got["adapters"][key], want, rtol=1e-4, atol=1e-6)
+        assert got.get("reloaded", layout not in ROUND_TRIP)
         assert all(".lora_" in k for k in want_grads)  # the base is frozen: only adapters train
 
 

@@ -5,7 +5,8 @@ Usage: python worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTE
 bundle folder (adapter.py, spec.json, the twin's weights and catalogue name), its plan and batch. Many cases run
 in one process group (each builds its own mesh) so the interpreters start once. Rank 0 writes, per case:
 the mean loss of every step, the first step's gradients, the final parameters and, with LoRA, the adapters
-(all full tensors), the expert-parallel trace, and whether adapters survived a save / load round trip.
+(all full tensors), the expert-parallel trace, the gradient norm and, where the case asks for it, whether
+the full state and the adapters survived a save / load round trip into a freshly parallelized copy.
 """
 
 import copy
@@ -93,6 +94,10 @@ def run_case(case: dict) -> dict:
         opt.zero_grad()
     out["comm_seconds"] = sum(b.expert_parallel.comm.seconds for _, b in moe_blocks(model) if b.expert_parallel)
     out["params"] = gather_experts(model, dict(model.named_parameters()))
+    if plan.lora is not None:
+        out["adapters"] = lora_state_dict(model)
+    if not case.get("round_trip"):
+        return out
     # checkpoint round trip: full state out of this model, into a fresh one laid out the same way
     full = gather_experts(model)
     fresh = prepared(case, plan, mesh)
@@ -100,11 +105,10 @@ def run_case(case: dict) -> dict:
     again = gather_experts(fresh)
     out["state_reloaded"] = set(again) == set(full) and all(torch.equal(again[k], v) for k, v in full.items())
     if plan.lora is not None:
-        adapters = lora_state_dict(model)
+        adapters = out["adapters"]
         fresh = prepared(case, plan, mesh)
         load_lora_state_dict(fresh, adapters)
         again = lora_state_dict(fresh)
-        out["adapters"] = adapters
         out["reloaded"] = set(again) == set(adapters) and all(torch.equal(again[k], v) for k, v in adapters.items())
     return out
 
