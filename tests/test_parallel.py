@@ -306,3 +306,23 @@ def test_single_process_parallelize_applies_lora_only(qwen3):
     parallelize(model, plan, build_mesh(plan))
     assert all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     assert all(b.expert_parallel is None for b in model.modules() if hasattr(b, "expert_parallel"))
+
+
+def test_expert_parallelism_refuses_experts_it_cannot_split():
+    """An experts-only swap (runtime experts inside a HuggingFace block) is not split by EP: refused, not
+    silently run unsplit."""
+    import torch.nn.functional as F
+
+    from runtime.moe import MoEBlock, RouterSpec
+    from runtime.moe.block import GroupedExperts
+    from runtime.moe.routed_experts import RoutedExperts
+    from runtime.parallel import parallelize
+
+    def stacks():
+        return GroupedExperts(torch.nn.Parameter(torch.randn(4, 8, 4)), torch.nn.Parameter(torch.randn(4, 4, 4)),
+                              activation=F.silu)
+
+    model = torch.nn.ModuleDict({"moe": MoEBlock(torch.nn.Parameter(torch.randn(4, 4)), RouterSpec(4, 2), stacks()),
+                                 "hf_block": torch.nn.ModuleDict({"experts": RoutedExperts(stacks())})})
+    with pytest.raises(ValueError, match="hf_block.experts.experts"):
+        parallelize(model, Plan(dp_replicate=2, ep=2), None)

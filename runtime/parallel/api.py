@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from runtime.moe.block import MoEBlock
+from runtime.moe.block import GroupedExperts, ModuleExperts, MoEBlock
 from runtime.parallel.expert import ExpertParallel, shard_experts
 from runtime.parallel.mesh import ParallelMesh
 from runtime.plan import Plan
@@ -24,6 +24,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
+def _experts_outside_blocks(model: nn.Module) -> list[str]:
+    """Runtime expert stacks that no MoEBlock owns (experts-only swaps inside a HuggingFace block)."""
+    owned = {id(b.experts) for _, b in moe_blocks(model)}
+    return [name for name, m in model.named_modules() if isinstance(m, (GroupedExperts, ModuleExperts))
+            and id(m) not in owned]
+
+
 def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None) -> nn.Module:
     """Apply LoRA (plan.lora), expert parallelism (plan.ep) and FSDP2 to `model` in place; returns it.
 
@@ -37,6 +44,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
     if plan.ep > 1:
         if not blocks:
             raise ValueError("ep > 1 but the model has no runtime MoE blocks (adapt it first)")
+        unsplit = _experts_outside_blocks(model)
+        if unsplit:
+            raise ValueError(f"ep > 1: expert parallelism covers runtime MoEBlocks only; {len(unsplit)} "
+                             f"experts-only swap(s) (e.g. {unsplit[0]}) would keep every expert on every rank")
         for _, block in blocks:
             experts = block.num_experts
             shard_experts(block.experts, experts, mesh.ep_rank, plan.ep)
