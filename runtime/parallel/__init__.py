@@ -16,6 +16,7 @@ Usage (every rank, after `torch.distributed.init_process_group`; a single proces
    experts (gradients divided by the whole data-parallel size, so they match single-process training on
    the concatenated batch), then each decoder layer, then the root, on the (dp_replicate, dp_shard) mesh.
 
+Parameters keep their dtype (no FSDP2 mixed-precision policy): bf16 compute is the caller's autocast.
 Each rank feeds its own micro-batch; the gradients equal those of one process on all ranks' batches with
 the mean of the per-rank losses. Expert parameters under EP hold only the local experts: `gather_experts`
 (or `runtime.lora.lora_state_dict`) returns full tensors to save, `load_full_state` (or
