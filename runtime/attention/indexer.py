@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-CHUNK_BYTES = 64 * 2**20  # one chunk of (B, C, H, T) fp32 scores
+CHUNK_BYTES = 256 * 2**20  # one chunk of (B, C, H, T) fp32 scores
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None, top_k: int,
