@@ -6,7 +6,7 @@ configurations one after another in the same process group (a launch costs more 
 configuration trains a few steps of an adapted catalogue model at twin scale, fp32, synthetic tokens,
 through `runtime.train` exactly as `onboard train` does, and appends one run to the log.
 
-    python bench/sweep.py [--out predictors/data/runlogs/cpu_sweep.jsonl] [--steps 4] [--only-world 2]
+    python bench/sweep.py [--out predictors/data/runlogs/cpu_sweep.jsonl] [--steps 5] [--only-world 2]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "predictors" / "data" / "runlogs" / "cpu_sweep.jsonl"
-MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
+MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "gpt-oss-120b")
 SIZES = {"small": {"layers": 2, "width": 1}, "medium": {"layers": 4, "width": 2}, "large": {"layers": 4, "width": 4}}
 
 
@@ -108,7 +108,9 @@ def main() -> None:
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--steps", type=int, default=5, help="steps per configuration (the first is warm-up)")
     p.add_argument("--only-world", type=int, help="run only the configurations of this world size")
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    # one thread per rank: on a shared, busy machine OpenMP threads that spin at barriers make steps 10-50x
+    # slower and the timings meaningless (measured here: 0.07 s steps took 1-10 s with two threads each)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -139,7 +141,7 @@ def main() -> None:
     start = time.perf_counter()
     for world in sorted({world_of(e["plan"]) for e in entries}):
         group = [e for e in entries if world_of(e["plan"]) == world]
-        threads = max(1, args.cores // world)
+        threads = args.threads
         if world == 1:
             torch.set_num_threads(threads)
             for entry in group:
