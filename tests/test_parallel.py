@@ -41,6 +41,8 @@ def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(ROOT)}
+        if Path("/sys/class/net/lo").exists():  # gloo otherwise binds to whatever the host name resolves to
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "job.json")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
     outputs = []
