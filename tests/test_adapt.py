@@ -134,10 +134,13 @@ def test_the_good_runtime_passes_the_same_harness(deepseek, tmp_path, monkeypatc
 
 
 def test_dense_model_gives_bundle_with_nothing_replaced(tmp_path):
+    """A dense model: no MoE block to swap, said plainly; only its loss runs in the runtime."""
     spec, result = adapt(resolve("qwen3-8b"), tmp_path / "b")
     assert result.passed and result.replaced == result.expected == 0
     assert "no MoE block" in result.note
-    assert "Nothing" in (tmp_path / "b" / "REVIEW.md").read_text()
+    assert all(r.runtime_loss_calls == 1 and r.runtime_calls == 0 for r in result.seeds)
+    review = (tmp_path / "b" / "REVIEW.md").read_text()
+    assert "No MoE block" in review and "LM head + loss" in review
 
 
 def _cli(*args):
