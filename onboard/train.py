@@ -171,13 +171,20 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         raise OnboardError("--steps must be at least 1")
     if data is not None and not Path(data).is_file():
         raise OnboardError(f"{data}: no such token file")
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
+    if plan.ep > 1:
+        if checkpoint_dir:
+            raise OnboardError("checkpoints of expert-parallel runs are not supported yet: drop --checkpoint-dir "
+                               "or use ep=1")
+        print("onboard: note: expert-parallel run, so no checkpoints are written", file=sys.stderr)
+    else:
+        checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
     runlog = Path(runlog) if runlog else bundle / "runs" / "train.jsonl"
     if plan.world_size == 1:
         from runtime.train import TrainConfig, train
 
         cfg = TrainConfig(steps=steps, lr=lr, seed=seed, data=str(data) if data else None,
-                          checkpoint_dir=str(checkpoint_dir), checkpoint_every=checkpoint_every,
+                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                          checkpoint_every=checkpoint_every,
                           runlog=str(runlog))
         try:
             train(lambda: build_model(bundle, layers, width), plan, cfg)
@@ -189,8 +196,10 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         plan_file.write_text(plan.to_json())
         config = Path(scratch) / "config.json"
         config.write_text(json.dumps(train_config(bundle, layers=layers, width=width), sort_keys=True))
-        extra = ["--checkpoint-dir", str(checkpoint_dir), "--runlog", str(runlog), "--lr", str(lr),
-                 "--seed", str(seed), "--checkpoint-every", str(checkpoint_every)]
+        extra = ["--runlog", str(runlog), "--lr", str(lr), "--seed", str(seed),
+                 "--checkpoint-every", str(checkpoint_every)]
+        if checkpoint_dir:
+            extra += ["--checkpoint-dir", str(checkpoint_dir)]
         if data:
             extra += ["--data", str(data)]
         cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
