@@ -11,6 +11,7 @@ and the largest error of the output and of every input gradient relative to that
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -37,12 +38,12 @@ def inputs(kind: str, batch: int, tokens: int, heads: int, dim: int, seed: int =
     return q, k, v, g, beta
 
 
-def fwd_bwd(fn, tensors, weights):
+def fwd_bwd(fn, tensors, weights, chunk):
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    start = time.perf_counter()
-    out, _ = fn(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True)
+    start, cpu = time.perf_counter(), time.process_time()
+    out, _ = fn(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True, chunk_size=chunk)
     (out * weights).sum().backward()
-    return time.perf_counter() - start, [out.detach(), *(t.grad for t in leaves)]
+    return (time.perf_counter() - start, time.process_time() - cpu), [out.detach(), *(t.grad for t in leaves)]
 
 
 def rel(a, b) -> float:
@@ -54,15 +55,18 @@ def compare(kind: str, reference, args) -> None:
     weights = torch.randn(args.batch, args.tokens, args.heads, args.dim, generator=torch.Generator().manual_seed(1))
     times = {"runtime": [], "transformers": []}
     results = {}
+    chunks = {"runtime": args.chunk, "transformers": 64}  # 64: what transformers' modules ask for
     for _ in range(args.repeats + 1):  # the first round warms up both
         for name, fn in (("runtime", chunk_gated_delta_rule), ("transformers", reference)):
-            seconds, results[name] = fwd_bwd(fn, tensors, weights)
+            seconds, results[name] = fwd_bwd(fn, tensors, weights, chunks[name])
             times[name].append(seconds)
-    ours, theirs = (statistics.median(times[n][1:]) for n in ("runtime", "transformers"))
+    (ours, ours_cpu), (theirs, theirs_cpu) = (
+        [statistics.median(t[i] for t in times[n][1:]) for i in (0, 1)] for n in ("runtime", "transformers"))
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
     errors = ", ".join(f"{n} {rel(a, b):.1e}" for n, a, b in zip(names, results["runtime"], results["transformers"]))
-    print(f"{kind.upper():4s} runtime {ours * 1e3:8.1f} ms   transformers {theirs * 1e3:8.1f} ms   "
-          f"speed-up {theirs / ours:5.1f}x   max rel err: {errors}")
+    print(f"{kind.upper()}: runtime {ours * 1e3:.1f} ms (cpu {ours_cpu * 1e3:.1f} ms), transformers "
+          f"{theirs * 1e3:.1f} ms (cpu {theirs_cpu * 1e3:.1f} ms): {theirs / ours:.1f}x wall, "
+          f"{theirs_cpu / ours_cpu:.1f}x cpu\n     max rel err: {errors}")
 
 
 def main() -> None:
@@ -73,11 +77,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=64, help="the runtime's chunk length")
     parser.add_argument("--only", choices=["gdn", "kda"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"fp32, batch {args.batch}, {args.tokens} tokens, {args.heads} heads, head dim {args.dim}, "
-          f"{args.threads} threads, forward + backward, median of {args.repeats}")
+          f"{args.threads} threads, forward + backward, median of {args.repeats}; runtime chunk {args.chunk}; "
+          f"load average {os.getloadavg()[0]:.1f} (cpu: this process's CPU seconds, less sensitive to other load)")
     cases = {"gdn": modeling_qwen3_next.torch_chunk_gated_delta_rule,
              "kda": modeling_kimi_linear.chunk_kimi_delta_attention}
     for kind, reference in cases.items():

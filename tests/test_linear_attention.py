@@ -107,20 +107,25 @@ def test_bad_shapes_are_one_line_errors():
 
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_decay_pairs_against_the_elementwise_definition(per_channel):
-    """X[i, j] = sum_d a_i b_j exp(G_i - G_j) for j <= i, with decays far past fp32's exp range."""
+    """X[i, j] = sum_d a_i b_j exp(G_i - G_j) for j <= i, with decays far past fp32's exp range, on a chunk
+    that is not a power of two."""
     gen = torch.Generator().manual_seed(3)
-    a = torch.randn(2, 3, 16, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(3, 16, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    g = -torch.rand(3, 16, 5 if per_channel else 1, generator=gen, dtype=torch.float64) * 30
+    c = 12
+    a = torch.randn(2, 3, c, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, c, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = -torch.rand(3, c, 5 if per_channel else 1, generator=gen, dtype=torch.float64) * 30
     G = g.cumsum(1).requires_grad_()
-    lower = torch.ones(16, 16, dtype=torch.bool).tril()
+    lower = torch.ones(c, c, dtype=torch.bool).tril()
     decay = (G[:, :, None] - G[:, None]).masked_fill(~lower[..., None], float("-inf")).exp()
     ref = (a[:, :, :, None] * b[None, :, None] * decay).sum(-1)
-    assert _rel(decay_pairs(a.detach().float(), b.detach().float(), G.detach().float()).double(), ref) < 1e-5
-    assert _rel(decay_pairs(a.detach(), b.detach(), G.detach()), ref) < 1e-12
+    lhs = list(a.detach())
+    fp32 = decay_pairs([x.float() for x in lhs], b.detach().float(), G.detach().float())
+    assert _rel(torch.stack(fp32).double(), ref) < 1e-5
+    assert _rel(torch.stack(decay_pairs(lhs, b.detach(), G.detach())), ref) < 1e-12
     dx = torch.randn(ref.shape, generator=gen, dtype=torch.float64) * lower
     ref.backward(dx)
-    for got, want in zip(decay_pairs_backward(a.detach(), b.detach(), G.detach(), dx), (a.grad, b.grad, G.grad)):
+    das, db, dG = decay_pairs_backward(lhs, b.detach(), G.detach(), list(dx))
+    for got, want in zip((torch.stack(das), db, dG), (a.grad, b.grad, G.grad)):
         assert _rel(got, want) < 1e-12
 
 

@@ -14,8 +14,9 @@ first row, exp(G_i - r) <= 1 and exp(r - G_j) <= 1, so the block is one matmul o
 overflow whatever the decay. Every pair i > j is in exactly one such block; the diagonal is a_i . b_i.
 log2(C) levels, each touching every row once: no elementwise (C, C, K) tensor is ever formed.
 
-Shapes: a (S, M, C, K) (S left-hand operands share b and G: the key-key and query-key products of the
-gated delta rule are computed together), b (M, C, K), G (M, C, 1) or (M, C, K). X is (S, M, C, C).
+Shapes: `lhs` a list of (M, C, K) (left-hand operands that share b and G: the key-key and query-key
+products of the gated delta rule are computed together, the decay factors once), b (M, C, K), G (M, C, 1) or
+(M, C, K). Returns one (M, C, C) X per left-hand operand.
 """
 
 from __future__ import annotations
@@ -23,85 +24,115 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Log decays below the floor are taken as exp(-80) (~1.8e-35): what they scale is negligible next to O(1)
+# terms either way, while exp of very negative numbers (results near fp32's subnormal range) runs ~10x slower
+# on CPU and leaves subnormal operands that slow the matmuls after it.
+LOG_DECAY_FLOOR = -80.0
+
+
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp_min(LOG_DECAY_FLOOR).exp()
+
 
 def _scalar_decay(G: torch.Tensor) -> torch.Tensor:
     g = G[..., 0]
     c = g.shape[-1]
     upper = torch.ones(c, c, dtype=torch.bool, device=G.device).triu(1)
-    return (g[:, :, None] - g[:, None, :]).masked_fill(upper, float("-inf")).exp()
+    # above the diagonal the exponent is >= 0: -inf there, as exp overflowing to inf is slow too
+    diff = (g[:, :, None] - g[:, None, :]).clamp_min_(LOG_DECAY_FLOOR)
+    return diff.masked_fill_(upper, float("-inf")).exp_()
 
 
-def _pad_to_power_of_two(a, b, G):
+def _pad_to_power_of_two(lhs, b, G):
     """Zero rows past the chunk (G repeats its last value there, so every factor stays <= 1)."""
     c = G.shape[-2]
     pad = (1 << (c - 1).bit_length()) - c
     if not pad:
-        return a, b, G
-    return F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad)), F.pad(G, (0, 0, 0, pad), mode="replicate")
+        return lhs, b, G
+    rows = (0, 0, 0, pad)
+    return [F.pad(a, rows) for a in lhs], F.pad(b, rows), F.pad(G, rows, mode="replicate")
 
 
 def _sibling_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
-    """View (..., n, size, size) of x (..., C, C): rows of the right half, columns of the left half of each
+    """View (M, n, size, size) of x (M, C, C): rows of the right half, columns of the left half of each
     aligned range of 2 * size; writes go through to x."""
-    *lead, c, _ = x.shape
+    m, c, _ = x.shape
     n = c // (2 * size)
-    d = len(lead)
-    blocks = torch.diagonal(x.view(*lead, n, 2, size, n, 2, size), dim1=d, dim2=d + 3)
-    return blocks[..., 1, :, 0, :, :].movedim(-1, -3)
+    blocks = torch.diagonal(x.view(m, n, 2, size, n, 2, size), dim1=1, dim2=4)
+    return blocks[:, 1, :, 0, :, :].movedim(-1, 1)
 
 
-def _level(a, b, G, size: int):
-    """Row factors of the right halves, column factors of the left halves, and the rescaled operands."""
-    s_, m, c, k = a.shape
-    n = c // (2 * size)
-    g = G.view(m, n, 2, size, k)
-    ref = g[:, :, 1, :1]
-    right = (g[:, :, 1] - ref).exp()
-    left = (ref - g[:, :, 0]).exp()
-    a_right = a.view(s_, m, n, 2, size, k)[:, :, :, 1] * right
-    b_left = b.view(m, n, 2, size, k)[:, :, 0] * left
-    return right, left, a_right, b_left
-
-
-def decay_pairs(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    if G.shape[-1] == 1:
-        return (a @ b.transpose(-1, -2)) * _scalar_decay(G)
-    c = G.shape[-2]
-    a, b, G = _pad_to_power_of_two(a, b, G)
-    x = a.new_zeros(*a.shape[:-1], a.shape[-2])
-    x.diagonal(dim1=-2, dim2=-1).copy_((a * b).sum(-1))
+def _levels(G: torch.Tensor):
+    """For each level (block size 1, 2, 4, ...): (size, row factors of the right halves (M, n, size, K),
+    column factors of the left halves)."""
+    m, c, k = G.shape
     size = 1
-    while size < x.shape[-1]:
-        _, _, a_right, b_left = _level(a, b, G, size)
-        _sibling_blocks(x, size).copy_(a_right @ b_left.transpose(-1, -2))
+    while size < c:
+        g = G.view(m, c // (2 * size), 2, size, k)
+        ref = g[:, :, 1, :1]
+        yield size, decay_exp(g[:, :, 1] - ref), decay_exp(ref - g[:, :, 0])
         size *= 2
-    return x[..., :c, :c]
 
 
-def decay_pairs_backward(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, dx: torch.Tensor):
-    """Gradients (da, db, dG) of sum(dx * X); dx must be zero above the diagonal. dG has G's shape."""
+def _right(x: torch.Tensor, size: int) -> torch.Tensor:
+    m, c, k = x.shape
+    return x.view(m, c // (2 * size), 2, size, k)[:, :, 1]
+
+
+def _left(x: torch.Tensor, size: int) -> torch.Tensor:
+    m, c, k = x.shape
+    return x.view(m, c // (2 * size), 2, size, k)[:, :, 0]
+
+
+def decay_pairs(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tensor) -> list[torch.Tensor]:
     if G.shape[-1] == 1:
-        z = dx * _scalar_decay(G)
-        da = z @ b
-        db = (z.transpose(-1, -2) @ a).sum(0)
+        decay = _scalar_decay(G)
+        bt = b.transpose(-1, -2)
+        return [(a @ bt).mul_(decay) for a in lhs]
+    c = G.shape[-2]
+    lhs, b, G = _pad_to_power_of_two(lhs, b, G)
+    xs = [a.new_zeros(*a.shape[:-1], a.shape[-2]) for a in lhs]
+    for x, a in zip(xs, lhs):
+        x.diagonal(dim1=-2, dim2=-1).copy_((a * b).sum(-1))
+    for size, right, left in _levels(G):
+        b_left = (_left(b, size) * left).transpose(-1, -2)
+        for x, a in zip(xs, lhs):
+            _sibling_blocks(x, size).copy_((_right(a, size) * right) @ b_left)
+    return [x[:, :c, :c] for x in xs]
+
+
+def decay_pairs_backward(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tensor, dxs: list[torch.Tensor]):
+    """Gradients (list of da, db, dG) of sum_s sum(dx_s * X_s); each dx must be zero above the diagonal.
+    dG has G's shape."""
+    if G.shape[-1] == 1:
+        decay = _scalar_decay(G)
+        zs = [dx * decay for dx in dxs]
+        das = [z @ b for z in zs]
+        db = zs[0].transpose(-1, -2) @ lhs[0]
+        for z, a in zip(zs[1:], lhs[1:]):
+            db.baddbmm_(z.transpose(-1, -2), a)
     else:
         c = G.shape[-2]
-        a, b, G = _pad_to_power_of_two(a, b, G)
-        s_, m, p, k = a.shape
-        dx = F.pad(dx, (0, p - c, 0, p - c))
-        diag = dx.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
-        da, db = diag * b, (diag * a).sum(0)
-        size = 1
-        while size < p:
-            n = p // (2 * size)
-            right, left, a_right, b_left = _level(a, b, G, size)
-            blocks = _sibling_blocks(dx, size)
-            da.view(s_, m, n, 2, size, k)[:, :, :, 1] += (blocks @ b_left) * right
-            db.view(m, n, 2, size, k)[:, :, 0] += (blocks.transpose(-1, -2) @ a_right).sum(0) * left
-            size *= 2
-        a, b, da, db = a[..., :c, :], b[..., :c, :], da[..., :c, :], db[..., :c, :]
+        lhs, b, G = _pad_to_power_of_two(lhs, b, G)
+        p = G.shape[-2]
+        dxs = [F.pad(dx, (0, p - c, 0, p - c)) for dx in dxs]
+        diags = [dx.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) for dx in dxs]
+        das = [d * b for d in diags]
+        db = sum(d * a for d, a in zip(diags, lhs))
+        for size, right, left in _levels(G):
+            b_left = _left(b, size) * left
+            db_left = 0
+            for a, da, dx in zip(lhs, das, dxs):
+                blocks = _sibling_blocks(dx, size)
+                _right(da, size).add_((blocks @ b_left) * right)
+                db_left = db_left + blocks.transpose(-1, -2) @ (_right(a, size) * right)
+            _left(db, size).add_(db_left * left)
+        lhs, b = [a[:, :c] for a in lhs], b[:, :c]
+        das, db = [da[:, :c] for da in das], db[:, :c]
     # dX_ij / dG_i brings +X_ij terms and dX_ij / dG_j -X_ij terms: both already sit in a * da and b * db
-    dG = (a * da).sum(0) - b * db
+    dG = -b * db
+    for a, da in zip(lhs, das):
+        dG.addcmul_(a, da)
     if G.shape[-1] == 1:
         dG = dG.sum(-1, keepdim=True)
-    return da, db, dG
+    return das, db, dG

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim (flash-linear-attention's convention, eps inside the root)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+    """scale * x / sqrt(sum x^2 + eps) over the last dim (flash-linear-attention's convention, eps inside the
+    root); one pass to read x and one to write, the scale folded into the per-row factor."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * (torch.rsqrt(norm * norm + eps) * scale)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -29,9 +31,11 @@ def prepare_qk(query: torch.Tensor, key: torch.Tensor, num_v_heads: int, use_qk_
     when several value heads share one key head (grouped value attention, head h uses key head h // group)."""
     dtype = compute_dtype(query)
     query, key = query.to(dtype), key.to(dtype)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     if use_qk_l2norm:
-        query, key = l2norm(query), l2norm(key)
-    query = query * (query.shape[-1] ** -0.5 if scale is None else scale)
+        query, key = l2norm(query, scale=scale), l2norm(key)
+    else:
+        query = query * scale
     heads = key.shape[2]
     if num_v_heads % heads:
         raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({heads})")

@@ -24,7 +24,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.decay_pairs import decay_pairs, decay_pairs_backward
+from runtime.attention.decay_pairs import decay_exp, decay_pairs, decay_pairs_backward
 from runtime.attention.delta_reference import prepare_qk
 from runtime.attention.triangular import unit_lower_inverse
 from runtime.kernels import registry
@@ -42,15 +42,14 @@ class ChunkGatedDelta(torch.autograd.Function):
         q, k, v = (x.reshape(n_seq * n, chunk, x.shape[-1]) for x in (q, k, v))
         beta = beta.reshape(n_seq * n, chunk)
         G = g.reshape(n_seq * n, chunk, g.shape[-1]).cumsum(1)
-        x = decay_pairs(torch.stack((k, q)), k, G)
-        kk, qk = x[0], x[1]
-        eg = G.exp()
+        kk, qk = decay_pairs([k, q], k, G)
+        eg = decay_exp(G)
         inv = unit_lower_inverse(kk * beta[..., None])
         r = inv @ torch.cat((v * beta[..., None], k * (beta[..., None] * eg)), -1)
         u, w = r.split([vd, kd], -1)
         last = G[:, -1:]
-        k_end = k * (last - G).exp()
-        decay = last.exp().transpose(-1, -2)  # (M, K or 1, 1): scales the state's rows
+        k_end = k * decay_exp(last - G)
+        decay = decay_exp(last).transpose(-1, -2)  # (M, K or 1, 1): scales the state's rows
 
         states, v_new, final = _scan_forward(u, w, k_end, decay, s0, n_seq, n)
         o = (q * eg) @ states.flatten(0, 1) + qk @ v_new
@@ -65,10 +64,11 @@ class ChunkGatedDelta(torch.autograd.Function):
         n_seq, n, chunk, has_s0 = ctx.shape
         vd, kd = v.shape[-1], k.shape[-1]
         do = do.reshape(n_seq * n, chunk, vd)
-        eg = G.exp()
+        eg = decay_exp(G)
         last = G[:, -1:]
-        k_end = k * (last - G).exp()
-        decay = last.exp().transpose(-1, -2)
+        to_end = decay_exp(last - G)
+        k_end = k * to_end
+        decay = decay_exp(last).transpose(-1, -2)
         q_dec = q * eg
         w = r[..., vd:]
         s_flat = states.flatten(0, 1)
@@ -91,9 +91,8 @@ class ChunkGatedDelta(torch.autograd.Function):
         dG = dkb * kb
         dk = dkb * (beta[..., None] * eg)
 
-        dpairs, dkey, dG_pairs = decay_pairs_backward(torch.stack((k, q)), k, G,
-                                                      torch.stack((da * beta[..., None], dqk)))
-        dk = dk + dpairs[0] + dkey + dk_end * (last - G).exp()
+        dpairs, dkey, dG_pairs = decay_pairs_backward([k, q], k, G, [da * beta[..., None], dqk])
+        dk = dk + dpairs[0] + dkey + dk_end * to_end
         dq = dpairs[1] + dq_dec * eg
         dG = dG + dq_dec * q_dec - dk_end * k_end
         if G.shape[-1] == 1:
