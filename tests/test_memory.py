@@ -7,18 +7,14 @@ import weakref
 import pytest
 import torch
 
-from onboard.bundle import adapt
-from onboard.source import resolve
 from onboard.train import build_model
 from runtime.memory import ActivationSwap, apply_recompute
 from runtime.memory.swap import FileStore, selected
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mem") / "mixtral"
-    adapt(resolve("mixtral-8x7b"), out)
-    return out
+def bundle(mixtral_bundle):
+    return mixtral_bundle
 
 
 @pytest.fixture(scope="module")

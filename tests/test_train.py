@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 
 from cli import main
-from onboard.bundle import adapt
-from onboard.source import resolve
 from onboard.train import build_model, train_config
 from runtime.plan import Plan
 from runtime.runlog import read_runs
@@ -26,10 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "mixtral"
-    adapt(resolve("mixtral-8x7b"), out)
-    return out
+def bundle(mixtral_bundle):
+    return mixtral_bundle
 
 
 @pytest.fixture(scope="module")
