@@ -28,3 +28,14 @@ def inspected():
         return cache[ref]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def mixtral_bundle(tmp_path_factory):
+    """An adapted Mixtral bundle, written once per session (training and memory tests read it)."""
+    from onboard.bundle import adapt
+    from onboard.source import resolve
+
+    out = tmp_path_factory.mktemp("bundle") / "mixtral"
+    adapt(resolve("mixtral-8x7b"), out)
+    return out
