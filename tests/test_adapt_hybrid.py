@@ -48,11 +48,11 @@ def test_attention_moe_and_loss_all_run_in_the_runtime(hybrid):
         assert r.runtime_attention_calls > 0 and r.runtime_loss_calls == 1 and r.original_calls == 0
 
 
-def _late_gate(q, k, v, g, beta, s0, chunk, block):
+def _late_gate(q, k, v, g, beta, s0, chunk, block=None):
     return _chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk, block)
 
 
-def _early_boundary(q, k, v, g, beta, s0, chunk, block):
+def _early_boundary(q, k, v, g, beta, s0, chunk, block=None):
     # each chunk's outputs are right, but the state handed to the next chunk stops one token short
     outs, s = [], s0
     for c0 in range(0, q.shape[1], chunk):

@@ -18,11 +18,18 @@ forward rebinds those globals to the runtime's functions for the duration of the
 on error). Parameters, buffers, submodules and their names are untouched: the module is the same object with
 the same tensors. The single-token decode functions (recurrent step, conv update) stay HuggingFace code.
 The rebinding is process-global while a swapped forward runs: do not run an unswapped instance of the same
-family concurrently in another thread.
+family concurrently in another thread. Only names the forward itself looks up are found (not functions
+reached through helper methods), which is how transformers' modeling files are written.
 
-Returns what was swapped: {global name: "chunk_gated_delta" | "causal_conv1d"}. `unswap_linear_core(module)` restores
-the original class. Calls are counted per kind in `CALLS` (process-wide) and in `module.runtime_core_calls`,
-so verification can show that the runtime ran.
+The runtime core takes packed sequences (`cu_seqlens` / `cu_seq_lens_q`, which transformers' torch
+fallback refuses) and keeps the conv from reaching across them. `chunk_size` overrides the chunk length the
+module asks for (the result does not depend on it; the rendered Triton kernels run only at the chunk length
+they were rendered for).
+
+Returns what was swapped: {global name: "chunk_gated_delta" | "causal_conv1d"}. `unswap_linear_core(module)`
+restores the original class. Calls are counted per kind in `CALLS` (process-wide, exported as
+`runtime.attention.LINEAR_CORE_CALLS`) and in `module.runtime_core_calls`, so verification can show that the
+runtime ran. `find_linear_cores(module)` says what would be swapped, without probing or changing anything.
 """
 
 from __future__ import annotations
