@@ -174,7 +174,7 @@ def test_rendered_triton_kernels_match_the_reference(gate, tmp_path):
     path.write_text(source)
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
-    result = subprocess.run([sys.executable, str(here / "kernels" / "check_gated_delta_triton.py"), str(path)],
+    result = subprocess.run([sys.executable, str(here / "kernels" / "check_gated_delta_triton.py"), str(tmp_path)],
                             check=False, capture_output=True, text=True, env=env, timeout=600, cwd=here.parent)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dg: ok" in result.stdout and "registered under the triton backend: ok" in result.stdout

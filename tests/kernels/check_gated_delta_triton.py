@@ -1,10 +1,10 @@
 """Rendered Triton gated-delta kernels against the token-by-token reference, forward and backward.
 
 Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_linear_attention.py
-does. Argument: the rendered module's path. Exits non-zero with the failing check on stderr.
+does. Argument: the folder the module was rendered into, loaded the way adapters load it
+(runtime.kernels.loader). Exits non-zero with the failing check on stderr.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -13,14 +13,9 @@ import torch.nn.functional as F
 
 from runtime.attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.kernels import registry
+from runtime.kernels.loader import load_rendered
 
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location("rendered_gated_delta", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rendered_gated_delta"] = module
-    spec.loader.exec_module(module)
-    return module
+OP = "linear_attention.chunk_gated_delta"
 
 
 def close(a, b, what, tol=1e-4):
@@ -52,13 +47,16 @@ def run(fn, inputs, **kw):
     return [o, final, *torch.autograd.grad(loss, inputs)]
 
 
-def main(path: str) -> None:
-    k = load(Path(path))
-    kind = "per-channel" if k.PER_CHANNEL else "per-head"
-    k.register()
+def main(folder: str) -> None:
+    loaded = load_rendered(Path(folder))
+    if not any(name.startswith("gated_delta") for name in loaded):
+        sys.exit(f"the loader did not load the rendered module: {loaded}")
     registry.use("triton")
     try:
-        assert registry.lookup("linear_attention.chunk_gated_delta", None) is k.chunk_gated_delta
+        op = registry.lookup(OP, None)
+        k = sys.modules[op.__module__]
+        assert op is k.chunk_gated_delta
+        kind = "per-channel" if k.PER_CHANNEL else "per-head"
         inputs = problem(k, 0)
         calls = []
         forward, backward = k.TritonChunkGatedDelta.forward, k._scan_backward
