@@ -74,6 +74,12 @@ def test_gradient_accumulation_equals_the_bigger_micro_batch(factory):
     assert np.allclose(one, two, rtol=0, atol=1e-5)
 
 
+def test_memory_policies_leave_the_losses_unchanged(factory):
+    plain = _losses(train(factory, _plan(), TrainConfig(steps=3, lr=1e-2, progress=False)))
+    for policy in ({"swap": "moe"}, {"swap": "all", "recompute": "selective"}, {"recompute": "full"}):
+        assert _losses(train(factory, _plan(**policy), TrainConfig(steps=3, lr=1e-2, progress=False))) == plain
+
+
 def test_resume_continues_exactly(factory, tmp_path):
     whole = _losses(train(factory, _plan(), TrainConfig(steps=6, lr=1e-2, progress=False)))
     cfg = TrainConfig(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(tmp_path / "ck"))
