@@ -6,9 +6,9 @@ checkpoint in `config.checkpoint_dir` when there is one. Under torchrun (WORLD_S
 process group and hands the model to `runtime.parallel` (LoRA, expert parallelism, FSDP2, whose gradient
 reduction overlaps backward). Rank 0 writes the run log and draws the progress bar.
 
-`comm_time_s` in the run log is the time in the collectives the loop itself waits for (the gradient-norm
-and statistics all-reduces); FSDP2's and expert parallelism's collectives overlap compute and are inside
-the step time, not separated from it.
+`comm_time_s` in the run log is the time blocked on communication: the collectives the loop itself waits
+for (the gradient-norm and statistics all-reduces) plus the expert-parallel exchanges' blocked time that
+`runtime.parallel` measures; FSDP2's all-gathers and reduce-scatters overlap compute and are not separated.
 
 The model contract is a HuggingFace causal LM: `model(input_ids=..., labels=..., use_cache=False).loss`.
 """
@@ -243,6 +243,10 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocas
         _clip(model, params, mesh, cfg.clip)
         comm += time.perf_counter() - t if world > 1 else 0.0  # the norm's all-reduce dominates it
     optimizer.step()
+    for block in blocks:  # time blocked on expert-parallel token exchanges (what overlap did not hide)
+        clock = getattr(getattr(block, "expert_parallel", None), "comm", None)
+        if clock is not None:
+            comm += clock.reset()
     stats = torch.cat([loss_sum.reshape(1), *counts])
     if world > 1:
         t = time.perf_counter()
