@@ -52,7 +52,8 @@ class ChunkGatedDelta(torch.autograd.Function):
         decay = decay_exp(last).transpose(-1, -2)  # (M, K or 1, 1): scales the state's rows
 
         states, v_new, final = _scan_forward(u, w, k_end, decay, s0, n_seq, n)
-        o = (q * eg) @ states.flatten(0, 1) + qk @ v_new
+        states = states.flatten(0, 1)  # (M, K, V): the state each chunk starts from
+        o = (q * eg) @ states + qk @ v_new
         ctx.save_for_backward(q, k, v, beta, G, kk, qk, inv, r, states, v_new)
         ctx.shape = (n_seq, n, chunk, s0 is not None)
         ctx.scan_backward = _scan_backward
@@ -71,7 +72,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         decay = decay_exp(last).transpose(-1, -2)
         q_dec = q * eg
         w = r[..., vd:]
-        s_flat = states.flatten(0, 1)
+        s_flat = states
 
         ds_next, dv_new, ds0 = ctx.scan_backward(qk.transpose(-1, -2) @ do, q_dec.transpose(-1, -2) @ do,
                                               w, k_end, decay, dfinal, n_seq, n)
@@ -114,30 +115,35 @@ def _scan_forward(u, w, k_end, decay, s0, n_seq, n):
     """The state at the start of every chunk (n_seq, n, K, V), v_new (M, C, V) and the final state."""
     kd, vd = w.shape[-1], u.shape[-1]
     u, w, k_end, decay = (x.view(n_seq, n, *x.shape[1:]) for x in (u, w, k_end, decay))
-    states = u.new_empty(n_seq, n, kd, vd)
-    v_new = torch.empty_like(u)
-    s = u.new_zeros(n_seq, kd, vd) if s0 is None else s0
+    # chunk-major buffers: each step writes whole contiguous slices in place, three ops a chunk
+    states = u.new_empty(n + 1, n_seq, kd, vd)
+    v_new = u.new_empty(n, n_seq, *u.shape[2:])
+    if s0 is None:
+        states[0].zero_()
+    else:
+        states[0].copy_(s0)
     for c in range(n):
-        states[:, c] = s
-        vn = torch.baddbmm(u[:, c], w[:, c], s, alpha=-1)
-        v_new[:, c] = vn
-        s = torch.baddbmm(s * decay[:, c], k_end[:, c].transpose(-1, -2), vn)
-    return states, v_new.flatten(0, 1), s
+        torch.baddbmm(u[:, c], w[:, c], states[c], alpha=-1, out=v_new[c])
+        torch.mul(states[c], decay[:, c], out=states[c + 1])
+        states[c + 1].baddbmm_(k_end[:, c].transpose(-1, -2), v_new[c])
+    return states[:n].transpose(0, 1), v_new.transpose(0, 1).flatten(0, 1), states[n]
 
 
 def _scan_backward(p_do, q_do, w, k_end, decay, dfinal, n_seq, n):
     """Reverse scan: the state gradient after every chunk (n_seq, n, K, V), dv_new (M, C, V), d initial state."""
     kd, vd = w.shape[-1], p_do.shape[-1]
     p_do, q_do, w, k_end, decay = (x.view(n_seq, n, *x.shape[1:]) for x in (p_do, q_do, w, k_end, decay))
-    ds_next = p_do.new_empty(n_seq, n, kd, vd)
-    dv_new = torch.empty_like(p_do)
-    ds = p_do.new_zeros(n_seq, kd, vd) if dfinal is None else dfinal.clone()
+    ds = p_do.new_empty(n + 1, n_seq, kd, vd)  # ds[c + 1]: gradient of the state after chunk c
+    dv_new = p_do.new_empty(n, n_seq, *p_do.shape[2:])
+    if dfinal is None:
+        ds[n].zero_()
+    else:
+        ds[n].copy_(dfinal)
     for c in reversed(range(n)):
-        ds_next[:, c] = ds
-        dvn = torch.baddbmm(p_do[:, c], k_end[:, c], ds)
-        dv_new[:, c] = dvn
-        ds = torch.baddbmm(q_do[:, c] + ds * decay[:, c], w[:, c].transpose(-1, -2), dvn, alpha=-1)
-    return ds_next, dv_new.flatten(0, 1), ds
+        torch.baddbmm(p_do[:, c], k_end[:, c], ds[c + 1], out=dv_new[c])
+        torch.mul(ds[c + 1], decay[:, c], out=ds[c])
+        ds[c].add_(q_do[:, c]).baddbmm_(w[:, c].transpose(-1, -2), dv_new[c], alpha=-1)
+    return ds[1:].transpose(0, 1), dv_new.transpose(0, 1).flatten(0, 1), ds[0]
 
 
 def _chunk_core(q, k, v, g, beta, s0, chunk: int, block: int | None = None):
