@@ -109,12 +109,13 @@ def loss_target(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tup
         module = None
     if module is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
         return None, "the LM head is not one linear projection"
-    if not callable(getattr(twin.model, "get_decoder", None)):
-        return None, "the model does not expose its decoder (get_decoder), so its last hidden state is out of reach"
+    if "." not in twin.layers_path:
+        return None, "the decoder layers sit on the model itself: no decoder module returns the last hidden state"
     softcap = head.get("logit_softcap")
     if softcap is True:
         return None, "the logits are soft-capped by a value the graph does not show"
-    return {"head": path, "softcap": softcap}, None
+    decoder = twin.layers_path.rpartition(".")[0]  # the module holding the layer stack returns the last hidden state
+    return {"head": path, "softcap": softcap, "scale": head.get("logit_scale"), "decoder": decoder or None}, None
 
 
 def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tuple[str | None, str | None]:
@@ -134,15 +135,24 @@ def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tup
         return None, "a state-space (Mamba) mixer: the runtime has no kernel for it yet"
     else:
         return None, None  # softmax-family attention: transformers' own sdpa / flash paths serve it
+    configs = [(c, c._attn_implementation) for c in {id(c): c for c in _configs(twin.model)}.values()]
     try:
         module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
         copied = copy.deepcopy(module)
         result = swap(copied)
     except (AttributeError, ValueError) as exc:
         return None, one_line(exc)
+    finally:  # the trial swap may have set the attention implementation of a config the twin shares
+        for config, implementation in configs:
+            if config._attn_implementation != implementation:
+                config._attn_implementation = implementation
     if mode == "sparse" and result.kept:
         return None, "; ".join(result.kept.values())
     return mode, None
+
+
+def _configs(model):
+    return [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
 
 
 def attention_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tuple[list[dict], dict[int, str]]:
@@ -156,6 +166,15 @@ def attention_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) ->
             groups.setdefault((mode, layer.attention.path, layer.attention.kind), []).append(layer.index)
         elif why:
             kept[layer.index] = f"{layer.attention.kind}: {why}"
+    refused_sparse = [i for i, why in kept.items() if why.startswith("sparse:")]
+    if refused_sparse:
+        # the DSA layers share one attention implementation (their config's): all of them or none
+        for (mode, _, kind), indices in list(groups.items()):
+            if mode == "sparse":
+                for i in indices:
+                    kept[i] = (f"{kind}: it shares its attention implementation with layers "
+                               f"{ranges(sorted(refused_sparse))}, which stay HuggingFace code")
+        groups = {key: indices for key, indices in groups.items() if key[0] != "sparse"}
     kinds = [{"mode": mode, "path": path, "kind": kind, "indices": indices, "ranges": ranges(indices)}
              for (mode, path, kind), indices in groups.items()]
     return kinds, kept

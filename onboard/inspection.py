@@ -269,6 +269,13 @@ def _head_facts(graph: Graph) -> dict:
         head = max(logits, key=lambda n: view.index[n])
         facts["path"] = view.path(head)
         tanh = [n for n in view.descendants(head) if op_name(n) == "tanh"]
+        capping = set().union(*(view.ancestors(t) | view.descendants(t) for t in tanh)) if tanh else set()
+        for n in sorted(view.descendants(head) - capping, key=lambda n: view.index[n]):
+            # a constant factor on the logits outside any soft cap (Cohere's logit_scale, Granite's 1/scaling)
+            value = next((a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+            if op_name(n) in ("mul", "div") and value:
+                facts["logit_scale"] = float(value) if op_name(n) == "mul" else 1.0 / float(value)
+                break
         if tanh:
             divs = [a for n in view.ancestors(tanh[0]) & view.descendants(head) for a in n.args
                     if op_name(n) == "div" and isinstance(a, (int, float))]

@@ -19,20 +19,25 @@ from torch import nn
 from runtime.loss.head import lm_head_loss
 
 
-def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, softcap: float | None = None,
-                        logit_scale: float = 1.0, chunk_tokens: int | None = None,
-                        chunk_vocab: int | None = None) -> nn.Module:
+def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, decoder_path: str | None = None,
+                        softcap: float | None = None, logit_scale: float = 1.0, aux_loss_coef: float | None = None,
+                        chunk_tokens: int | None = None, chunk_vocab: int | None = None) -> nn.Module:
     """Swap the loss in place (the model's class becomes a subclass with a new `forward`; parameters,
-    names and state dict are unchanged). `model.onboard_loss_calls` counts the runtime loss calls."""
+    names and state dict are unchanged). `decoder_path` names the module whose output is the last hidden
+    state (default: `model.get_decoder()`); `aux_loss_coef` the weight of the router auxiliary loss in the
+    training loss (default: the model's `*aux_loss_coef` attribute or config field).
+    `model.onboard_loss_calls` counts the runtime loss calls."""
     head = model.get_submodule(head_path)
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
         raise ValueError(f"{head_path} is not a linear LM head (no 2-D weight)")
-    if not callable(getattr(model, "get_decoder", None)):
-        raise ValueError(f"{type(model).__name__} has no get_decoder(): cannot reach its last hidden state")
+    decoder = model.get_submodule(decoder_path) if decoder_path else getattr(model, "get_decoder", lambda: None)()
+    if decoder is None or decoder is model:
+        raise ValueError(f"{type(model).__name__}: no decoder module to read the last hidden state from")
     base = type(model)
     if getattr(base, "_onboard_loss_swapped", False):
         base = base.__mro__[1]
-    options = {"head_path": head_path, "softcap": softcap, "logit_scale": logit_scale,
+    options = {"head_path": head_path, "decoder_path": decoder_path, "softcap": softcap, "logit_scale": logit_scale,
+               "aux_loss_coef": aux_loss_coef if aux_loss_coef is not None else _aux_coef(model),
                "chunk_tokens": chunk_tokens, "chunk_vocab": chunk_vocab}
 
     def forward(self, *args, labels=None, **kwargs):
@@ -46,6 +51,16 @@ def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, softcap
     return model
 
 
+def _aux_coef(model: nn.Module) -> float:
+    """The router auxiliary-loss weight a model adds to its loss (router_aux_loss_coef, aux_loss_coef, ...)."""
+    for owner in (model, getattr(model, "config", None)):
+        for name in sorted(vars(owner) if owner is not None else ()):
+            value = getattr(owner, name)
+            if name.endswith("aux_loss_coef") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return 0.0
+
+
 def _last_hidden(output):
     if isinstance(output, torch.Tensor):
         return output
@@ -56,7 +71,8 @@ def _last_hidden(output):
 
 def _forward_with_loss(model, base, options, args, labels, kwargs):
     captured = {}
-    hook = model.get_decoder().register_forward_hook(
+    decoder = model.get_submodule(options["decoder_path"]) if options["decoder_path"] else model.get_decoder()
+    hook = decoder.register_forward_hook(
         lambda _module, _inputs, output: captured.__setitem__("hidden", _last_hidden(output)))
     try:
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
@@ -70,8 +86,7 @@ def _forward_with_loss(model, base, options, args, labels, kwargs):
                         chunk_tokens=options["chunk_tokens"], chunk_vocab=options["chunk_vocab"])
     aux = getattr(out, "aux_loss", None)
     if aux is not None:  # the model adds its router load-balancing loss to the training loss
-        coef = getattr(model, "router_aux_loss_coef", getattr(model.config, "router_aux_loss_coef", 0.0))
-        loss = loss + coef * aux.to(loss.device)
+        loss = loss + options["aux_loss_coef"] * aux.to(loss.device)
     model.onboard_loss_calls += 1
     out.loss = loss
     return out
