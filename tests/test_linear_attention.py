@@ -251,9 +251,11 @@ def swapped(request):
 def test_swapped_model_matches_transformers(swapped):
     model, ids, ref, modules = swapped
     assert modules
+    before = [dict(m.runtime_core_calls) for m in modules]
     assert _matches(_run(model, ids), ref)
-    for m in modules:
-        assert m.runtime_core_calls == {"chunk_gated_delta": 1, "causal_conv1d": 1}
+    for m, calls in zip(modules, before):  # one forward: each core once (the backward does not re-enter them)
+        assert {k: m.runtime_core_calls[k] - calls.get(k, 0) for k in m.runtime_core_calls} == {
+            "chunk_gated_delta": 1, "causal_conv1d": 1}
 
 
 def late_gate(q, k, v, g, beta, s0, chunk, block=None):
@@ -282,6 +284,29 @@ def test_planted_bugs_fail_the_comparison(swapped, bug):
         registry.unregister(OP, "cpu")
     assert not _matches(got, ref)
     assert max(_errors(got, ref)) > 1e-3  # not a near miss
+
+
+def _prefill_then_decode(model, ids):
+    """Logits of a cached prefill and of one decode step after it (the step runs transformers' recurrent
+    update from the state the chunk core left in the cache)."""
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :-1], use_cache=True)
+        step = model(input_ids=ids[:, -1:], cache=first.past_key_values, use_cache=True)
+    return first.logits, step.logits
+
+
+def test_swapped_core_fills_the_cache_like_transformers(swapped):
+    model, ids, _, modules = swapped
+    got = _prefill_then_decode(model, ids)
+    for m in modules:
+        unswap_linear_core(m)
+    try:
+        ref = _prefill_then_decode(model, ids)
+    finally:
+        for m in modules:
+            swap_linear_core(m, chunk_size=16)
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < 1e-5
 
 
 def test_unswap_restores_the_class():
