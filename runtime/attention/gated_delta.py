@@ -72,16 +72,15 @@ class ChunkGatedDelta(torch.autograd.Function):
         decay = decay_exp(last).transpose(-1, -2)
         q_dec = q * eg
         w = r[..., vd:]
-        s_flat = states
 
         ds_next, dv_new, ds0 = ctx.scan_backward(qk.transpose(-1, -2) @ do, q_dec.transpose(-1, -2) @ do,
                                               w, k_end, decay, dfinal, n_seq, n)
-        ds_flat = ds_next.flatten(0, 1)
-        dq_dec = do @ s_flat.transpose(-1, -2)
+        dstates = ds_next.flatten(0, 1)
+        dq_dec = do @ states.transpose(-1, -2)
         dqk = (do @ v_new.transpose(-1, -2)).tril()
-        dk_end = v_new @ ds_flat.transpose(-1, -2)
-        ddecay = (s_flat * ds_flat).sum(-1)  # (M, K)
-        dr = torch.cat((dv_new, -(dv_new @ s_flat.transpose(-1, -2))), -1)
+        dk_end = v_new @ dstates.transpose(-1, -2)
+        ddecay = (states * dstates).sum(-1)  # (M, K)
+        dr = torch.cat((dv_new, -(dv_new @ states.transpose(-1, -2))), -1)
 
         drhs = inv.transpose(-1, -2) @ dr
         da = -(drhs @ r.transpose(-1, -2)).tril(-1)
