@@ -279,10 +279,14 @@ def _pow2(n: int, low: int, high: int) -> int:
     return p
 
 
-def render_kernels(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> dict[str, str]:
-    """Kernel modules specialised for this model's MoE shapes (empty when it has no MoE layer)."""
-    moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe"
-                and swap_target(layer, twin, refused)[0] is not None), None)
+def render_kernels(spec: ModelSpec, twin: Twin | None = None, refused: dict | None = None) -> dict[str, str]:
+    """Kernel modules specialised for this model's MoE shapes (empty when it has no MoE layer the runtime
+    runs). Without the twin only whole-block swaps are considered (experts-only ones need its modules)."""
+    def swapped(layer) -> bool:
+        return (swap_target(layer, twin, refused)[0] if twin is not None else
+                ("block" if replaceable(layer.mlp, refused) is None else None)) is not None
+
+    moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe" and swapped(layer)), None)
     if moe is None:
         return {}
     dtype = "bf16"
