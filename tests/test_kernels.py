@@ -1,5 +1,6 @@
 """Triton kernels rendered from templates/kernels/, run on CPU by Triton's interpreter."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -27,7 +28,9 @@ def test_rendered_kernels_match_the_reference(model, tmp_path, inspected):
     source = kernels["moe_triton.py"]
     moe = next(layer.mlp for layer in spec.layers if layer.mlp.kind == "moe")
     assert f"HIDDEN = {spec.hidden_size}" in source and f"TOP_K = {moe.top_k}" in source
-    # the kernels are checked at a small width with the same top-k: re-render for hidden 64
+    # the kernels are checked at a small width with the same top-k: re-render for hidden 64 (on a copy:
+    # the inspected spec is shared by the whole session)
+    spec = copy.deepcopy(spec)
     spec.hidden_size = 64
     path = tmp_path / "moe_triton.py"
     path.write_text(render_kernels(spec)["moe_triton.py"])
