@@ -33,7 +33,7 @@ from onboard.report import describe_mlp, human, pattern_spans, ranges
 from onboard.source import ModelSource, resolve
 from onboard.spec import ModelSpec
 from onboard.twin import Twin, build_twin
-from onboard.verify import Verification, verify
+from onboard.verify import SEEDS, Verification, verify
 
 
 def load_adapter(directory: Path):
@@ -50,25 +50,19 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refus
     kinds, skipped = moe_kinds(spec, twin, refused)
     loss, loss_why = loss_target(spec, twin, refused)
     attention, attention_skipped = attention_kinds(spec, twin, refused)
-    attention_kept: dict[str, list[int]] = {}
-    for index, why in sorted(attention_skipped.items()):
-        attention_kept.setdefault(why, []).append(index)
     for kind in kinds:
         kind["reused"] = sorted({f"`{p}`" for p in [*kind["weights"].values(), kind["router"].weight,
                                                     kind["router"].bias, kind["router"].linear_bias, kind["output_bias"], kind["shared_gate_weight"], *kind["shared"]] if p})
     labels = [f"{layer.attention.kind} + {describe_mlp(layer.mlp)}" for layer in spec.layers]
     pattern = [f"layers {start}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
                + (f" (x{repeats})" if repeats > 1 else "") for start, end, unit, repeats in pattern_spans(labels)]
-    kept: dict[str, list[int]] = {}
-    for index, why in sorted(skipped.items()):
-        kept.setdefault(why, []).append(index)
     return environment().get_template("REVIEW.md.j2").render(
-        spec=spec, kinds=kinds, skipped=[(ranges(i), why) for why, i in kept.items()], verification=verification,
+        spec=spec, kinds=kinds, skipped=by_reason(skipped), verification=verification,
         pattern=pattern,
         params_total=human(spec.params_total), params_active=human(spec.params_active),
         twin_hidden=twin.config.hidden_size, twin_layers=len(twin.layer_signatures),
         loss=loss, loss_why=loss_why, attention=attention,
-        attention_kept=[(ranges(i), why) for why, i in attention_kept.items()],
+        attention_kept=by_reason(attention_skipped),
         softmax_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers
                                         if not layer.attention.kind.startswith(("linear:", "sparse:", "ssm:"))})),
     )
@@ -153,16 +147,24 @@ def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, refused: dict
         for name, source_text in kernels.items():
             (staging / "kernels" / name).write_text(source_text)
     module = load_adapter(staging)
-    return verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused),
-                  loss_swapped=loss_target(spec, twin, refused)[0] is not None,
-                  attention=_attention_expected(spec, twin, refused))
+    return verify_swaps(spec, twin, module.adapt, refused)
 
 
-def _attention_expected(spec: ModelSpec, twin: Twin, refused: dict) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
+def verify_swaps(spec: ModelSpec, twin: Twin, adapt_fn, refused: dict | None = None, seeds=SEEDS) -> Verification:
+    """Verify `adapt_fn` against what codegen decided to swap, given the readings refused so far."""
+    attention: dict[str, list[int]] = {}
     for group in attention_kinds(spec, twin, refused)[0]:
-        out.setdefault(group["mode"], []).extend(group["indices"])
-    return out
+        attention.setdefault(group["mode"], []).extend(group["indices"])
+    return verify(spec, twin, adapt_fn, lambda layer: swapped_path(layer, twin, refused), seeds,
+                  loss_swapped=loss_target(spec, twin, refused)[0] is not None, attention=attention)
+
+
+def by_reason(reasons: dict[int, str]) -> list[tuple[str, str]]:
+    """{layer: why} as [(layer ranges, why)], one entry per distinct reason, in layer order."""
+    grouped: dict[str, list[int]] = {}
+    for index, why in sorted(reasons.items()):
+        grouped.setdefault(why, []).append(index)
+    return [(ranges(indices), why) for why, indices in grouped.items()]
 
 
 def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verification: Verification,
@@ -173,10 +175,7 @@ def write_verification(directory: Path, spec: ModelSpec, twin: Twin, verificatio
     # layers whose experts alone run in the runtime, and why the block (its routing) could not
     data["experts_only"] = {k["ranges"]: k["why_not_block"] for k in kinds if k["mode"] == "experts"}
     # linear / sparse attention and the loss left as HuggingFace code, and why
-    attention_kept: dict[str, list[int]] = {}
-    for index, why in sorted(attention_kinds(spec, twin, refused)[1].items()):
-        attention_kept.setdefault(why, []).append(index)
-    data["kept"] = {"attention": {ranges(i): why for why, i in attention_kept.items()},
+    data["kept"] = {"attention": {layers: why for layers, why in by_reason(attention_kinds(spec, twin, refused)[1])},
                     "loss": loss_target(spec, twin, refused)[1]}
     (directory / "verification.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (directory / "REVIEW.md").write_text(render_review(spec, twin, verification, refused))
@@ -208,8 +207,6 @@ def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
     module = load_adapter(directory)
     refused = json.loads((directory / "verification.json").read_text()).get("refused", {}) \
         if (directory / "verification.json").is_file() else {}
-    verification = verify(spec, twin, module.adapt, lambda layer: swapped_path(layer, twin, refused),
-                          loss_swapped=loss_target(spec, twin, refused)[0] is not None,
-                          attention=_attention_expected(spec, twin, refused))
+    verification = verify_swaps(spec, twin, module.adapt, refused)
     write_verification(directory, spec, twin, verification, refused)
     return spec, verification

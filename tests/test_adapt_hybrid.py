@@ -4,13 +4,12 @@ bugs planted in the runtime's attention: a wrong gate, an off-by-one chunk bound
 import pytest
 import torch
 
-from onboard.bundle import load_adapter
+from onboard.bundle import load_adapter, verify_swaps
 from onboard.capture import capture
-from onboard.codegen import attention_kinds, loss_target, render_adapter, swapped_path
+from onboard.codegen import attention_kinds, render_adapter
 from onboard.inspection import build_spec
 from onboard.source import resolve
 from onboard.twin import build_twin
-from onboard.verify import verify
 from runtime.attention import dsa
 from runtime.attention.gated_delta import _chunk_core
 from runtime.kernels import registry
@@ -30,11 +29,7 @@ def hybrid(request, tmp_path_factory):
 
 
 def _verify(spec, twin, adapt, seeds=(0, 1, 2)):
-    attention = {}
-    for group in attention_kinds(spec, twin)[0]:
-        attention.setdefault(group["mode"], []).extend(group["indices"])
-    return verify(spec, twin, adapt, lambda layer: swapped_path(layer, twin), seeds,
-                  loss_swapped=loss_target(spec, twin)[0] is not None, attention=attention)
+    return verify_swaps(spec, twin, adapt, seeds=seeds)
 
 
 def test_attention_moe_and_loss_all_run_in_the_runtime(hybrid):
