@@ -1,0 +1,136 @@
+"""Chunked linear attention with one scalar decay per head and token (no delta rule).
+
+For each head, with state S (K x V) and log decay g_t <= 0:
+
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T;   o_t = S_t^T q_t     (no scaling of q)
+
+This is Mamba2's SSD (q = C, k = B, v = x dt, g = A dt) and MiniMax's lightning attention (g = -slope, a
+constant per head). Cut into chunks of C tokens, with G the cumulative log decay from the chunk start:
+
+    o_i = sum_{j <= i in chunk} (q_i . k_j) exp(G_i - G_j) v_j  +  exp(G_i) q_i^T S_start
+    S_end = exp(G_C) S_start + sum_j k_j (exp(G_C - G_j) v_j)^T
+
+Every exponent is a difference G_i - G_j with j <= i, so <= 0: positions above the diagonal are masked before
+exp, never exp(G_i) * exp(-G_j), which overflows once a chunk decays by ~88 in log space. Everything except
+the state hand-off is batched over all chunks; the hand-off is a loop over chunks (one multiply-add each).
+Autograd does the backward: it keeps O(T x C) per head (the intra-chunk score and decay matrices) and one
+state per chunk, never a (T x T) matrix.
+
+Grouped heads (H value heads sharing Hk query/key heads, head h uses key head h // (H / Hk)) never repeat q or
+k: the (C x C) query-key scores are computed once per key head, and the heads of a group are folded into the
+value dimension of the state matmuls.
+
+`reset` (B, T) bool marks tokens that start a new sequence (packed sequences): the state before them is
+dropped. Inside a chunk that is a mask on token pairs from different sequences; it is applied as an exact
+zero after exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.decay_pairs import _scalar_decay, decay_exp
+from runtime.attention.delta_reference import compute_dtype
+
+
+def _check(q, k, v, g):
+    batch, length, key_heads, _ = k.shape
+    if q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    heads = v.shape[2]
+    if v.shape[:2] != (batch, length) or heads % key_heads:
+        raise ValueError(f"v {tuple(v.shape)} must be (B, T, H, V) with H a multiple of k's {key_heads} heads")
+    if g.shape != v.shape[:3]:
+        raise ValueError(f"g {tuple(g.shape)} must be (B, T, H) = {tuple(v.shape[:3])}")
+    return heads // key_heads
+
+
+def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per token, how many sequence starts lie at or before it inside its chunk: (B, N, C) int."""
+    batch, length = reset.shape
+    return reset.view(batch, length // chunk, chunk).long().cumsum(-1)
+
+
+def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *, chunk_size: int = 64,
+                       initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                       reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k (B, T, Hk, K); v (B, T, H, V), H a multiple of Hk; g (B, T, H) log decay (<= 0); initial_state
+    (B, H, K, V) or None (zeros); reset (B, T) bool or None (True: drop the state before this token).
+    Computes in fp32 at least (fp64 stays fp64). Returns (o (B, T, H, V) in the compute dtype, final state
+    (B, H, K, V) or None). The result does not depend on chunk_size."""
+    group = _check(q, k, v, g)
+    dtype = compute_dtype(v)
+    q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
+    batch, length, key_heads, kd = k.shape
+    heads, vd = v.shape[2:]
+    chunk = chunk_size
+    pad = -length % chunk
+    if pad:  # zero keys and values with zero log decay leave the state as it is
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g = F.pad(g, (0, 0, 0, pad))
+        if reset is not None:
+            reset = F.pad(reset, (0, pad))
+    n = (length + pad) // chunk
+    # layouts: q, k (B, Hk, N, C, K); v (B, Hk, N, C, G, V); G (B, Hk, G, N, C)
+    qc, kc = (x.view(batch, n, chunk, key_heads, kd).permute(0, 3, 1, 2, 4) for x in (q, k))
+    vc = v.view(batch, n, chunk, key_heads, group, vd).permute(0, 3, 1, 2, 4, 5)
+    G = g.view(batch, n, chunk, key_heads, group).permute(0, 3, 4, 1, 2).cumsum(-1)
+
+    # intra-chunk: scores once per key head, decay per head
+    decay = _scalar_decay(G.reshape(-1, chunk, 1)).view(*G.shape, chunk)
+    into_end = decay_exp(G[..., -1:] - G)  # exp(G_C - G_j), (B, Hk, G, N, C)
+    from_start = decay_exp(G)  # exp(G_i)
+    carry = decay_exp(G[..., -1])  # exp(G_C), (B, Hk, G, N)
+    if reset is not None:
+        seg = _segments(reset, chunk)[:, None, None]  # (B, 1, 1, N, C)
+        decay = decay * (seg[..., :, None] == seg[..., None, :])
+        into_end = into_end * (seg == seg[..., -1:])
+        from_start = from_start * (seg == 0)
+        carry = carry * (seg[..., -1] == 0)
+    scores = qc @ kc.transpose(-1, -2)  # (B, Hk, N, C, C)
+    o = (scores.unsqueeze(2) * decay) @ vc.permute(0, 1, 4, 2, 3, 5)  # (B, Hk, G, N, C, V)
+    o = o.permute(0, 1, 3, 4, 2, 5)  # (B, Hk, N, C, G, V)
+
+    # each chunk's own contribution to the state at its end, heads of a group folded into V
+    vw = vc * into_end.permute(0, 1, 3, 4, 2).unsqueeze(-1)
+    written = (kc.transpose(-1, -2) @ vw.reshape(batch, key_heads, n, chunk, group * vd))
+    written = written.view(batch, key_heads, n, kd, group, vd)
+    carry = carry.permute(0, 1, 3, 2)[:, :, :, None, :, None]  # (B, Hk, N, 1, G, 1)
+
+    if initial_state is None:
+        state = vc.new_zeros(batch, key_heads, kd, group, vd)
+    else:
+        state = initial_state.to(dtype).view(batch, key_heads, group, kd, vd).transpose(2, 3)
+    starts = []
+    for c in range(n):
+        starts.append(state)
+        state = state * carry[:, :, c] + written[:, :, c]
+    start = torch.stack(starts, 2).view(batch, key_heads, n, kd, group * vd)
+    o_start = (qc @ start).view(batch, key_heads, n, chunk, group, vd)
+    o = o + o_start * from_start.permute(0, 1, 3, 4, 2).unsqueeze(-1)
+
+    o = o.permute(0, 2, 3, 1, 4, 5).reshape(batch, n * chunk, heads, vd)[:, :length]
+    final = state.transpose(2, 3).reshape(batch, heads, kd, vd) if output_final_state else None
+    return o, final
+
+
+def recurrent_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same recurrence token by token (the definition the chunked form is tested against; slow on
+    purpose). Same arguments and results as `chunk_scalar_decay`."""
+    group = _check(q, k, v, g)
+    dtype = compute_dtype(v)
+    q, k = (x.to(dtype).repeat_interleave(group, dim=2) for x in (q, k))
+    v, g = v.to(dtype), g.to(dtype)
+    batch, length, heads, vd = v.shape
+    state = (v.new_zeros(batch, heads, k.shape[-1], vd) if initial_state is None else initial_state.to(dtype))
+    outs = []
+    for t in range(length):
+        keep = g[:, t].exp()
+        if reset is not None:
+            keep = keep * ~reset[:, t, None]
+        state = keep[..., None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outs, 1), state if output_final_state else None

@@ -1,0 +1,287 @@
+"""Scalar-decay chunked linear attention and Mamba2's SSD chunk scan built on it.
+
+The chunked core is checked against the token-by-token recurrence in fp64 (an algebra slip shows far above
+1e-10); `ssd_chunk_scan` against transformers' own `mamba2_chunk_scan` (which computes in fp32) from the
+nemotron_h and granitemoehybrid modeling modules: output, final state and the gradient of every input.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+from transformers.models.nemotron_h import modeling_nemotron_h
+
+from runtime.attention.scalar_decay import chunk_scalar_decay, recurrent_scalar_decay
+from runtime.attention.ssd import ssd_chunk_scan
+
+F64 = torch.float64
+HF_SCANS = {"nemotron_h": modeling_nemotron_h.mamba2_chunk_scan,
+            "granitemoehybrid": modeling_granitemoehybrid.mamba2_chunk_scan}
+
+
+def _core_inputs(*, batch=2, length=37, key_heads=2, heads=6, kd=5, vd=3, decay=1.0, dtype=F64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, length, key_heads, kd, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(batch, length, heads, vd, generator=gen, dtype=dtype)
+    g = -decay * torch.rand(batch, length, heads, generator=gen, dtype=dtype)
+    s0 = torch.randn(batch, heads, kd, vd, generator=gen, dtype=dtype)
+    return q, k, v, g, s0
+
+
+def _max_err(a, b):
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("key_heads, heads", [(3, 3), (2, 6), (1, 4)])
+@pytest.mark.parametrize("length, chunk", [(37, 16), (64, 16), (5, 64), (1, 8)])
+def test_core_matches_recurrence(key_heads, heads, length, chunk):
+    q, k, v, g, s0 = _core_inputs(length=length, key_heads=key_heads, heads=heads)
+    for state in (None, s0):
+        ref, ref_final = recurrent_scalar_decay(q, k, v, g, initial_state=state, output_final_state=True)
+        out, final = chunk_scalar_decay(q, k, v, g, chunk_size=chunk, initial_state=state, output_final_state=True)
+        assert out.shape == v.shape and final.shape == s0.shape and out.dtype == F64
+        assert _max_err(out, ref) < 1e-10 and _max_err(final, ref_final) < 1e-10
+
+
+def test_core_no_final_state_unless_asked():
+    q, k, v, g, _ = _core_inputs()
+    assert chunk_scalar_decay(q, k, v, g)[1] is None
+
+
+def test_core_independent_of_chunk_size():
+    q, k, v, g, s0 = _core_inputs(length=100)
+    outs = [chunk_scalar_decay(q, k, v, g, chunk_size=c, initial_state=s0, output_final_state=True)
+            for c in (1, 3, 16, 64, 128)]
+    for out, final in outs[1:]:
+        assert _max_err(out, outs[0][0]) < 1e-11 and _max_err(final, outs[0][1]) < 1e-11
+
+
+def test_core_strong_decay_stays_finite():
+    """Per-token log decays of -30 sum to ~-1900 over a 64-token chunk: exp(-G_j) alone would overflow fp32
+    (and fp64); only differences j <= i are exponentiated, so the fp32 result is finite and right."""
+    q, k, v, g, s0 = _core_inputs(length=70, decay=60.0)
+    ref, ref_final = recurrent_scalar_decay(q, k, v, g, initial_state=s0, output_final_state=True)
+    out, final = chunk_scalar_decay(*(x.float() for x in (q, k, v, g)), chunk_size=64,
+                                    initial_state=s0.float(), output_final_state=True)
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert _max_err(out.double(), ref) < 1e-4 * ref.abs().max()
+    assert _max_err(final.double(), ref_final) < 1e-4 * ref_final.abs().max()
+
+
+def test_core_lightning_constant_decay():
+    """MiniMax's lightning attention: g = -slope, one constant per head."""
+    q, k, v, _, s0 = _core_inputs(length=40, key_heads=4, heads=4)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=F64)
+    g = (-slopes).expand(2, 40, 4)
+    ref, _ = recurrent_scalar_decay(q, k, v, g, initial_state=s0)
+    out, _ = chunk_scalar_decay(q, k, v, g, chunk_size=16, initial_state=s0)
+    assert _max_err(out, ref) < 1e-10
+
+
+def _resets(batch, length, seed=3):
+    reset = torch.rand(batch, length, generator=torch.Generator().manual_seed(seed)) < 0.15
+    reset[0, 16] = True  # on a chunk boundary
+    reset[:, 0] = False
+    return reset
+
+
+def test_core_reset_matches_recurrence_and_separate_sequences():
+    q, k, v, g, s0 = _core_inputs(length=50)
+    reset = _resets(2, 50)
+    ref, ref_final = recurrent_scalar_decay(q, k, v, g, initial_state=s0, output_final_state=True, reset=reset)
+    out, final = chunk_scalar_decay(q, k, v, g, chunk_size=16, initial_state=s0, output_final_state=True,
+                                    reset=reset)
+    assert _max_err(out, ref) < 1e-10 and _max_err(final, ref_final) < 1e-10
+    # a sequence that starts at a reset owes nothing to what came before it
+    start = int(reset[1].nonzero()[-1])
+    alone, alone_final = chunk_scalar_decay(*(x[1:, start:] for x in (q, k, v, g)), chunk_size=16,
+                                            output_final_state=True)
+    assert _max_err(out[1:, start:], alone) < 1e-10 and _max_err(final[1:], alone_final) < 1e-10
+
+
+def test_core_gradcheck():
+    q, k, v, g, s0 = _core_inputs(batch=1, length=7, key_heads=1, heads=2, kd=3, vd=2)
+    reset = torch.tensor([[False, False, False, False, True, False, False]])
+
+    def run(q, k, v, g, s0):
+        out, final = chunk_scalar_decay(q, k, v, g, chunk_size=3, initial_state=s0, output_final_state=True,
+                                        reset=reset)
+        return out, final
+
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, g, s0)]
+    assert torch.autograd.gradcheck(run, inputs, fast_mode=True)
+
+
+def test_core_gradients_match_recurrence():
+    q, k, v, g, s0 = _core_inputs(length=45)
+    weights = torch.randn(*v.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+    state_weights = torch.randn(*s0.shape, generator=torch.Generator().manual_seed(8), dtype=F64)
+    grads = []
+    for fn, kw in ((recurrent_scalar_decay, {}), (chunk_scalar_decay, {"chunk_size": 16})):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, s0)]
+        out, final = fn(*leaves[:4], initial_state=leaves[4], output_final_state=True, **kw)
+        ((out * weights).sum() + (final * state_weights).sum()).backward()
+        grads.append([x.grad for x in leaves])
+    for ours, ref in zip(grads[1], grads[0]):
+        assert _max_err(ours, ref) < 1e-10
+
+
+def test_core_saved_memory_linear_in_length():
+    """Autograd keeps O(T x C) per head: doubling T doubles what the backward holds (an O(T^2) form would
+    quadruple it)."""
+    def saved_elements(length):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel()
+            return t
+
+        leaves = [x.requires_grad_() for x in _core_inputs(length=length, dtype=torch.float32)[:4]]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            chunk_scalar_decay(*leaves, chunk_size=16)
+        return total
+
+    assert saved_elements(512) <= 2.1 * saved_elements(256)
+
+
+def test_core_rejects_bad_shapes():
+    q, k, v, g, _ = _core_inputs(key_heads=4, heads=6)
+    with pytest.raises(ValueError, match="multiple"):
+        chunk_scalar_decay(q, k, v, g)
+    q, k, v, g, _ = _core_inputs()
+    with pytest.raises(ValueError, match="g"):
+        chunk_scalar_decay(q, k, v, g[..., :1])
+
+
+# ---- ssd_chunk_scan against transformers' mamba2_chunk_scan ----
+
+def _ssd_inputs(*, batch=2, length=45, heads=4, head_dim=3, groups=2, state=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, heads, head_dim, generator=gen)
+    dt = torch.randn(batch, length, heads, generator=gen) * 0.5 + 0.2
+    A = -torch.empty(heads).uniform_(1, 16, generator=gen)  # Mamba2's A_log init: A ~ -U(1, 16)
+    B, C = (torch.randn(batch, length, groups, state, generator=gen) for _ in range(2))
+    D = torch.randn(heads, generator=gen)
+    dt_bias = torch.randn(heads, generator=gen) * 0.5 - 2.0
+    s0 = torch.randn(batch, heads, head_dim, state, generator=gen)
+    return {"hidden_states": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "initial_states": s0}
+
+
+def _run_scan(fn, inputs, chunk, options, weights):
+    """Forward + backward with weighted sums of the output and final state; returns (y, final, grads)."""
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    tensors = {n: leaves[n] for n in ("D", "dt_bias", "initial_states") if n in leaves}
+    y, final = fn(leaves["hidden_states"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
+                  return_final_states=True, **tensors, **options)
+    ((y * weights[0]).sum() + (final * weights[1]).sum()).backward()
+    return y.detach(), final.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _compare(ours, ref, tol=1e-4):
+    """Largest error of output, final state and each gradient relative to the reference's largest value, where
+    above `tol` (transformers computes in fp32; dA, dD and ddt_bias sum over every token and land near 2e-5)."""
+    errors = {"y": _rel(ours[0], ref[0]), "final": _rel(ours[1], ref[1])}
+    errors.update({f"d{n}": _rel(ours[2][n], g) for n, g in ref[2].items() if g is not None})
+    return {n: e for n, e in errors.items() if not e < tol}
+
+
+def _weights(inputs):
+    gen = torch.Generator().manual_seed(11)
+    x, s0 = inputs["hidden_states"], inputs["initial_states"]
+    return torch.randn(*x.shape, generator=gen), torch.randn(*s0.shape, generator=gen)
+
+
+CASES = {  # name: (length, groups, chunk, inputs kept, options)
+    "plain": (64, 1, 16, ("hidden_states", "dt", "A", "B", "C", "initial_states"), {}),
+    "all_options": (45, 2, 16, None, {"dt_softplus": True, "dt_limit": (0.05, 1.5)}),
+    "softplus_default_limit": (45, 4, 32, None, {"dt_softplus": True}),
+    "short_one_group": (7, 1, 256, None, {"dt_softplus": True, "dt_limit": (0.0, 0.5)}),
+    "chunk_256_multi": (300, 2, 256, None, {"dt_softplus": True}),
+}
+
+
+@pytest.mark.parametrize("model", sorted(HF_SCANS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ssd_matches_transformers(model, case):
+    length, groups, chunk, kept, options = CASES[case]
+    inputs = _ssd_inputs(length=length, groups=groups)
+    if kept is not None:
+        inputs = {n: inputs[n] for n in kept}
+    weights = _weights(_ssd_inputs(length=length, groups=groups))
+    ref = _run_scan(HF_SCANS[model], inputs, chunk, options, weights)
+    ours = _run_scan(ssd_chunk_scan, inputs, chunk, options, weights)
+    assert ours[0].shape == ref[0].shape and ours[1].shape == ref[1].shape
+    assert ours[0].dtype == ref[0].dtype == torch.float32
+    assert _compare(ours, ref) == {}
+
+
+def test_ssd_return_convention_and_dtypes():
+    inputs = _ssd_inputs(length=20)
+    half = {n: t.bfloat16() if n != "A" else t for n, t in inputs.items()}
+    args = [half[n] for n in ("hidden_states", "dt", "A", "B", "C")]
+    kw = {"D": inputs["D"], "dt_bias": half["dt_bias"], "dt_softplus": True}
+    ref = HF_SCANS["nemotron_h"](*args, 8, **kw)
+    ours = ssd_chunk_scan(*args, 8, **kw)
+    assert isinstance(ours, torch.Tensor) and ours.dtype == ref.dtype == torch.float32
+    assert _rel(ours, ref) < 1e-5
+    ours, final = ssd_chunk_scan(*args, 8, z=None, return_final_states=True, **kw)
+    assert final.shape == (2, 4, 3, 5) and final.dtype == torch.float32 and final.is_contiguous()
+
+
+def test_planted_late_decay_is_detected():
+    """The comparison above would catch a decay applied one token late (the kind of off-by-one a chunked
+    form makes): build the scan from the same core with g shifted by one token and compare it the same way."""
+    inputs = _ssd_inputs(length=45, groups=2)
+    options = {"dt_softplus": True}
+    weights = _weights(inputs)
+
+    def late_decay_scan(x, dt, A, B, C, chunk, D, dt_bias, initial_states, dt_softplus, return_final_states):
+        dt = F.softplus(dt + dt_bias)
+        g = F.pad((A * dt)[:, :-1], (0, 0, 1, 0))  # token t decays with token t-1's gate
+        y, final = chunk_scalar_decay(C, B, x * dt[..., None], g, chunk_size=16,
+                                      initial_state=initial_states.transpose(-1, -2), output_final_state=True)
+        return y + D[..., None] * x, final.transpose(-1, -2)
+
+    ref = _run_scan(HF_SCANS["nemotron_h"], inputs, 16, options, weights)
+    assert _compare(_run_scan(ssd_chunk_scan, inputs, 16, options, weights), ref) == {}
+    assert {"y", "final", "dA", "ddt"} <= set(_compare(_run_scan(late_decay_scan, inputs, 16, options, weights), ref))
+
+
+def _packed_inputs(lengths, seed=0):
+    inputs = _ssd_inputs(batch=1, length=sum(lengths), seed=seed)
+    inputs.pop("initial_states")
+    return inputs
+
+
+@pytest.mark.parametrize("packing", ["seq_idx", "cu_seqlens"])
+def test_ssd_packed_sequences_match_separate_runs(packing):
+    lengths = [10, 16, 1, 21]
+    inputs = _packed_inputs(lengths)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    packing_kw = {"seq_idx": seq_idx} if packing == "seq_idx" else {"cu_seqlens": offsets.int()}
+    args = [inputs[n] for n in ("hidden_states", "dt", "A", "B", "C")]
+    kw = {"D": inputs["D"], "dt_bias": inputs["dt_bias"], "dt_softplus": True}
+    y, final = ssd_chunk_scan(*args, 8, return_final_states=True, **kw, **packing_kw)
+    per_seq = []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        part = [t if t.dim() == 1 else t[:, lo:hi] for t in args]
+        per_seq.append(HF_SCANS["nemotron_h"](*part, 8, return_final_states=True, **kw))
+    assert _rel(y, torch.cat([p[0] for p in per_seq], 1)) < 2e-5
+    assert _rel(final, per_seq[-1][1]) < 2e-5
+
+
+def test_ssd_rejects_what_it_cannot_do():
+    inputs = _ssd_inputs(length=12)
+    args = [inputs[n] for n in ("hidden_states", "dt", "A", "B", "C")]
+    with pytest.raises(ValueError, match="batch 1"):
+        ssd_chunk_scan(*args, 8, cu_seqlens=torch.tensor([0, 5, 12]))
+    with pytest.raises(ValueError, match="z"):
+        ssd_chunk_scan(*args, 8, z=torch.randn_like(inputs["hidden_states"]))
+    with pytest.raises(ValueError, match="seq_idx"):
+        ssd_chunk_scan(*args, 8, seq_idx=torch.zeros(1, 12, dtype=torch.long))
