@@ -1,14 +1,15 @@
 """One training step of a whole hybrid MoE model (about 100M parameters), adapted vs HuggingFace, fp32, CPU.
 
-The model is Qwen3-Next's architecture (3 Gated DeltaNet layers to 1 softmax layer, 16 experts top-4 plus a
-gated shared expert) at hidden 512, 8 layers, vocabulary 32,000. The adapter is the one `onboard adapt` writes
-for the catalogue's Qwen3-Next-80B-A3B: the same code runs at any size, reading top-k and the rest from the
-model's config. A step is forward + backward + AdamW. Each variant runs in its own process, so its peak
+`--arch qwen3-next` (default): Qwen3-Next's architecture (3 Gated DeltaNet layers to 1 softmax layer, 16 experts
+top-4 plus a gated shared expert). `--arch kimi-linear`: Kimi-Linear's (3 KDA layers to 1 MLA layer, 16 experts
+top-4 plus a shared expert, first layer dense). Both at hidden 512, 8 layers, vocabulary 32,000. The adapter is
+the one `onboard adapt` writes for the catalogue's full-size model (Qwen3-Next-80B-A3B, Kimi-Linear-48B-A3B):
+the same code runs at any size, reading top-k and the rest from the model's config. A step is forward + backward + AdamW. Each variant runs in its own process, so its peak
 resident memory (ru_maxrss less the memory held before the first step) is its own; times are medians over
 repeats after one warm-up step. Loss and gradient norm of the first step are compared. Prints ratios against
 the HuggingFace model measured in the same run; never passes or fails on time.
 
-    python bench/train_step.py [--tokens 2048] [--batch 1] [--repeats 2] [--threads 2]
+    python bench/train_step.py [--arch qwen3-next|kimi-linear] [--tokens 2048] [--batch 1] [--repeats 2] [--threads 2]
 """
 
 from __future__ import annotations
@@ -25,10 +26,21 @@ from pathlib import Path
 
 import torch
 
-SIZE = dict(hidden_size=512, num_hidden_layers=8, vocab_size=32000, num_experts=16, num_experts_per_tok=4,
-            moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=1024,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-            linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4)
+VOCAB = 32000
+ARCHS = {  # model_type, catalogue entry whose adapter is used, and the ~100M size
+    "qwen3-next": ("qwen3_next", "qwen3-next-80b-a3b", dict(
+        hidden_size=512, num_hidden_layers=8, vocab_size=VOCAB, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=1024,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4)),
+    "kimi-linear": ("kimi_linear", "kimi-linear-48b-a3b", dict(
+        hidden_size=512, num_hidden_layers=8, vocab_size=VOCAB, num_experts=16, num_experts_per_token=4,
+        moe_intermediate_size=256, num_shared_experts=1, intermediate_size=1024, num_attention_heads=8,
+        num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64,
+        v_head_dim=64, head_dim=64, linear_num_heads=8, linear_head_dim=64, routed_scaling_factor=2.446,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 7, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
 
 
 def rss_bytes() -> int:
@@ -36,10 +48,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def build_model():
+def build_model(arch: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3_next", **SIZE, attn_implementation="sdpa")
+    model_type, _, size = ARCHS[arch]
+    config = AutoConfig.for_model(model_type, **size, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -48,8 +61,8 @@ def build_model():
     return model
 
 
-def run_variant(variant: str, bundle: str | None, tokens: int, batch: int, repeats: int) -> dict:
-    model = build_model()
+def run_variant(arch: str, variant: str, bundle: str | None, tokens: int, batch: int, repeats: int) -> dict:
+    model = build_model(arch)
     params = sum(p.numel() for p in model.parameters())
     if variant == "adapted":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -59,7 +72,7 @@ def run_variant(variant: str, bundle: str | None, tokens: int, batch: int, repea
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SIZE["vocab_size"], (batch, tokens), generator=gen)
+    ids = torch.randint(0, VOCAB, (batch, tokens), generator=gen)
     base = rss_bytes()
     times, first = [], None
     for step in range(repeats + 1):
@@ -80,6 +93,7 @@ def run_variant(variant: str, bundle: str | None, tokens: int, batch: int, repea
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-next")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
@@ -89,26 +103,27 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.variant:
-        print(json.dumps(run_variant(args.variant, args.bundle, args.tokens, args.batch, args.repeats)))
+        print(json.dumps(run_variant(args.arch, args.variant, args.bundle, args.tokens, args.batch, args.repeats)))
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from onboard.bundle import adapt
     from onboard.source import resolve
 
+    _, catalogue_name, _ = ARCHS[args.arch]
     with tempfile.TemporaryDirectory() as tmp:
-        bundle = Path(tmp) / "qwen3-next"
-        _, verification = adapt(resolve("qwen3-next-80b-a3b"), bundle)
-        print(f"adapter for Qwen3-Next-80B-A3B: verification {'PASSED' if verification.passed else 'FAILED'}")
+        bundle = Path(tmp) / catalogue_name
+        _, verification = adapt(resolve(catalogue_name), bundle)
+        print(f"adapter for {catalogue_name}: verification {'PASSED' if verification.passed else 'FAILED'}")
         results = {}
         for variant in ("hf", "adapted"):
-            out = subprocess.run([sys.executable, __file__, "--variant", variant, "--bundle", str(bundle),
+            out = subprocess.run([sys.executable, __file__, "--arch", args.arch, "--variant", variant, "--bundle", str(bundle),
                                   "--tokens", str(args.tokens), "--batch", str(args.batch),
                                   "--repeats", str(args.repeats), "--threads", str(args.threads)],
                                  capture_output=True, text=True, check=True)
             results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     hf, ad = results["hf"], results["adapted"]
-    print(f"model: Qwen3-Next architecture, {hf['params'] / 1e6:.1f}M parameters, {args.batch}x{args.tokens} tokens, "
+    print(f"model: {args.arch} architecture, {hf['params'] / 1e6:.1f}M parameters, {args.batch}x{args.tokens} tokens, "
           f"fp32, {args.threads} threads; step = forward + backward + AdamW")
     print(f"{'variant':<10} {'step s':>9} {'peak MiB':>10} {'loss':>10} {'grad norm':>10}")
     for r in (hf, ad):

@@ -119,20 +119,18 @@ def loss_target(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tup
 
 
 def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tuple[str | None, str | None]:
-    """How the adapter runs a layer's attention in the runtime: ("linear", None) for a chunked gated delta
-    rule core, ("sparse", None) for DSA, or (None, why it stays HuggingFace code). Decided by trying the
+    """How the adapter runs a layer's attention in the runtime: ("linear", None) for a chunked sequence core
+    (gated delta rule, Mamba2 SSD, Mamba1 selective scan, lightning attention), ("sparse", None) for DSA, or (None, why it stays HuggingFace code). Decided by trying the
     runtime's swap on a copy of the twin's module, so a family whose functions only look right stays as it is."""
     from runtime.attention import swap_linear_core, swap_sparse_attention
 
     kind, path = layer.attention.kind, layer.attention.path
     if refused and f"attention:{path}" in refused:
         return None, refused[f"attention:{path}"]
-    if kind.startswith("linear:"):
+    if kind.startswith(("linear:", "ssm:")):
         mode, swap = "linear", swap_linear_core
     elif kind == "sparse:dsa":
         mode, swap = "sparse", lambda m: swap_sparse_attention(m, paths=[""])
-    elif kind.startswith("ssm:"):
-        return None, "a state-space (Mamba) mixer: the runtime has no kernel for it yet"
     else:
         return None, None  # softmax-family attention: transformers' own sdpa / flash paths serve it
     configs = [(c, c._attn_implementation) for c in {id(c): c for c in _configs(twin.model)}.values()]
@@ -280,18 +278,59 @@ def _pow2(n: int, low: int, high: int) -> int:
 
 
 def render_kernels(spec: ModelSpec, twin: Twin | None = None, refused: dict | None = None) -> dict[str, str]:
-    """Kernel modules specialised for this model's MoE shapes (empty when it has no MoE layer the runtime
-    runs). Without the twin only whole-block swaps are considered (experts-only ones need its modules)."""
+    """Kernel modules specialised for this model's shapes, for what the adapter runs in the runtime: the MoE
+    kernels, and with the twin (which decides the attention and loss swaps) the gated delta rule, DSA sparse
+    attention and cross-entropy rows. Empty when nothing the runtime runs has a kernel. Without the twin only
+    whole MoE block swaps are considered (experts-only ones need its modules)."""
+    kernels = {}
+    if (moe := _moe_kernel(spec, twin, refused)) is not None:
+        kernels["moe_triton.py"] = moe
+    if twin is not None:
+        kernels.update(_attention_kernels(spec, twin, refused))
+        if loss_target(spec, twin, refused)[0] is not None:
+            kernels["loss_triton.py"] = environment().get_template("kernels/loss_triton.py.j2").render(
+                name=spec.name, vocab=spec.vocab_size, block=_pow2(spec.vocab_size, 64, 4096))
+    return kernels
+
+
+KERNEL_DTYPE = "bf16"  # what training runs in; the kernels compute in fp32 inside
+
+
+def _moe_kernel(spec: ModelSpec, twin: Twin | None, refused: dict | None) -> str | None:
     def swapped(layer) -> bool:
         return (swap_target(layer, twin, refused)[0] if twin is not None else
                 ("block" if replaceable(layer.mlp, refused) is None else None)) is not None
 
     moe = next((layer.mlp for layer in spec.layers if layer.mlp.kind == "moe" and swapped(layer)), None)
     if moe is None:
-        return {}
-    dtype = "bf16"
-    source = environment().get_template("kernels/moe_triton.py.j2").render(
-        name=spec.name, hidden=spec.hidden_size, top_k=moe.top_k, ffn=moe.expert_ffn, dtype=dtype,
+        return None
+    return environment().get_template("kernels/moe_triton.py.j2").render(
+        name=spec.name, hidden=spec.hidden_size, top_k=moe.top_k, ffn=moe.expert_ffn, dtype=KERNEL_DTYPE,
         block_cols=_pow2(spec.hidden_size, 16, 1024), bm=64, bn=64, bk=32,
     )
-    return {"moe_triton.py": source}
+
+
+def _is_pow2(n: int | None) -> bool:
+    return bool(n) and n >= 16 and n & (n - 1) == 0
+
+
+def _attention_kernels(spec: ModelSpec, twin: Twin, refused: dict | None) -> dict[str, str]:
+    """The gated delta rule kernel for the first swapped delta-rule attention whose head dims it can tile (one
+    op in the registry: a model mixing gate kinds keeps the others on the PyTorch path), and the DSA kernel."""
+    out = {}
+    groups, _ = attention_kinds(spec, twin, refused)
+    by_index = {layer.index: layer.attention for layer in spec.layers}
+    for group in groups:
+        attn = by_index[group["indices"][0]]
+        head_k, head_v = attn.head_dim, attn.v_head_dim or attn.head_dim
+        if (group["mode"] == "linear" and attn.gate in ("scalar", "channel") and "gated_delta_triton.py" not in out
+                and _is_pow2(head_k) and _is_pow2(head_v)):
+            out["gated_delta_triton.py"] = environment().get_template("kernels/gated_delta_triton.py.j2").render(
+                name=spec.name, gate="head" if attn.gate == "scalar" else "channel", head_k=head_k, head_v=head_v,
+                chunk=64, block=16, block_k=min(head_k, 64), block_v=min(head_v, 64), dtype=KERNEL_DTYPE)
+        elif group["mode"] == "sparse" and "sparse_attention_triton.py" not in out and attn.index_topk:
+            out["sparse_attention_triton.py"] = environment().get_template(
+                "kernels/sparse_attention_triton.py.j2").render(
+                name=spec.name, qk_head_dim=attn.head_dim, v_head_dim=head_v, top_k=attn.index_topk,
+                dtype=KERNEL_DTYPE)
+    return out

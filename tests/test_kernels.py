@@ -55,3 +55,32 @@ def test_adapted_twin_verifies_with_triton_kernels(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "b" / "verification.json").read_text())
     assert data["passed"] and set(data["backends"].values()) == {"triton"}
+
+
+@pytest.mark.parametrize("model, attention_kernel", [("qwen3-next-80b-a3b", "gated_delta_triton.py"),
+                                                      ("deepseek-v3.2", "sparse_attention_triton.py")])
+def test_hybrid_models_get_attention_and_loss_kernels_at_their_full_scale_shapes(model, attention_kernel):
+    """With the twin (which decides what attention and loss the adapter swaps), the bundle also carries the
+    attention and cross-entropy kernels, rendered for the full-size model's head dims, top-k and vocabulary."""
+    from onboard.capture import capture
+    from onboard.inspection import build_spec
+    from onboard.source import resolve
+    from onboard.twin import build_twin
+
+    source = resolve(model)
+    twin = build_twin(source)
+    spec = build_spec(source, twin, capture(twin))
+    kernels = render_kernels(spec, twin)
+    assert sorted(kernels) == sorted(["moe_triton.py", attention_kernel, "loss_triton.py"])
+    assert f"VOCAB = {spec.vocab_size}" in kernels["loss_triton.py"]
+    swapped = next(layer.attention for layer in spec.layers if layer.attention.kind.startswith(("linear", "sparse")))
+    if attention_kernel == "gated_delta_triton.py":
+        assert f"HEAD_K = {swapped.head_dim}" in kernels[attention_kernel] and "PER_CHANNEL = False" in kernels[attention_kernel]
+    else:
+        assert f"TOP_K = {swapped.index_topk}" in kernels[attention_kernel]
+        assert f"QK_HEAD_DIM = {swapped.head_dim}" in kernels[attention_kernel]
+    for name, source_code in kernels.items():
+        compile(source_code, name, "exec")
+    # a refused attention reading takes its kernel out with it
+    refused = {f"attention:{swapped.path}": "refused for the test"}
+    assert attention_kernel not in render_kernels(spec, twin, refused)
