@@ -21,8 +21,11 @@ parameter objects); an indexer the runtime does not reproduce on a probe input s
 
 `dsa_attention` turns the picks the mask hides (future keys, padding, the spare picks of a query that sees fewer
 than k keys) into -1 and runs `runtime.attention.sparse.sparse_attention`; a call without indices (a layer of the
-same config that has none) falls back to transformers' sdpa. A query that sees no key at all (a left-padding
-position) gets zeros, as under sdpa (HuggingFace's default); eager's finfo.min mask averages every value there.
+same config that has none) falls back to transformers' sdpa. Attention sinks come as transformers passes them,
+`s_aux=` (one logit per head: gpt-oss, HunYuan-V4), and join the sparse softmax; sdpa has no sink term, so a call
+with sinks and no indices attends to every visible key through the sparse attention instead. A query that sees
+no key at all (a left-padding position) gets zeros, as under sdpa (HuggingFace's default); eager's finfo.min mask
+averages every value there.
 """
 
 from __future__ import annotations
@@ -77,18 +80,24 @@ def visible_picks(indices: torch.Tensor, mask: torch.Tensor | None, keys_len: in
 def dsa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                   indices: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: query (B, H, S, Dk), key / value (B, Hkv, T, D) -> (B, S, H, Dv)."""
-    if indices is None:
+    """transformers attention interface: query (B, H, S, Dk), key / value (B, Hkv, T, D) -> (B, S, H, Dv);
+    `s_aux` (H,): attention-sink logits, when the module has them."""
+    sinks = kwargs.pop("s_aux", None)
+    dense = indices is None
+    if dense and sinks is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         _CALLS["dense"] += 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if dense:  # every key a pick; the mask hides what the query may not see
+        batch, seq, keys_len = query.shape[0], query.shape[2], key.shape[2]
+        indices = torch.arange(keys_len, device=query.device).expand(batch, seq, keys_len)
     if dropout:
         raise ValueError("sparse attention has no attention dropout; set the config's attention_dropout to 0")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = sparse_attention(query, key, value, visible_picks(indices, attention_mask, key.shape[2]), scale)
-    _CALLS["sparse"] += 1
+    out = sparse_attention(query, key, value, visible_picks(indices, attention_mask, key.shape[2]), scale, sinks)
+    _CALLS["dense" if dense else "sparse"] += 1
     return out.transpose(1, 2), None
 
 
