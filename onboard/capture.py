@@ -181,10 +181,14 @@ class _Passthrough(nn.Module):
     def __init__(self, returns: int, original: nn.Module):
         super().__init__()
         self.returns = returns  # 0: a plain tensor; n: a tuple of n (extras, such as DSA picks, are None)
-        # models read plain attributes of their layers (layer_type, attention_type, ...): keep them
-        for key, value in vars(original).items():
-            if not key.startswith("_") and key != "training" and isinstance(value, (bool, int, float, str, type(None))):
-                setattr(self, key, value)
+        # models read plain attributes of their layers (layer_type, attention_type, ...), set on the instance or
+        # on its class: keep them
+        classes = [c for c in type(original).__mro__ if c not in nn.Module.__mro__]
+        for namespace in [vars(c) for c in reversed(classes)] + [vars(original)]:  # the instance's win
+            for key, value in namespace.items():
+                if (not key.startswith("_") and key != "training"
+                        and isinstance(value, (bool, int, float, str, type(None)))):
+                    setattr(self, key, value)
 
     def forward(self, hidden_states, *args, **kwargs):
         return (hidden_states,) + (None,) * (self.returns - 1) if self.returns else hidden_states

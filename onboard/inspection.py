@@ -256,6 +256,14 @@ def _count_outputs(twin: Twin, blocks: set[tuple[int, str]]) -> dict[tuple[int, 
     return seen
 
 
+def _constant_factor(node) -> float | None:
+    """The factor a mul / div node applies when one operand is a Python number."""
+    value = next((a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
+    if op_name(node) in ("mul", "div") and value:
+        return float(value) if op_name(node) == "mul" else 1.0 / float(value)
+    return None
+
+
 def _head_facts(graph: Graph) -> dict:
     if graph.gm is None:
         return {"captured": False, "error": graph.error}
@@ -272,10 +280,16 @@ def _head_facts(graph: Graph) -> dict:
         capping = set().union(*(view.ancestors(t) | view.descendants(t) for t in tanh)) if tanh else set()
         for n in sorted(view.descendants(head) - capping, key=lambda n: view.index[n]):
             # a constant factor on the logits outside any soft cap (Cohere's logit_scale, Granite's 1/scaling)
-            value = next((a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)), None)
-            if op_name(n) in ("mul", "div") and value:
-                facts["logit_scale"] = float(value) if op_name(n) == "mul" else 1.0 / float(value)
+            if (factor := _constant_factor(n)) is not None:
+                facts["logit_scale"] = factor
                 break
+        bias = op_name(head) == "addmm" or (op_name(head) == "linear" and len(head.args) > 2 and head.args[2] is not None)
+        if not bias:
+            # a constant factor on the head's input in the causal-LM forward itself, after the decoder's last norm
+            # (Inkling's 1 / logits_mup_width_multiplier): with no bias it scales the logits alike
+            before = [n for n in view.ancestors(head) if view.path(n) == "" and _constant_factor(n) is not None]
+            for n in before:
+                facts["logit_scale"] = facts.get("logit_scale", 1.0) * _constant_factor(n)
         if tanh:
             divs = [a for n in view.ancestors(tanh[0]) & view.descendants(head) for a in n.args
                     if op_name(n) == "div" and isinstance(a, (int, float))]

@@ -214,6 +214,16 @@ def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
     assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
     review = (tmp_path / "b" / "REVIEW.md").read_text()
     assert "did not verify" in review and "runtime.moe.RoutedExperts" in review
+    # its head input is divided by logits_mup_width_multiplier in the causal-LM forward: read as a logit scale,
+    # the loss runs in the runtime and verifies
+    assert spec.head["logit_scale"] == pytest.approx(1 / spec_config(spec, "logits_mup_width_multiplier"))
+    assert recorded["kept"]["loss"] is None and all(r.runtime_loss_calls == 1 for r in result.seeds)
+
+
+def spec_config(spec, name):
+    from onboard.families import default_config
+
+    return getattr(default_config(spec.model_type), name)
 
 
 @pytest.mark.parametrize("family", ["phimoe", "zaya"])
@@ -252,3 +262,19 @@ def test_router_auxiliary_loss_is_kept(family, tmp_path):
     _, result = adapt(from_config(default_config(family), family), tmp_path / "b")
     assert result.passed and result.aux_loss and result.aux_loss["passed"]
     assert result.aux_loss["hf"] == pytest.approx(result.aux_loss["adapted"], rel=1e-5)
+
+
+def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():
+    """Inkling2's model forward reads `decoder_layer.attention_type`, a class attribute: the stand-in layers of the
+    head capture carry it, so the head, its soft cap and the loss are found and the loss can be swapped."""
+    from onboard.codegen import loss_target
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    source = from_config(default_config("inkling2_text"), "inkling2_text")
+    twin = build_twin(source)
+    spec = build_spec(source, twin, capture(twin))
+    assert spec.head["captured"] and spec.head["loss"] == "cross_entropy"
+    assert spec.head["logit_softcap"] == pytest.approx(default_config("inkling2_text").final_logit_softcapping)
+    target, why = loss_target(spec, twin)
+    assert why is None and target["softcap"] == spec.head["logit_softcap"]
