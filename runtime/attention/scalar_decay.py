@@ -12,9 +12,9 @@ constant per head). Cut into chunks of C tokens, with G the cumulative log decay
 
 Every exponent is a difference G_i - G_j with j <= i, so <= 0: positions above the diagonal are masked before
 exp, never exp(G_i) * exp(-G_j), which overflows once a chunk decays by ~88 in log space. Everything except
-the state hand-off is batched over all chunks; the hand-off is a loop over chunks (one multiply-add each).
-Autograd does the backward: it keeps O(T x C) per head (the intra-chunk score and decay matrices) and one
-state per chunk, never a (T x T) matrix.
+the state hand-off is batched over all chunks; the hand-off is a loop over chunks (one multiply-add each,
+its own backward). Autograd does the rest of the backward: it keeps O(T x C) per head (the intra-chunk score
+and decay matrices) and one state per chunk, never a (T x T) matrix.
 
 Grouped heads (H value heads sharing Hk query/key heads, head h uses key head h // (H / Hk)) never repeat q or
 k: the (C x C) query-key scores are computed once per key head, and the heads of a group are folded into the
@@ -50,6 +50,38 @@ def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
     """Per token, how many sequence starts lie at or before it inside its chunk: (B, N, C) int."""
     batch, length = reset.shape
     return reset.view(batch, length // chunk, chunk).long().cumsum(-1)
+
+
+class _HandOff(torch.autograd.Function):
+    """The state recurrence across chunks, S_{c+1} = carry_c S_c + written_c, as one autograd node: a loop over
+    chunks each way, written into one (.., N, ..) tensor (autograd through the loop would keep every state
+    twice, in a list and stacked, and add a node per chunk). carry (B, Hk, N, 1, G, 1), written
+    (B, Hk, N, K, G, V), s0 (B, Hk, K, G, V). Returns (the state entering each chunk, the final state)."""
+
+    @staticmethod
+    def forward(ctx, carry, written, s0):
+        starts = torch.empty_like(written)
+        state = s0
+        for c in range(written.shape[2]):
+            starts[:, :, c] = state
+            state = torch.addcmul(written[:, :, c], state, carry[:, :, c])
+        ctx.save_for_backward(carry, starts)
+        return starts, state
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_starts, d_final):
+        carry, starts = ctx.saved_tensors
+        d_written = torch.empty_like(starts)
+        d_carry = torch.empty_like(carry)
+        state = torch.zeros_like(starts[:, :, 0]) if d_final is None else d_final
+        for c in reversed(range(starts.shape[2])):
+            d_written[:, :, c] = state
+            d_carry[:, :, c] = (state * starts[:, :, c]).sum((-3, -1), keepdim=True)
+            state = state * carry[:, :, c]
+            if d_starts is not None:
+                state = state + d_starts[:, :, c]
+        return d_carry, d_written, state
 
 
 def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *, chunk_size: int = 64,
@@ -102,11 +134,8 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         state = vc.new_zeros(batch, key_heads, kd, group, vd)
     else:
         state = initial_state.to(dtype).view(batch, key_heads, group, kd, vd).transpose(2, 3)
-    starts = []
-    for c in range(n):
-        starts.append(state)
-        state = state * carry[:, :, c] + written[:, :, c]
-    start = torch.stack(starts, 2).view(batch, key_heads, n, kd, group * vd)
+    start, state = _HandOff.apply(carry, written, state)
+    start = start.view(batch, key_heads, n, kd, group * vd)
     o_start = (qc @ start).view(batch, key_heads, n, chunk, group, vd)
     o = o + o_start * from_start.permute(0, 1, 3, 4, 2).unsqueeze(-1)
 
