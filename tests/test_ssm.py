@@ -110,6 +110,7 @@ def test_core_gradcheck():
 
     inputs = [x.clone().requires_grad_() for x in (q, k, v, g, s0)]
     assert torch.autograd.gradcheck(run, inputs, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *xs: run(*xs)[0], inputs, fast_mode=True)  # no final-state gradient
 
 
 def test_core_gradients_match_recurrence():

@@ -60,28 +60,35 @@ class _HandOff(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, carry, written, s0):
+        n = written.shape[2]
         starts = torch.empty_like(written)
-        state = s0
-        for c in range(written.shape[2]):
-            starts[:, :, c] = state
-            state = torch.addcmul(written[:, :, c], state, carry[:, :, c])
+        starts[:, :, 0] = s0
+        for c in range(n - 1):  # each state is written where it is kept: no copies
+            torch.addcmul(written[:, :, c], starts[:, :, c], carry[:, :, c], out=starts[:, :, c + 1])
+        final = torch.addcmul(written[:, :, -1], starts[:, :, -1], carry[:, :, -1])
         ctx.save_for_backward(carry, starts)
-        return starts, state
+        return starts, final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_starts, d_final):
         carry, starts = ctx.saved_tensors
+        n = starts.shape[2]
+        # d_written[c] is the gradient of the state after chunk c, S_{c+1}
         d_written = torch.empty_like(starts)
+        if d_final is None:
+            d_written[:, :, -1] = 0
+        else:
+            d_written[:, :, -1] = d_final
+        if d_starts is None:
+            d_starts = torch.zeros_like(starts)
         d_carry = torch.empty_like(carry)
-        state = torch.zeros_like(starts[:, :, 0]) if d_final is None else d_final
-        for c in reversed(range(starts.shape[2])):
-            d_written[:, :, c] = state
-            d_carry[:, :, c] = (state * starts[:, :, c]).sum((-3, -1), keepdim=True)
-            state = state * carry[:, :, c]
-            if d_starts is not None:
-                state = state + d_starts[:, :, c]
-        return d_carry, d_written, state
+        for c in range(n - 1, -1, -1):  # d_carry chunk by chunk: no (.., N, ..) temporary
+            torch.sum(d_written[:, :, c] * starts[:, :, c], (-3, -1), keepdim=True, out=d_carry[:, :, c])
+            if c:
+                torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry[:, :, c], out=d_written[:, :, c - 1])
+        d_s0 = torch.addcmul(d_starts[:, :, 0], d_written[:, :, 0], carry[:, :, 0])
+        return d_carry, d_written, d_s0
 
 
 def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *, chunk_size: int = 64,
