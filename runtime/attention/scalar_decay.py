@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.decay_pairs import _scalar_decay, decay_exp
+from runtime.attention.decay_pairs import LOG_DECAY_FLOOR, decay_exp
 from runtime.attention.delta_reference import compute_dtype
 
 
@@ -44,6 +44,14 @@ def _check(q, k, v, g):
     if g.shape != v.shape[:3]:
         raise ValueError(f"g {tuple(g.shape)} must be (B, T, H) = {tuple(v.shape[:3])}")
     return heads // key_heads
+
+
+def _pair_decay(G: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """exp(G_i - G_j) where `allowed` (j <= i, same sequence) and the exponent is above LOG_DECAY_FLOOR,
+    else exactly 0: G (..., C) -> (..., C, C). Masked before exp, so no exponent is ever positive; autograd
+    keeps only the result and a bool mask (a clamp would keep another fp32 (C x C) copy)."""
+    diff = G[..., :, None] - G[..., None, :]
+    return torch.where(allowed & (diff > LOG_DECAY_FLOOR), diff, float("-inf")).exp()
 
 
 def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -117,18 +125,18 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     G = g.view(batch, n, chunk, key_heads, group).permute(0, 3, 4, 1, 2).cumsum(-1)
 
     # intra-chunk: scores once per key head, decay per head
-    decay = _scalar_decay(G.reshape(-1, chunk, 1)).view(*G.shape, chunk)
+    allowed = torch.ones(chunk, chunk, dtype=torch.bool, device=G.device).tril()
     into_end = decay_exp(G[..., -1:] - G)  # exp(G_C - G_j), (B, Hk, G, N, C)
     from_start = decay_exp(G)  # exp(G_i)
     carry = decay_exp(G[..., -1])  # exp(G_C), (B, Hk, G, N)
     if reset is not None:
         seg = _segments(reset, chunk)[:, None, None]  # (B, 1, 1, N, C)
-        decay = decay * (seg[..., :, None] == seg[..., None, :])
+        allowed = allowed & (seg[..., :, None] == seg[..., None, :])
         into_end = into_end * (seg == seg[..., -1:])
         from_start = from_start * (seg == 0)
         carry = carry * (seg[..., -1] == 0)
     scores = qc @ kc.transpose(-1, -2)  # (B, Hk, N, C, C)
-    o = (scores.unsqueeze(2) * decay) @ vc.permute(0, 1, 4, 2, 3, 5)  # (B, Hk, G, N, C, V)
+    o = (scores.unsqueeze(2) * _pair_decay(G, allowed)) @ vc.permute(0, 1, 4, 2, 3, 5)  # (B, Hk, G, N, C, V)
     o = o.permute(0, 1, 3, 4, 2, 5)  # (B, Hk, N, C, G, V)
 
     # each chunk's own contribution to the state at its end, heads of a group folded into V
