@@ -54,6 +54,30 @@ def _pair_decay(G: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed & (diff > LOG_DECAY_FLOOR), diff, float("-inf")).exp()
 
 
+class _IntraChunk(torch.autograd.Function):
+    """o = (scores * D) @ v inside each chunk, D = `_pair_decay(G, allowed)`: scores (B, Hk, 1, N, C, C) shared
+    by the G heads of a key head, G (B, Hk, G, N, C), v (B, Hk, G, N, C, V). Keeps D only (not D and the
+    product, as autograd would) and writes the decay's gradient directly: with P = dM * M,
+    dG_i = sum_j P_ij - sum_j P_ji."""
+
+    @staticmethod
+    def forward(ctx, scores, G, v, allowed):
+        decay = _pair_decay(G, allowed)
+        ctx.save_for_backward(scores, decay, v)
+        return (scores * decay) @ v
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o):
+        scores, decay, v = ctx.saved_tensors
+        masked = scores * decay
+        d_v = masked.transpose(-1, -2) @ d_o
+        d_masked = d_o @ v.transpose(-1, -2)
+        d_scores = (d_masked * decay).sum(2, keepdim=True)
+        p = d_masked.mul_(masked)
+        return d_scores, p.sum(-1) - p.sum(-2), d_v, None
+
+
 def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
     """Per token, how many sequence starts lie at or before it inside its chunk: (B, N, C) int."""
     batch, length = reset.shape
@@ -136,7 +160,7 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         from_start = from_start * (seg == 0)
         carry = carry * (seg[..., -1] == 0)
     scores = qc @ kc.transpose(-1, -2)  # (B, Hk, N, C, C)
-    o = (scores.unsqueeze(2) * _pair_decay(G, allowed)) @ vc.permute(0, 1, 4, 2, 3, 5)  # (B, Hk, G, N, C, V)
+    o = _IntraChunk.apply(scores.unsqueeze(2), G, vc.permute(0, 1, 4, 2, 3, 5), allowed)  # (B, Hk, G, N, C, V)
     o = o.permute(0, 1, 3, 4, 2, 5)  # (B, Hk, N, C, G, V)
 
     # each chunk's own contribution to the state at its end, heads of a group folded into V
