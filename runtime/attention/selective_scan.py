@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64
+CHUNK = 16
 
 
 def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -37,13 +37,12 @@ def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.reshape(t.shape[0], groups, t.shape[1] // groups, t.shape[2])
 
 
-def _scan(a: torch.Tensor, u: torch.Tensor, reverse: bool = False):
+def _scan(a, u, a2, u2, reverse: bool = False):
     """Along dim -2: u_t <- u_t + a_t u_{t-1} (u_t + a_t u_{t+1} if reverse) from zero, in log2(L) doubling
-    steps, each combining every position with the one `step` earlier (later). Returns (a, u): u the scan, a the
-    prefix (suffix) products of the decays. Two fused ops a step, ping-ponging between two buffer pairs (the
-    inputs are overwritten)."""
+    steps, each combining every position with the one `step` earlier (later). Two fused ops a step,
+    ping-ponging between the buffer pairs (a, u) and (a2, u2), all overwritten. Returns (a, u, a2, u2): u the
+    scan, a the prefix (suffix) products of the decays, a2 and u2 free buffers."""
     length = a.shape[-2]
-    a2, u2 = torch.empty_like(a), torch.empty_like(u)
     step = 1
     while step < length:
         if reverse:
@@ -56,35 +55,48 @@ def _scan(a: torch.Tensor, u: torch.Tensor, reverse: bool = False):
         a2[..., keep, :] = a[..., keep, :]
         a, a2, u, u2 = a2, a, u2, u
         step *= 2
-    return a, u
+    return a, u, a2, u2
 
 
-def _chunk_states(x, dt, A, B, h0, keep_decays: bool):
-    """States of one chunk. x, dt (b, G, Dg, L); A (G, Dg, N); B (b, G, L, N); h0 (b, G, Dg, N).
-    Returns h (b, G, Dg, L, N) and, with `keep_decays`, the single-step decays a (b, G, Dg, L, N)."""
-    a = torch.exp(A[:, :, None, :] * dt[..., None])
-    u = (dt * x)[..., None] * B[:, :, None]
-    prefix, h = _scan(a.clone() if keep_decays else a, u)
+def _workspace(like, shape, count):
+    """Chunk-sized (b, G, Dg, L, N) buffers allocated once per call and reused by every chunk: on CPU a fresh
+    multi-megabyte tensor per op costs page faults comparable to the op itself."""
+    buffers = [like.new_empty(shape) for _ in range(count)]
+    return lambda length: [b[..., :length, :] for b in buffers]
+
+
+def _chunk_states(x, dt, A, B, h0, decay, p, u, p2, u2):
+    """States of one chunk: x, dt (b, G, Dg, L); A (G, Dg, N); B (b, G, L, N); h0 (b, G, Dg, N). Writes the
+    single-step decays into `decay` (which may be `p`) and returns (h, free, free, free), h (b, G, Dg, L, N)
+    the states, all in the given buffers."""
+    torch.mul(A[:, :, None, :], dt[..., None], out=decay).exp_()
+    if p is not decay:
+        p.copy_(decay)
+    torch.mul((dt * x)[..., None], B[:, :, None], out=u)
+    prefix, h, free_p, free_u = _scan(p, u, p2, u2)
     h.addcmul_(prefix, h0[..., None, :])
-    return h, (a if keep_decays else None)
+    return h, prefix, free_p, free_u
 
 
 class SelectiveScan(torch.autograd.Function):
-    """Core scan, compute dtype throughout. x, dt (b, G, Dg, T); A (G, Dg, N); B, C (b, G, T, N).
+    """Core scan, compute dtype throughout. x, dt (b, G, Dg, T); A (G, Dg, N); B, C (b, G, T, N) contiguous.
     Returns y (b, G, Dg, T) and the last state (b, G, Dg, N)."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk: int):
         batch, groups, dg, length = x.shape
         n = A.shape[-1]
+        chunk = max(1, min(chunk, length))
+        take = _workspace(x, (batch, groups, dg, chunk, n), 4)
         h = x.new_zeros(batch, groups, dg, n)
         y = x.new_empty(batch, groups, dg, length)
         starts = []
         for t0 in range(0, length, chunk):
             t1 = min(t0 + chunk, length)
             starts.append(h)
-            hs, _ = _chunk_states(x[..., t0:t1], dt[..., t0:t1], A, B[:, :, t0:t1], h, False)
-            y[..., t0:t1] = torch.einsum("bgdln,bgln->bgdl", hs, C[:, :, t0:t1])
+            p, u, p2, u2 = take(t1 - t0)
+            hs = _chunk_states(x[..., t0:t1], dt[..., t0:t1], A, B[:, :, t0:t1], h, p, p, u, p2, u2)[0]
+            y[..., t0:t1] = torch.linalg.vecdot(hs, C[:, :, None, t0:t1])
             h = hs[..., -1, :].clone()
         ctx.save_for_backward(x, dt, A, B, C, torch.stack(starts) if starts else h[None])
         ctx.chunk = chunk
@@ -98,28 +110,29 @@ class SelectiveScan(torch.autograd.Function):
         dA = torch.zeros_like(A)
         dy = torch.zeros_like(x) if dy is None else dy
         carry = torch.zeros_like(starts[0]) if dlast is None else dlast.clone()  # gradient into h_{t1 - 1}
-        for index in reversed(range(len(starts))):
+        take = _workspace(x, (*x.shape[:3], chunk, A.shape[-1]), 6)
+        for index in reversed(range(len(starts)) if length else []):
             t0 = index * chunk
             t1 = min(t0 + chunk, length)
-            xs, dts, Bs, Cs, h0 = x[..., t0:t1], dt[..., t0:t1], B[:, :, t0:t1], C[:, :, t0:t1], starts[index]
-            hs, a = _chunk_states(xs, dts, A, Bs, h0, True)
-            dys = dy[..., t0:t1]
-            dC[:, :, t0:t1] = torch.einsum("bgdln,bgdl->bgln", hs, dys)
-            g = dys[..., None] * Cs[:, :, None]
-            decay = torch.empty_like(a)  # decay[t] = a[t + 1]; the last one multiplies nothing in the chunk
+            xs, dts, Bs, Cs, h0, dys = (x[..., t0:t1], dt[..., t0:t1], B[:, :, t0:t1], C[:, :, t0:t1],
+                                        starts[index], dy[..., t0:t1])
+            a, p, u, p2, u2, g = take(t1 - t0)
+            hs, decay, free_p, free_u = _chunk_states(xs, dts, A, Bs, h0, a, p, u, p2, u2)
+            dC[:, :, t0:t1] = torch.mul(hs, dys[..., None], out=free_u).sum(2)
+            # reverse scan g_t = C_t dy_t + a_{t+1} g_{t+1}; decay[t] = a[t + 1], the last multiplies nothing here
             decay[..., :-1, :] = a[..., 1:, :]
             decay[..., -1, :] = 1
-            decay, g = _scan(decay, g, reverse=True)
+            torch.mul(dys[..., None], Cs[:, :, None], out=g)
+            decay, g, free_p, free_u = _scan(decay, g, free_p, free_u, reverse=True)
             g.addcmul_(decay, carry[..., None, :])
-            # h_{t-1}, reusing hs: shift it one token later with the chunk-start state in front
-            hs = torch.cat((h0[..., None, :], hs[..., :-1, :]), -2)
             carry = a[..., 0, :] * g[..., 0, :]
-            w = g * B[:, :, None, t0:t1]
-            gb = w.sum(-1)  # sum_n g_t B_t[n]
+            gb = torch.linalg.vecdot(g, Bs[:, :, None])  # sum_n g_t B_t[n]
             dx[..., t0:t1] = gb * dts
-            dB[:, :, t0:t1] = torch.einsum("bgdln,bgdl->bgln", g, dts * xs)
-            w = hs.mul_(g).mul_(a)  # dL/da_t * a_t
-            ddt[..., t0:t1] = gb * xs + torch.einsum("bgdln,gdn->bgdl", w, A)
+            dB[:, :, t0:t1] = torch.mul(g, (dts * xs)[..., None], out=free_p).sum(2)
+            w = torch.mul(g, a, out=free_u)  # dL/da_t a_t = g_t h_{t-1} a_t
+            w[..., 1:, :] *= hs[..., :-1, :]
+            w[..., 0, :] *= h0
+            ddt[..., t0:t1] = gb * xs + torch.linalg.vecdot(w, A[:, :, None])
             dA += torch.einsum("bgdln,bgdl->gdn", w, dts)
         return dx, ddt, dA, dB, dC, None
 
@@ -143,7 +156,7 @@ def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, 
     y, last = SelectiveScan.apply(
         _grouped(hidden_states.to(compute), groups), _grouped(dt.to(compute), groups),
         A.to(compute).reshape(groups, channels // groups, A.shape[-1]),
-        B.to(compute).transpose(-1, -2), C.to(compute).transpose(-1, -2), chunk_size)
+        B.to(compute).transpose(-1, -2).contiguous(), C.to(compute).transpose(-1, -2).contiguous(), chunk_size)
     scan_output = y.reshape(batch, channels, length).to(input_dtype)
     last = last.reshape(batch, channels, A.shape[-1])
     if D is not None:
