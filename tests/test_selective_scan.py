@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
+from runtime.attention import selective_scan as scan_module
 from runtime.attention.selective_scan import selective_scan
 
 NAMES = ["x", "dt", "A", "B", "C", "D", "z", "delta_bias"]
@@ -144,6 +145,38 @@ def test_planted_late_decay_is_caught():
     planted = outputs_and_grads(lambda *a, **k: token_loop(*a, **k, late_decay=True), tensors, use)
     errors = max_rel(planted, theirs)
     assert errors["y"] > 1e-3 and errors["last"] > 1e-3 and errors["ddt"] > 1e-3, errors
+
+
+def test_planted_late_decay_in_the_runtime_is_caught(monkeypatch):
+    """The runtime's own chunked path with each decay shifted one token late fails the comparison."""
+    original = scan_module._scan
+
+    def late(a, u, a2, u2, reverse=False):
+        if not reverse:
+            a2.copy_(a)
+            a[..., 1:, :] = a2[..., :-1, :]
+            a[..., 0, :] = 1
+        return original(a, u, a2, u2, reverse)
+
+    tensors = problem()
+    use = ("D", "z", "delta_bias")
+    theirs = outputs_and_grads(mamba_selective_scan, tensors, use)
+    assert all(e < 1e-6 for e in max_rel(outputs_and_grads(selective_scan, tensors, use, chunk_size=8), theirs).values())
+    monkeypatch.setattr(scan_module, "_scan", late)
+    errors = max_rel(outputs_and_grads(selective_scan, tensors, use, chunk_size=8), theirs)
+    assert errors["y"] > 1e-3 and errors["last"] > 1e-3 and errors["ddt"] > 1e-3, errors
+
+
+def test_bfloat16_follows_transformers_dtypes():
+    """bf16 activations with fp32 A and D, as Jamba's mixer passes them: the scan runs in fp32; output and
+    last-state dtypes are transformers' (fp32 once D promotes; the state fp32)."""
+    x, dt, A, B, C, D, z, bias = problem(dtype=torch.float32, length=20)
+    x, dt, B, C, z, bias = (t.bfloat16() for t in (x, dt, B, C, z, bias))
+    ours = selective_scan(x, dt, A, B, C, D, z, bias, True, True, chunk_size=8)
+    theirs = mamba_selective_scan(x, dt, A, B, C, D, z, bias, True, True)
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs]
+    for a, b in zip(ours, theirs):  # transformers rounds each state to bf16 before contracting with C
+        assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2
 
 
 def test_chunk_state_memory_is_chunk_sized():
