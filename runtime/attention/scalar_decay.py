@@ -70,6 +70,7 @@ class _IntraChunk(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_o):
         scores, decay, v = ctx.saved_tensors
+        d_o = d_o.contiguous()  # an expanded gradient (loss = o.sum()) sends bmm down a very slow path
         masked = scores * decay
         d_v = masked.transpose(-1, -2) @ d_o
         d_masked = d_o @ v.transpose(-1, -2)
@@ -82,6 +83,9 @@ def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
     """Per token, how many sequence starts lie at or before it inside its chunk: (B, N, C) int."""
     batch, length = reset.shape
     return reset.view(batch, length // chunk, chunk).long().cumsum(-1)
+
+
+_CARRY_BLOCK = 8  # chunks per step of the decay-gradient reduction in _HandOff.backward
 
 
 class _HandOff(torch.autograd.Function):
@@ -114,12 +118,13 @@ class _HandOff(torch.autograd.Function):
             d_written[:, :, -1] = d_final
         if d_starts is None:
             d_starts = torch.zeros_like(starts)
-        d_carry = torch.empty_like(carry)
-        for c in range(n - 1, -1, -1):  # d_carry chunk by chunk: no (.., N, ..) temporary
-            torch.sum(d_written[:, :, c] * starts[:, :, c], (-3, -1), keepdim=True, out=d_carry[:, :, c])
-            if c:
-                torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry[:, :, c], out=d_written[:, :, c - 1])
+        for c in range(n - 1, 0, -1):
+            torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry[:, :, c], out=d_written[:, :, c - 1])
         d_s0 = torch.addcmul(d_starts[:, :, 0], d_written[:, :, 0], carry[:, :, 0])
+        d_carry = torch.empty_like(carry)
+        for c in range(0, n, _CARRY_BLOCK):  # a few chunks at a time: few ops, a bounded temporary
+            blk = slice(c, c + _CARRY_BLOCK)
+            torch.sum(d_written[:, :, blk] * starts[:, :, blk], (-3, -1), keepdim=True, out=d_carry[:, :, blk])
         return d_carry, d_written, d_s0
 
 
