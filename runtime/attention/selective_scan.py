@@ -39,9 +39,9 @@ def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _scan(a, u, a2, u2, reverse: bool = False):
     """Along dim -2: u_t <- u_t + a_t u_{t-1} (u_t + a_t u_{t+1} if reverse) from zero, in log2(L) doubling
-    steps, each combining every position with the one `step` earlier (later). Two fused ops a step,
-    ping-ponging between the buffer pairs (a, u) and (a2, u2), all overwritten. Returns (a, u, a2, u2): u the
-    scan, a the prefix (suffix) products of the decays, a2 and u2 free buffers."""
+    steps, each combining every position with the one `step` earlier (later). Two fused ops a step (one in the
+    last: the full decay products are never needed, an incoming state is folded into the first token instead),
+    ping-ponging between the buffer pairs (a, u) and (a2, u2), all overwritten. Returns (u, free, free, free)."""
     length = a.shape[-2]
     step = 1
     while step < length:
@@ -50,12 +50,13 @@ def _scan(a, u, a2, u2, reverse: bool = False):
         else:
             new, old, keep = slice(step, None), slice(None, -step), slice(None, step)
         torch.addcmul(u[..., new, :], a[..., new, :], u[..., old, :], out=u2[..., new, :])
-        torch.mul(a[..., new, :], a[..., old, :], out=a2[..., new, :])
         u2[..., keep, :] = u[..., keep, :]
-        a2[..., keep, :] = a[..., keep, :]
+        if step * 2 < length:
+            torch.mul(a[..., new, :], a[..., old, :], out=a2[..., new, :])
+            a2[..., keep, :] = a[..., keep, :]
         a, a2, u, u2 = a2, a, u2, u
         step *= 2
-    return a, u, a2, u2
+    return u, a, a2, u2
 
 
 def _workspace(like, shape, count):
@@ -73,9 +74,8 @@ def _chunk_states(x, dt, A, B, h0, decay, p, u, p2, u2):
     if p is not decay:
         p.copy_(decay)
     torch.mul((dt * x)[..., None], B[:, :, None], out=u)
-    prefix, h, free_p, free_u = _scan(p, u, p2, u2)
-    h.addcmul_(prefix, h0[..., None, :])
-    return h, prefix, free_p, free_u
+    u[..., 0, :].addcmul_(decay[..., 0, :], h0)  # h_0 = a_0 h0 + u_0: the scan from zero then carries h0
+    return _scan(p, u, p2, u2)
 
 
 class SelectiveScan(torch.autograd.Function):
@@ -119,12 +119,12 @@ class SelectiveScan(torch.autograd.Function):
             a, p, u, p2, u2, g = take(t1 - t0)
             hs, decay, free_p, free_u = _chunk_states(xs, dts, A, Bs, h0, a, p, u, p2, u2)
             dC[:, :, t0:t1] = torch.mul(hs, dys[..., None], out=free_u).sum(2)
-            # reverse scan g_t = C_t dy_t + a_{t+1} g_{t+1}; decay[t] = a[t + 1], the last multiplies nothing here
+            # reverse scan g_t = C_t dy_t + a_{t+1} g_{t+1}, decay[t] = a[t + 1]; the carry enters at the last token
             decay[..., :-1, :] = a[..., 1:, :]
-            decay[..., -1, :] = 1
+            decay[..., -1, :] = 1  # multiplies only terms past the chunk's end
             torch.mul(dys[..., None], Cs[:, :, None], out=g)
-            decay, g, free_p, free_u = _scan(decay, g, free_p, free_u, reverse=True)
-            g.addcmul_(decay, carry[..., None, :])
+            g[..., -1, :] += carry
+            g, free_p, free_u, _ = _scan(decay, g, free_p, free_u, reverse=True)
             carry = a[..., 0, :] * g[..., 0, :]
             gb = torch.linalg.vecdot(g, Bs[:, :, None])  # sum_n g_t B_t[n]
             dx[..., t0:t1] = gb * dts
