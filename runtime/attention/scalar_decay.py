@@ -12,17 +12,19 @@ constant per head). Cut into chunks of C tokens, with G the cumulative log decay
 
 Every exponent is a difference G_i - G_j with j <= i, so <= 0: positions above the diagonal are masked before
 exp, never exp(G_i) * exp(-G_j), which overflows once a chunk decays by ~88 in log space. Everything except
-the state hand-off is batched over all chunks; the hand-off is a loop over chunks (one multiply-add each,
-its own backward). Autograd does the rest of the backward: it keeps O(T x C) per head (the intra-chunk score
-and decay matrices) and one state per chunk, never a (T x T) matrix.
+the state hand-off is batched over all chunks; the hand-off is a loop over chunks (one multiply-add each).
+Two pieces have their own backward, to keep what autograd would store twice once: the intra-chunk product
+(it keeps the (C x C) decay matrix per head and the per-key-head scores) and the hand-off (one state per
+chunk). Memory is O(T x C) per head, never a (T x T) matrix.
 
 Grouped heads (H value heads sharing Hk query/key heads, head h uses key head h // (H / Hk)) never repeat q or
 k: the (C x C) query-key scores are computed once per key head, and the heads of a group are folded into the
 value dimension of the state matmuls.
 
 `reset` (B, T) bool marks tokens that start a new sequence (packed sequences): the state before them is
-dropped. Inside a chunk that is a mask on token pairs from different sequences; it is applied as an exact
-zero after exp.
+dropped: inside a chunk, pairs of tokens from different sequences are masked with the causal mask (exact
+zeros); across chunks, the incoming state reaches only tokens before the chunk's first reset, and only tokens
+after its last reset write the outgoing state.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _pair_decay(G: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 class _IntraChunk(torch.autograd.Function):
     """o = (scores * D) @ v inside each chunk, D = `_pair_decay(G, allowed)`: scores (B, Hk, 1, N, C, C) shared
-    by the G heads of a key head, G (B, Hk, G, N, C), v (B, Hk, G, N, C, V). Keeps D only (not D and the
+    by the `group` heads of a key head, G (B, Hk, group, N, C), v (B, Hk, group, N, C, V). Keeps D only (not D and the
     product, as autograd would) and writes the decay's gradient directly: with P = dM * M,
     dG_i = sum_j P_ij - sum_j P_ji."""
 
