@@ -39,3 +39,27 @@ def mixtral_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "mixtral"
     adapt(resolve("mixtral-8x7b"), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def twin_adapter():
+    """`adapter(directory, ref=None, family=None) -> (spec, twin, adapt)`: the tiny twin of a catalogue / HF `ref`
+    or of a transformers `family` at its default config, adapted as `onboard adapt` does it: spec and rendered
+    adapter written to `directory`, and the adapter loaded back from there (no verification)."""
+    from onboard.bundle import load_adapter
+    from onboard.capture import capture
+    from onboard.codegen import render_adapter
+    from onboard.families import default_config
+    from onboard.inspection import build_spec
+    from onboard.source import from_config, resolve
+    from onboard.twin import build_twin
+
+    def adapter(directory, ref=None, family=None):
+        source = resolve(ref) if ref else from_config(default_config(family), family)
+        twin = build_twin(source)
+        spec = build_spec(source, twin, capture(twin))
+        (directory / "spec.json").write_text(spec.to_json())
+        (directory / "adapter.py").write_text(render_adapter(spec, twin))
+        return spec, twin, load_adapter(directory).adapt
+
+    return adapter

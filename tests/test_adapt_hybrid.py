@@ -4,12 +4,8 @@ bugs planted in the runtime's attention: a wrong gate, an off-by-one chunk bound
 import pytest
 import torch
 
-from onboard.bundle import load_adapter, verify_swaps
-from onboard.capture import capture
-from onboard.codegen import attention_kinds, render_adapter
-from onboard.inspection import build_spec
-from onboard.source import resolve
-from onboard.twin import build_twin
+from onboard.bundle import verify_swaps
+from onboard.codegen import attention_kinds
 from runtime.attention import dsa
 from runtime.attention.gated_delta import _chunk_core
 from runtime.kernels import registry
@@ -18,14 +14,8 @@ LINEAR_OP = "linear_attention.chunk_gated_delta"
 
 
 @pytest.fixture(scope="module", params=["qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "deepseek-v3.2"])
-def hybrid(request, tmp_path_factory):
-    source = resolve(request.param)
-    twin = build_twin(source)
-    spec = build_spec(source, twin, capture(twin))
-    directory = tmp_path_factory.mktemp(request.param)
-    (directory / "spec.json").write_text(spec.to_json())
-    (directory / "adapter.py").write_text(render_adapter(spec, twin))
-    return request.param, spec, twin, load_adapter(directory).adapt
+def hybrid(request, tmp_path_factory, twin_adapter):
+    return (request.param, *twin_adapter(tmp_path_factory.mktemp(request.param), ref=request.param))
 
 
 def _verify(spec, twin, adapt, seeds=(0, 1, 2)):

@@ -370,5 +370,5 @@ def test_look_alike_with_another_meaning_is_refused():
 
 
 def test_module_without_a_linear_core_is_refused():
-    with pytest.raises(ValueError, match="no chunked delta-rule core"):
+    with pytest.raises(ValueError, match="no chunked sequence core"):
         swap_linear_core(nn.Linear(3, 3))

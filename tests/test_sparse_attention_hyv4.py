@@ -166,23 +166,9 @@ def test_dropping_the_sinks_fails_the_comparison(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
+def bundle(tmp_path_factory, twin_adapter):
     """hy_v4's tiny twin adapted as `onboard adapt` does it: spec, rendered adapter, loaded from a directory."""
-    from onboard.bundle import load_adapter
-    from onboard.capture import capture
-    from onboard.codegen import render_adapter
-    from onboard.families import default_config
-    from onboard.inspection import build_spec
-    from onboard.source import from_config
-    from onboard.twin import build_twin
-
-    source = from_config(default_config("hy_v4"), "hy_v4")
-    twin = build_twin(source)
-    spec = build_spec(source, twin, capture(twin))
-    directory = tmp_path_factory.mktemp("hy_v4")
-    (directory / "spec.json").write_text(spec.to_json())
-    (directory / "adapter.py").write_text(render_adapter(spec, twin))
-    return spec, twin, load_adapter(directory).adapt
+    return twin_adapter(tmp_path_factory.mktemp("hy_v4"), family="hy_v4")
 
 
 def _verify(bundle):

@@ -54,7 +54,7 @@ def ssd_chunk_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
     """hidden_states (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, G, N), D (H,), dt_bias (H,),
     initial_states (B, H, P, N). Returns y (B, T, H, P), and with return_final_states (y, final state
     (B, H, P, N)); fp32 (fp64 stays fp64 where transformers would round it to fp32; D's dtype promotes y as
-    in transformers). `chunk_size` is accepted for the signature; the core picks its own chunk length.
+    in transformers). The core runs chunks of min(chunk_size, CORE_CHUNK) tokens (the result does not depend on it).
     kwargs: `seq_idx` / `cu_seqlens` for packed sequences; a non-None `z` raises (the fallback has no
     gating); anything else is ignored, as in transformers."""
     if kwargs.get("z") is not None:
@@ -72,7 +72,7 @@ def ssd_chunk_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
     x, dt = hidden_states.to(dtype), dt.to(dtype)
     state = None if initial_states is None else initial_states.to(dtype).transpose(-1, -2)
     y, final = chunk_scalar_decay(C.to(dtype), B.to(dtype), x * dt[..., None], A.to(dtype) * dt,
-                                  chunk_size=CORE_CHUNK, initial_state=state,
+                                  chunk_size=min(chunk_size, CORE_CHUNK), initial_state=state,
                                   output_final_state=return_final_states, reset=reset)
     if D is not None:
         y = y + D[..., None] * x

@@ -1,4 +1,4 @@
-"""Run a HuggingFace linear-attention module on the runtime's chunked gated delta rule and causal conv.
+"""Run a HuggingFace linear-attention or state-space module on the runtime's chunked sequence cores.
 
     swap_linear_core(module, *, chunk_size=None, probe=True) -> dict
 
@@ -9,6 +9,10 @@ Glm5Next delta attention, and families never seen. The functions are found by si
 
 - chunk core: parameters (query, key, value, g, beta, ..., chunk_size, initial_state, ...), called with g
   (B, T, H) (one decay per head) or (B, T, H, K) (per key channel) and beta (B, T, H);
+- Mamba2 SSD chunk scan (NemotronH, GraniteMoeHybrid, Bamba, ...): parameters (hidden_states, dt, A, B, C,
+  chunk_size, initial_states, ...), run by `runtime.attention.ssd.ssd_chunk_scan`;
+- Mamba1 selective scan (Jamba, ...): parameters (hidden_states, dt, A, B, C, delta_bias, delta_softplus, ...),
+  run by `runtime.attention.selective_scan.selective_scan`;
 - conv: parameters (hidden_states, weight, bias, activation, ...) and no conv_state (the decode-step update).
 
 With `probe` (default) each one is also run once on small random inputs against the runtime's version and
@@ -26,7 +30,11 @@ fallback refuses) and keeps the conv from reaching across them. `chunk_size` ove
 module asks for (the result does not depend on it; the rendered Triton kernels run only at the chunk length
 they were rendered for).
 
-Returns what was swapped: {global name: "chunk_gated_delta" | "causal_conv1d"}. `unswap_linear_core(module)`
+A block that writes its scan inline instead of calling such a function is handed to
+`runtime.attention.lightning.swap_lightning_attention`, which takes it only if it is lightning attention.
+
+Returns what was swapped: {global name: kind}, kind one of "chunk_gated_delta", "ssd_chunk_scan",
+"selective_scan", "causal_conv1d" (or {"forward": "lightning"}). `unswap_linear_core(module)`
 restores the original class. Calls are counted per kind in `CALLS` (process-wide, exported as
 `runtime.attention.LINEAR_CORE_CALLS`) and in `module.runtime_core_calls`, so verification can show that the
 runtime ran. `find_linear_cores(module)` says what would be swapped, without probing or changing anything.
@@ -49,6 +57,10 @@ CALLS: collections.Counter = collections.Counter()
 
 _CHUNK_PARAMS = {"g", "beta", "initial_state", "chunk_size"}
 _CONV_PARAMS = {"hidden_states", "weight", "bias", "activation"}
+# Mamba2's chunked SSD scan and Mamba1's selective scan (not their single-token state updates, which take `state`)
+_SSD_PARAMS = {"hidden_states", "dt", "A", "B", "C", "chunk_size", "initial_states"}
+_SELECTIVE_PARAMS = {"hidden_states", "dt", "A", "B", "C", "delta_bias", "delta_softplus"}
+SEQUENCE_CORES = ("chunk_gated_delta", "ssd_chunk_scan", "selective_scan")
 _SUBCLASSES: dict[type, type] = {}
 _PROBED: dict = {}  # function -> probe verdict: every layer of a model shares its family's functions
 
@@ -67,9 +79,14 @@ def _kind(fn) -> str | None:
     params = _parameters(fn)
     if params is None:
         return None
-    if _CHUNK_PARAMS <= set(params) and len(params) >= 5:
+    names = set(params)
+    if _CHUNK_PARAMS <= names and len(params) >= 5:
         return "chunk_gated_delta"
-    if _CONV_PARAMS <= set(params) and "conv_state" not in params:
+    if _SSD_PARAMS <= names and "state" not in names:
+        return "ssd_chunk_scan"
+    if _SELECTIVE_PARAMS <= names and "chunk_size" not in names and "state" not in names:
+        return "selective_scan"
+    if _CONV_PARAMS <= names and "conv_state" not in names:
         return "causal_conv1d"
     return None
 
@@ -119,6 +136,46 @@ def _probe_conv(fn) -> bool:
     return theirs is not None and _close(theirs, causal_conv1d(x, w, bias, activation="silu"))
 
 
+def _probe_ssd(fn) -> bool:
+    """Mamba2's chunked scan: same output and final state as the runtime's, grouped B/C, D, dt bias and softplus."""
+    from runtime.attention.ssd import ssd_chunk_scan
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, p, g, n = 2, 11, 4, 3, 2, 5
+    x, dt = torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen)
+    bc = [torch.randn(b, t, g, n, generator=gen) for _ in range(2)]
+    kw = {"D": torch.randn(h, generator=gen), "dt_bias": torch.randn(h, generator=gen), "dt_softplus": True,
+          "initial_states": torch.randn(b, h, p, n, generator=gen), "return_final_states": True}
+    a = -torch.rand(h, generator=gen) * 2
+    theirs = _call(fn, x, dt, a, *bc, chunk_size=8, **kw)
+    if not isinstance(theirs, tuple) or len(theirs) != 2:
+        return False
+    ours = ssd_chunk_scan(x, dt, a, *bc, chunk_size=4, **kw)
+    return _close(theirs[0], ours[0]) and _close(theirs[1], ours[1])
+
+
+def _probe_selective(fn) -> bool:
+    """Mamba1's selective scan: same output and last state as the runtime's, with D, z and a softplus dt bias."""
+    from runtime.attention.selective_scan import selective_scan
+
+    gen = torch.Generator().manual_seed(0)
+    b, d, t, n = 2, 6, 11, 4
+    x, dt, z = (torch.randn(b, d, t, generator=gen) for _ in range(3))
+    bc = [torch.randn(b, n, t, generator=gen) for _ in range(2)]
+    kw = {"D": torch.randn(d, generator=gen), "z": z, "delta_bias": torch.randn(d, generator=gen),
+          "delta_softplus": True, "return_last_state": True}
+    a = -torch.rand(d, n, generator=gen) * 2
+    theirs = _call(fn, x, dt, a, *bc, **kw)
+    if not isinstance(theirs, tuple) or len(theirs) != 2:
+        return False
+    ours = selective_scan(x, dt, a, *bc, **kw)
+    return _close(theirs[0], ours[0]) and _close(theirs[1], ours[1])
+
+
+_PROBES = {"chunk_gated_delta": _probe_chunk, "causal_conv1d": _probe_conv, "ssd_chunk_scan": _probe_ssd,
+           "selective_scan": _probe_selective}
+
+
 def _runtime_function(kind: str, module, override_chunk: int | None):
     counts = module.runtime_core_calls
 
@@ -134,6 +191,24 @@ def _runtime_function(kind: str, module, override_chunk: int | None):
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale,
                                           cu_seqlens=cu)
         return chunk_core
+
+    if kind == "ssd_chunk_scan":
+        from runtime.attention.ssd import ssd_chunk_scan
+
+        def ssd_core(hidden_states, dt, A, B, C, chunk_size=256, *args, **kwargs):
+            CALLS[kind] += 1
+            counts[kind] += 1
+            return ssd_chunk_scan(hidden_states, dt, A, B, C, override_chunk or chunk_size, *args, **kwargs)
+        return ssd_core
+
+    if kind == "selective_scan":
+        from runtime.attention.selective_scan import selective_scan
+
+        def selective_core(*args, **kwargs):
+            CALLS[kind] += 1
+            counts[kind] += 1
+            return selective_scan(*args, **kwargs)
+        return selective_core
 
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
         CALLS[kind] += 1
@@ -185,17 +260,20 @@ def swap_linear_core(module: torch.nn.Module, *, chunk_size: int | None = None, 
     if getattr(type(module), "_runtime_base", None) is not None:
         return dict(module._runtime_kinds)
     found = find_linear_cores(module)
-    if "chunk_gated_delta" not in found.values():
-        raise ValueError(f"{type(module).__name__}.forward calls no chunked delta-rule core (a function taking "
-                         f"query, key, value, g, beta, chunk_size, initial_state): not a linear-attention block "
-                         f"the runtime can run")
+    if not set(SEQUENCE_CORES) & set(found.values()):
+        from runtime.attention.lightning import swap_lightning_attention
+
+        try:  # a block that writes its scan inline: the runtime reads it whole, if it is lightning attention
+            return swap_lightning_attention(module, chunk_size=chunk_size, probe=probe)
+        except ValueError as exc:
+            raise ValueError(f"{type(module).__name__}.forward calls no chunked sequence core (delta rule, Mamba2 SSD "
+                             f"or Mamba1 selective scan) and is not a lightning block ({exc})") from None
     namespace = sys.modules[type(module).__module__].__dict__
     if probe:
-        checks = {"chunk_gated_delta": _probe_chunk, "causal_conv1d": _probe_conv}
         for name, kind in found.items():
             fn = namespace[name]
             if fn not in _PROBED:
-                _PROBED[fn] = checks[kind](fn)
+                _PROBED[fn] = _PROBES[kind](fn)
             if not _PROBED[fn]:
                 raise ValueError(f"{type(module).__module__}.{name} has the parameters of a {kind} but does not "
                                  f"compute the same thing as the runtime's on a probe; not swapped")

@@ -1,0 +1,111 @@
+"""Run a lightning-attention block (MiniMax-Text-01 / M1 style) on the runtime's chunked scalar-decay core.
+
+    swap_lightning_attention(module, *, chunk_size=None, probe=True) -> dict
+
+Lightning attention is linear attention with a fixed exponential decay per head and no delta rule:
+S_t = exp(-slope) S_{t-1} + k_t v_t^T, o_t = q_t S_t. transformers writes the block scan inline in the module's
+forward (a Python loop over blocks, each with dense block x block products), so there is no core function to
+rebind as `swap_linear_core` does. Instead the runtime reads the block as a whole:
+
+    qkv = act(qkv_proj(x)) (padding tokens zeroed), split per head into q, k, v
+    o   = scan(q, k, v, decay = -slope_rate per head)
+    out = out_proj(sigmoid(output_gate(x)) * norm(o))          returns (out, final state)
+
+That reading is a hypothesis about the module's parts (names of its projections and buffers), so with `probe`
+(default) the swapped forward is run once against the module's own forward on a random input spanning several of
+its blocks, and refused (ValueError, module unchanged) unless both agree. The module stays the same object with
+the same parameters; its class is replaced by a subclass whose forward runs the runtime's scan and falls back to
+the HuggingFace forward whenever a cache is passed (the single-token decode path stays HuggingFace code).
+Calls are counted in `swap.CALLS["lightning"]` and `module.runtime_core_calls`.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from runtime.attention.scalar_decay import chunk_scalar_decay
+
+PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate")
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _counters():
+    from runtime.attention.swap import (
+        CALLS,  # one process-wide counter for every linear-attention kind
+    )
+    return CALLS
+
+
+def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output and final state, computed by the runtime from the module's own parameters."""
+    batch, length, _ = hidden_states.shape
+    heads = module.num_attention_heads
+    qkv = module.act_fn(module.qkv_proj(hidden_states))
+    if attention_mask is not None and attention_mask.dim() == 2:  # a padding mask: padded tokens add nothing
+        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+    q, k, v = qkv.reshape(batch, length, heads, -1).chunk(3, dim=-1)
+    decay = -module.slope_rate.reshape(1, 1, heads).to(q.dtype).expand(batch, length, heads)
+    out, state = chunk_scalar_decay(q, k, v, decay, chunk_size=chunk_size, output_final_state=True)
+    out = module.norm(out.reshape(batch, length, -1))
+    out = torch.sigmoid(module.output_gate(hidden_states)) * out
+    return module.out_proj(out), state
+
+
+def _swapped_class(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or args:
+                return cls.forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+            _counters()["lightning"] += 1
+            self.runtime_core_calls["lightning"] += 1
+            return lightning_forward(self, hidden_states, attention_mask,
+                                     chunk_size=self._runtime_chunk or getattr(self, "block_size", 64))
+
+        _SUBCLASSES[cls] = type(f"Runtime{cls.__name__}", (cls,), {"forward": forward, "_runtime_base": cls,
+                                                                  "__module__": __name__})
+    return _SUBCLASSES[cls]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
+    return a.shape == b.shape and bool(((a - b).abs().max() <= tol * (1 + b.abs().max())).item())
+
+
+def _probe(module) -> str | None:
+    """Why the runtime's reading of `module` differs from its own forward, or None when they agree."""
+    block = int(getattr(module, "block_size", 16))
+    hidden = module.qkv_proj.in_features
+    gen = torch.Generator().manual_seed(0)
+    param = next(module.parameters())
+    x = torch.randn(2, 2 * block + 3, hidden, generator=gen).to(param.dtype)
+    try:
+        with torch.no_grad():
+            theirs = module.forward(x, None, None)
+            ours = lightning_forward(module, x, None, chunk_size=max(1, block // 2))
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        return f"its forward does not run as a lightning block on a probe ({type(exc).__name__}: {exc})"
+    if not isinstance(theirs, tuple) or not _close(ours[0], theirs[0]):
+        return "its output differs from the runtime's lightning scan on a probe"
+    return None
+
+
+def swap_lightning_attention(module: torch.nn.Module, *, chunk_size: int | None = None,
+                             probe: bool = True) -> dict[str, str]:
+    """Make `module` run the runtime's chunked scalar-decay scan (see the module docstring).
+    Raises ValueError, leaving the module unchanged, when it lacks the parts of a lightning block or the probe
+    finds that the runtime's reading computes something else."""
+    if getattr(type(module), "_runtime_base", None) is not None:
+        return dict(module._runtime_kinds)
+    missing = [name for name in PARTS if not hasattr(module, name)]
+    if missing or not hasattr(module, "num_attention_heads"):
+        raise ValueError(f"{type(module).__name__} has no {', '.join(missing) or 'num_attention_heads'}: not a "
+                         f"lightning-attention block the runtime reads")
+    if probe and (why := _probe(module)):
+        raise ValueError(f"{type(module).__name__}: {why}; not swapped")
+    module.runtime_core_calls = collections.Counter()
+    module._runtime_kinds = {"forward": "lightning"}
+    module._runtime_chunk = chunk_size
+    module.__class__ = _swapped_class(type(module))
+    return dict(module._runtime_kinds)
