@@ -9,11 +9,10 @@ Both give ATen graphs whose nodes carry ``nn_module_stack`` metadata, which is a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import contextlib
 import io
 import operator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-
 from onboard.capture import Capture, Graph, capture
 from onboard.errors import OnboardError
 from onboard.graph import GraphView, op_name
@@ -21,7 +20,14 @@ from onboard.patterns.dense import DenseMatch, match_dense_mlp, norm_kinds
 from onboard.patterns.moe import MoEMatch, match_moe
 from onboard.source import ModelSource, resolve
 from onboard.spec import MLP, Attention, Layer, ModelSpec, Unmatched
-from onboard.twin import TEST_SEQ_LEN, Twin, build_twin, find_layer_stack, meaning_of, _walk
+from onboard.twin import (
+    TEST_SEQ_LEN,
+    Twin,
+    _walk,
+    build_twin,
+    find_layer_stack,
+    meaning_of,
+)
 
 
 @dataclass
