@@ -131,6 +131,8 @@ def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tup
         mode, swap = "linear", swap_linear_core
     elif kind == "sparse:dsa":
         mode, swap = "sparse", lambda m: swap_sparse_attention(m, paths=[""])
+    elif kind.startswith("conv"):
+        return None, "a gated short convolution: one depthwise conv1d, already a single fused op in PyTorch"
     else:
         return None, None  # softmax-family attention: transformers' own sdpa / flash paths serve it
     configs = [(c, c._attn_implementation) for c in {id(c): c for c in _configs(twin.model)}.values()]

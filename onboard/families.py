@@ -151,7 +151,7 @@ def markdown(rows: list[dict]) -> str:
         notes = [f"{r['unmatched']} module(s) left as HuggingFace code"] if r["unmatched"] else []
         adapt, attention, loss = "", "", ""
         if "attention_swapped" in r:
-            hybrid = any(k.startswith(("linear:", "sparse:")) for k in r["attention"])
+            hybrid = any(k.startswith(("linear:", "sparse:", "ssm:", "conv")) for k in r["attention"])
             attention = "yes" if r["attention_swapped"] else ("no" if hybrid else "n/a (softmax)")
             loss = "yes" if r["loss_swapped"] else "no"
             if r.get("attention_why"):

@@ -1,0 +1,73 @@
+"""MiniMax lightning attention: the runtime's scalar-decay scan against transformers' block loop, same run.
+
+One `MiniMaxLightningAttention` layer (projections, scan, norm, output gate) built from a config, and a deep
+copy of it swapped with `runtime.attention.swap_lightning_attention` (same parameters); forward + backward, fp32.
+transformers writes the scan inline as a loop over blocks of `block_size` tokens with dense block x block
+products; the runtime runs `chunk_scalar_decay`. Prints median times, their ratio, and the largest error of the
+output and of every parameter gradient relative to that tensor's largest value.
+
+    python bench/lightning.py [--batch 2] [--tokens 2048] [--heads 8] [--dim 64] [--block 256] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig
+from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+from runtime.attention import swap_lightning_attention
+
+
+def fwd_bwd(module, x, weights):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    start = time.perf_counter()
+    out = module(x, None, None)[0]
+    (out * weights).sum().backward()
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    return time.perf_counter() - start, [out.detach(), *grads]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--block", type=int, default=256, help="transformers' block_size (MiniMax-Text-01: 256)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hidden = args.heads * args.dim
+    config = AutoConfig.for_model("minimax", hidden_size=hidden, num_attention_heads=args.heads, head_dim=args.dim,
+                                  num_hidden_layers=4, block_size=args.block)
+    torch.manual_seed(0)
+    reference = MiniMaxLightningAttention(config, layer_idx=1)
+    runtime = copy.deepcopy(reference)
+    swap_lightning_attention(runtime)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.tokens, hidden, generator=gen)
+    weights = torch.randn(args.batch, args.tokens, hidden, generator=gen)
+    times = {"runtime": [], "transformers": []}
+    results = {}
+    for _ in range(args.repeats + 1):  # the first round warms up both
+        for name, module in (("runtime", runtime), ("transformers", reference)):
+            elapsed, results[name] = fwd_bwd(module, x, weights)
+            times[name].append(elapsed)
+    rt, hf = (statistics.median(times[n][1:]) for n in ("runtime", "transformers"))
+    errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(results["runtime"], results["transformers"])]
+    print(f"lightning attention layer, batch {args.batch}, {args.tokens} tokens, {args.heads} heads x {args.dim}, "
+          f"block {args.block}, fp32, forward + backward, {torch.get_num_threads()} threads")
+    print(f"runtime {rt * 1e3:.0f} ms, transformers {hf * 1e3:.0f} ms: {hf / rt:.2f}x faster; "
+          f"max relative error output {errors[0]:.1e}, gradients {max(errors[1:]):.1e}")
+
+
+if __name__ == "__main__":
+    main()
