@@ -127,12 +127,10 @@ def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tup
     kind, path = layer.attention.kind, layer.attention.path
     if refused and f"attention:{path}" in refused:
         return None, refused[f"attention:{path}"]
-    if kind.startswith(("linear:", "ssm:")):
+    if kind.startswith(("linear:", "ssm:", "conv")):
         mode, swap = "linear", swap_linear_core
     elif kind == "sparse:dsa":
         mode, swap = "sparse", lambda m: swap_sparse_attention(m, paths=[""])
-    elif kind.startswith("conv"):
-        return None, "a gated short convolution: one depthwise conv1d, already a single fused op in PyTorch"
     else:
         return None, None  # softmax-family attention: transformers' own sdpa / flash paths serve it
     configs = [(c, c._attn_implementation) for c in {id(c): c for c in _configs(twin.model)}.values()]

@@ -1,6 +1,6 @@
-"""State-space and lightning hybrids adapt end to end: Mamba2 mixers (NemotronH, GraniteMoeHybrid), Mamba1 mixers
-(Jamba) and MiniMax's lightning attention run on the runtime's sequence cores beside its MoE blocks and loss, and
-verification catches a wrong decay in any of them.
+"""State-space, lightning and short-conv hybrids adapt end to end: Mamba2 mixers (NemotronH, GraniteMoeHybrid),
+Mamba1 mixers (Jamba), MiniMax's lightning attention and LFM3's gated short convs run on the runtime's sequence
+cores beside its MoE blocks and loss, and verification catches a wrong decay (or conv shift) in any of them.
 
 Models are transformers' own families at their default configs, as `onboard families` inspects them."""
 
@@ -15,11 +15,11 @@ from onboard.codegen import attention_kinds
 from runtime.attention.swap import SEQUENCE_CORES
 
 # the modules (the package exports functions of the same names)
-lightning, selective_scan, ssd = (importlib.import_module(f"runtime.attention.{name}")
-                                  for name in ("lightning", "selective_scan", "ssd"))
+lightning, selective_scan, ssd, swap = (importlib.import_module(f"runtime.attention.{name}")
+                                        for name in ("lightning", "selective_scan", "ssd", "swap"))
 
 FAMILIES = {"minimax": "lightning", "nemotron_h": "ssd_chunk_scan", "granitemoehybrid": "ssd_chunk_scan",
-            "jamba": "selective_scan"}
+            "jamba": "selective_scan", "lfm3": "short_conv"}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -39,11 +39,11 @@ def test_mixers_moe_and_loss_run_in_the_runtime(family):
     name, spec, twin, adapt = family
     groups, kept = attention_kinds(spec, twin)
     assert not kept, kept
-    mixers = [layer.index for layer in spec.layers if layer.attention.kind.startswith(("ssm:", "linear:"))]
+    mixers = [layer.index for layer in spec.layers if layer.attention.kind.startswith(("ssm:", "linear:", "conv"))]
     assert sorted(i for g in groups for i in g["indices"]) == mixers
     result = verify_swaps(spec, twin, adapt, seeds=(0, 1))
     assert result.passed, result.note or [r.grad_failures for r in result.seeds]
-    assert result.replaced == result.expected >= 1
+    assert result.replaced == result.expected >= (0 if name == "lfm3" else 1)  # LFM3's MLPs are dense
     for r in result.seeds:
         assert r.runtime_attention_calls > 0 and r.runtime_loss_calls == 1 and r.original_calls == 0
     # the sequence core itself ran (not only the causal conv beside it)
@@ -67,10 +67,19 @@ def _selective_late(core):
     return late
 
 
+def _conv_late(conv):
+    def late(hidden_states, *args, **kwargs):
+        return conv(hidden_states, *args, **kwargs).roll(1, dims=-1)  # each token gets the previous one's
+    return late
+
+
 def test_a_wrong_decay_fails_verification(family, monkeypatch):
-    """Mamba's decay one token late; lightning's (constant in time) that of the neighbouring head."""
+    """Mamba's decay one token late; lightning's (constant in time) that of the neighbouring head; a short
+    conv mixer's output one token late."""
     name, spec, twin, adapt = family
-    if FAMILIES[name] == "selective_scan":
+    if FAMILIES[name] == "short_conv":
+        monkeypatch.setattr(swap, "causal_conv1d", _conv_late(swap.causal_conv1d))
+    elif FAMILIES[name] == "selective_scan":
         monkeypatch.setattr(selective_scan, "selective_scan", _selective_late(selective_scan.selective_scan))
     else:
         module = lightning if FAMILIES[name] == "lightning" else ssd

@@ -30,7 +30,9 @@ fallback refuses) and keeps the conv from reaching across them. `chunk_size` ove
 module asks for (the result does not depend on it; the rendered Triton kernels run only at the chunk length
 they were rendered for).
 
-A block that writes its scan inline instead of calling such a function is handed to
+A block whose only mixer is the causal conv (a gated short convolution, as in LFM) has the conv swapped
+(counted as "short_conv"; the runtime's conv also keeps packed sequences apart, which transformers' fallback
+does not). A block that writes its scan inline instead of calling such a function is handed to
 `runtime.attention.lightning.swap_lightning_attention`, which takes it only if it is lightning attention.
 
 Returns what was swapped: {global name: kind}, kind one of "chunk_gated_delta", "ssd_chunk_scan",
@@ -176,7 +178,7 @@ _PROBES = {"chunk_gated_delta": _probe_chunk, "causal_conv1d": _probe_conv, "ssd
            "selective_scan": _probe_selective}
 
 
-def _runtime_function(kind: str, module, override_chunk: int | None):
+def _runtime_function(kind: str, module, override_chunk: int | None, conv_mixer: bool = False):
     counts = module.runtime_core_calls
 
     if kind == "chunk_gated_delta":
@@ -210,9 +212,12 @@ def _runtime_function(kind: str, module, override_chunk: int | None):
             return selective_scan(*args, **kwargs)
         return selective_core
 
+    # counted apart when the conv is the block's only mixer: verification then needs it to have run
+    label = "short_conv" if conv_mixer else kind
+
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
-        CALLS[kind] += 1
-        counts[kind] += 1
+        CALLS[label] += 1
+        counts[label] += 1
         return causal_conv1d(hidden_states, weight, bias, activation, seq_idx=kwargs.get("seq_idx"),
                              cu_seqlens=kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q")))
     return conv
@@ -260,7 +265,8 @@ def swap_linear_core(module: torch.nn.Module, *, chunk_size: int | None = None, 
     if getattr(type(module), "_runtime_base", None) is not None:
         return dict(module._runtime_kinds)
     found = find_linear_cores(module)
-    if not set(SEQUENCE_CORES) & set(found.values()):
+    conv_mixer = set(found.values()) == {"causal_conv1d"}  # a gated short conv (LFM): the conv is its mixer
+    if not set(SEQUENCE_CORES) & set(found.values()) and not conv_mixer:
         from runtime.attention.lightning import swap_lightning_attention
 
         try:  # a block that writes its scan inline: the runtime reads it whole, if it is lightning attention
@@ -279,7 +285,8 @@ def swap_linear_core(module: torch.nn.Module, *, chunk_size: int | None = None, 
                                  f"compute the same thing as the runtime's on a probe; not swapped")
     module.runtime_core_calls = collections.Counter()
     module._runtime_kinds = dict(found)
-    module._runtime_functions = {name: _runtime_function(kind, module, chunk_size) for name, kind in found.items()}
+    module._runtime_functions = {name: _runtime_function(kind, module, chunk_size, conv_mixer)
+                                 for name, kind in found.items()}
     module.__class__ = _swapped_class(type(module))
     return dict(found)
 
