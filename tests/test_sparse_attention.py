@@ -320,5 +320,7 @@ def test_rendered_triton_kernel_matches_reference_under_interpreter(tmp_path):
     result = subprocess.run([sys.executable, str(HERE / "kernels" / "check_sparse_attention_triton.py"), str(path)],
                             check=False, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    for line in ("loaded and registered", "dv H=4 Hkv=1", "HF DeepSeek-V3.2 logits, triton kernel: ok"):
+    for line in ("loaded and registered", "dv H=4 Hkv=1", "dsinks H=4 Hkv=1 Dk=8 Dv=20 K=5 sinks: ok",
+                 "dispatch: sinks to the triton kernel", "HF DeepSeek-V3.2 logits, triton kernel: ok",
+                 "HF HunYuan-V4 logits, triton kernel: ok", "grad model.layers.1.self_attn.sinks: ok"):
         assert line in result.stdout

@@ -18,11 +18,15 @@ The reference never builds a query x key tensor: it walks the queries in chunks 
 gathering each query's picked keys, or, while the context is short against K, one GEMM over all keys masked to
 the picks), and keeps only the output and one log-sum-exp per query and head for backward, which recomputes each
 chunk's probabilities. Memory: the (B, S, K) indices, the output, and one bounded chunk.
-Backend dispatch (`runtime.kernels.registry`, op "attention.sparse") may swap in a rendered Triton kernel
-(without sinks: the kernel has no sink term, so attention with sinks runs this reference).
+Backend dispatch (`runtime.kernels.registry`, op "attention.sparse") may swap in a rendered Triton kernel,
+sinks included when the kernel takes a `sinks` argument; a kernel rendered before the template had a sink term
+(an older bundle) still runs attention without sinks, and attention with sinks then runs this reference.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -101,6 +105,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     """Softmax attention of each query over the keys `indices` names (-1: none), and each head's sink logit when
     `sinks` (H,) is given; see the module docstring."""
     check_shapes(q, k, v, indices, sinks)
-    if sinks is not None:
-        return sparse_attention_reference(q, k, v, indices, scale, sinks)
-    return registry.lookup("attention.sparse", sparse_attention_reference)(q, k, v, indices, scale)
+    kernel = registry.lookup("attention.sparse", sparse_attention_reference)
+    if sinks is None:
+        return kernel(q, k, v, indices, scale)
+    if not takes_sinks(kernel):
+        kernel = sparse_attention_reference
+    return kernel(q, k, v, indices, scale, sinks)
+
+
+@functools.cache
+def takes_sinks(kernel) -> bool:
+    """Whether a registered kernel has a sink term: a `sinks` parameter. Asked by signature, not by backend, so
+    a kernel a bundle rendered before the template had sinks keeps the sink-free attention it can do."""
+    try:
+        return "sinks" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # a builtin or extension without a signature: assume the old contract
+        return False
