@@ -5,6 +5,11 @@ The chunked core is checked against the token-by-token recurrence in fp64 (an al
 nemotron_h and granitemoehybrid modeling modules: output, final state and the gradient of every input.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -287,3 +292,23 @@ def test_ssd_rejects_what_it_cannot_do():
         ssd_chunk_scan(*args, 8, z=torch.randn_like(inputs["hidden_states"]))
     with pytest.raises(ValueError, match="seq_idx"):
         ssd_chunk_scan(*args, 8, seq_idx=torch.zeros(1, 12, dtype=torch.long))
+
+
+def test_rendered_triton_kernels_match_the_pytorch_path(tmp_path):
+    """templates/kernels/scalar_decay_triton.py.j2 rendered small (two key and two value tiles of the state),
+    run by Triton's CPU interpreter in its own process (Triton reads TRITON_INTERPRET at import): output, final
+    state and every gradient against `chunk_scalar_decay`'s PyTorch path, grouped heads, a padded last chunk."""
+    pytest.importorskip("triton")
+    from onboard.codegen import environment
+
+    source = environment().get_template("kernels/scalar_decay_triton.py.j2").render(
+        name="tiny", head_k=32, head_v=32, chunk=16, block_k=16, block_v=16, dtype="bf16")
+    (tmp_path / "scalar_decay_triton.py").write_text(source)
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(here / "kernels" / "check_scalar_decay_triton.py"), str(tmp_path)],
+                            check=False, capture_output=True, text=True, env=env, timeout=600, cwd=here.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for line in ("grouped heads dg: ok", "strong decay dg: ok", "bf16 dq: ok", "fallbacks: ok",
+                 "registered under the triton backend: ok"):
+        assert line in result.stdout, result.stdout

@@ -34,6 +34,9 @@ import torch.nn.functional as F
 
 from runtime.attention.decay_pairs import LOG_DECAY_FLOOR, decay_exp
 from runtime.attention.delta_reference import compute_dtype
+from runtime.kernels import registry
+
+OP = "linear_attention.chunk_scalar_decay"
 
 
 def _check(q, k, v, g):
@@ -136,13 +139,27 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """q, k (B, T, Hk, K); v (B, T, H, V), H a multiple of Hk; g (B, T, H) log decay (<= 0); initial_state
     (B, H, K, V) or None (zeros); reset (B, T) bool or None (True: drop the state before this token).
     Computes in fp32 at least (fp64 stays fp64). Returns (o (B, T, H, V) in the compute dtype, final state
-    (B, H, K, V) or None). The result does not depend on chunk_size."""
-    group = _check(q, k, v, g)
+    (B, H, K, V) or None). The result does not depend on chunk_size.
+
+    Runs the backend's implementation of OP where one is registered (a rendered Triton kernel: it falls back
+    here for shapes it was not rendered for); packed sequences (`reset`) always take the PyTorch path."""
+    _check(q, k, v, g)
+    if reset is None:
+        o, final = registry.lookup(OP, _chunk_core)(q, k, v, g, initial_state, chunk_size)
+    else:
+        o, final = _chunk_core(q, k, v, g, initial_state, chunk_size, reset)
+    return o, final if output_final_state else None
+
+
+def _chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
+                chunk: int, reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op that backend dispatch swaps (OP): `chunk_scalar_decay`'s inputs as given (shapes checked), the
+    chunk length; returns (o, final state) in the compute dtype, the final state always."""
+    group = v.shape[2] // k.shape[2]
     dtype = compute_dtype(v)
     q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
     batch, length, key_heads, kd = k.shape
     heads, vd = v.shape[2:]
-    chunk = chunk_size
     pad = -length % chunk
     if pad:  # zero keys and values with zero log decay leave the state as it is
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
@@ -186,8 +203,7 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     o = o + o_start * from_start.permute(0, 1, 3, 4, 2).unsqueeze(-1)
 
     o = o.permute(0, 2, 3, 1, 4, 5).reshape(batch, n * chunk, heads, vd)[:, :length]
-    final = state.transpose(2, 3).reshape(batch, heads, kd, vd) if output_final_state else None
-    return o, final
+    return o, state.transpose(2, 3).reshape(batch, heads, kd, vd)
 
 
 def recurrent_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
