@@ -44,8 +44,9 @@ def mixer_flops(attn: Attention, seq_len: int) -> float:
         return 2 * h * (dk + dv) * selected + indexer
     if kind.startswith("linear") or kind.startswith("ssm"):
         d = attn.head_dim or 0
-        # state update + readout (2 d x d products) and the intra-chunk quadratic part
-        return 2 * h * (2 * d * d + LINEAR_CHUNK * 2 * d)
+        dk = attn.state_size or d  # a state-space head's state is (state size x head dim)
+        # state update + readout (2 dk x d products) and the intra-chunk quadratic part
+        return 2 * h * (2 * dk * d + LINEAR_CHUNK * (dk + d))
     return 0.0
 
 

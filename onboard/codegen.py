@@ -314,15 +314,38 @@ def _is_pow2(n: int | None) -> bool:
     return bool(n) and n >= 16 and n & (n - 1) == 0
 
 
+def _scalar_decay_core(twin: Twin, layer: Layer, path: str) -> bool:
+    """Whether a swapped linear-attention layer runs on the runtime's scalar-decay scan (SSD or lightning)."""
+    from runtime.attention import find_linear_cores
+    from runtime.attention.lightning import PARTS
+
+    try:
+        module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
+    except AttributeError:
+        return False
+    kinds = set(find_linear_cores(module).values())
+    return "ssd_chunk_scan" in kinds or (not kinds and all(hasattr(module, part) for part in PARTS))
+
+
 def _attention_kernels(spec: ModelSpec, twin: Twin, refused: dict | None) -> dict[str, str]:
     """The gated delta rule kernel for the first swapped delta-rule attention whose head dims it can tile (one
     op in the registry: a model mixing gate kinds keeps the others on the PyTorch path), and the DSA kernel."""
     out = {}
     groups, _ = attention_kinds(spec, twin, refused)
-    by_index = {layer.index: layer.attention for layer in spec.layers}
+    by_index = {layer.index: layer for layer in spec.layers}
     for group in groups:
-        attn = by_index[group["indices"][0]]
+        layer = by_index[group["indices"][0]]
+        attn = layer.attention
         head_k, head_v = attn.head_dim, attn.v_head_dim or attn.head_dim
+        if (group["mode"] == "linear" and "scalar_decay_triton.py" not in out
+                and _scalar_decay_core(twin, layer, group["path"])):
+            # Mamba2's SSD (keys are B: the state size) and lightning attention (keys are the head size)
+            head_k = attn.state_size or attn.head_dim
+            if _is_pow2(head_k) and _is_pow2(attn.head_dim):
+                out["scalar_decay_triton.py"] = environment().get_template("kernels/scalar_decay_triton.py.j2").render(
+                    name=spec.name, head_k=head_k, head_v=attn.head_dim, chunk=64, block_k=min(head_k, 64),
+                    block_v=min(attn.head_dim, 64), dtype=KERNEL_DTYPE)
+            continue
         if (group["mode"] == "linear" and attn.gate in ("scalar", "channel") and "gated_delta_triton.py" not in out
                 and _is_pow2(head_k) and _is_pow2(head_v)):
             out["gated_delta_triton.py"] = environment().get_template("kernels/gated_delta_triton.py.j2").render(

@@ -213,9 +213,16 @@ def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_cfg) -> Att
     f = a.facts
     if a.kind.startswith(("linear", "ssm", "conv")):
         heads = full.value(["linear_v_heads", "linear_heads", "ssm_heads", "heads"], f.get("num_heads"))
+        head_dim = full.config("linear_head_dim") or full.config("ssm_head_dim")
+        if a.kind.startswith("ssm"):
+            heads = heads or full.config("ssm_heads")
+        elif a.kind == "linear:lightning":  # the model's own attention heads and head size
+            heads = heads or full.config("heads")
+            head_dim = head_dim or full.config("head_dim") or (
+                full.value("hidden", twin_cfg.hidden_size) // heads if heads else None)
         return Attention(kind=a.kind, path=a.path, num_heads=heads, conv_kernel=f.get("conv_kernel"),
-                         gate=f.get("gate"),
-                         head_dim=full.config("linear_head_dim") or full.config("ssm_head_dim"))
+                         gate=f.get("gate"), head_dim=head_dim,
+                         state_size=full.config("ssm_state") if a.kind.startswith("ssm") else None)
     attn = Attention(
         kind=a.kind, path=a.path, num_heads=full.value("heads", f.get("num_heads")),
         num_kv_heads=full.value(["kv_heads", "heads"], f.get("num_kv_heads")),

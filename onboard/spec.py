@@ -84,6 +84,7 @@ class Attention:
     index_head_dim: int | None = None
     conv_kernel: int | None = None
     gate: str | None = None  # linear attention decay: "scalar" per head or "channel" per key channel
+    state_size: int | None = None  # state-space mixers: the state dim per head (Mamba's d_state / N)
 
 
 @dataclass

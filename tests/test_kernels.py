@@ -84,3 +84,26 @@ def test_hybrid_models_get_attention_and_loss_kernels_at_their_full_scale_shapes
     # a refused attention reading takes its kernel out with it
     refused = {f"attention:{swapped.path}": "refused for the test"}
     assert attention_kernel not in render_kernels(spec, twin, refused)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "minimax"])
+def test_scalar_decay_models_get_its_kernel_with_keys_of_state_or_head_size(family):
+    """Mamba2's SSD scan runs on the scalar-decay core with B (the state) as keys; lightning attention with its
+    heads' keys: the bundle's kernel is rendered at those full-scale sizes."""
+    from onboard.capture import capture
+    from onboard.families import default_config
+    from onboard.inspection import build_spec
+    from onboard.source import from_config
+    from onboard.twin import build_twin
+
+    config = default_config(family)
+    source = from_config(config, family)
+    twin = build_twin(source)
+    spec = build_spec(source, twin, capture(twin))
+    kernels = render_kernels(spec, twin)
+    assert "scalar_decay_triton.py" in kernels and "gated_delta_triton.py" not in kernels
+    keys = config.ssm_state_size if family == "nemotron_h" else config.head_dim or config.hidden_size // config.num_attention_heads
+    values = config.mamba_head_dim if family == "nemotron_h" else keys
+    assert f"HEAD_K = {keys}" in kernels["scalar_decay_triton.py"]
+    assert f"HEAD_V = {values}" in kernels["scalar_decay_triton.py"]
+    compile(kernels["scalar_decay_triton.py"], "scalar_decay_triton.py", "exec")
