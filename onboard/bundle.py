@@ -62,10 +62,20 @@ def render_review(spec: ModelSpec, twin: Twin, verification: Verification, refus
         params_total=human(spec.params_total), params_active=human(spec.params_active),
         twin_hidden=twin.config.hidden_size, twin_layers=len(twin.layer_signatures),
         loss=loss, loss_why=loss_why, attention=attention,
-        attention_kept=by_reason(attention_skipped),
+        attention_kept=by_reason(attention_skipped), core_names=CORE_NAMES,
         softmax_kinds=", ".join(sorted({layer.attention.kind for layer in spec.layers
-                                        if not layer.attention.kind.startswith(("linear:", "sparse:", "ssm:"))})),
+                                        if not layer.attention.kind.startswith(("linear:", "sparse:", "ssm:",
+                                                                                  "conv"))})),
     )
+
+
+CORE_NAMES = {  # what REVIEW.md calls each runtime core a swapped linear-attention layer runs
+    "chunk_gated_delta": "chunk-parallel gated delta rule (`chunk_gated_delta_rule`)",
+    "ssd_chunk_scan": "Mamba2 SSD chunk scan on the scalar-decay core (`ssd_chunk_scan`)",
+    "selective_scan": "Mamba1 selective scan (`selective_scan.selective_scan`)",
+    "lightning": "lightning-attention block on the scalar-decay core (`swap_lightning_attention`)",
+    "causal_conv1d": "causal conv (`causal_conv1d`)",
+}
 
 
 def _check_out(out: Path, force: bool) -> None:

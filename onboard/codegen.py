@@ -173,9 +173,28 @@ def attention_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) ->
                     kept[i] = (f"{kind}: it shares its attention implementation with layers "
                                f"{ranges(sorted(refused_sparse))}, which stay HuggingFace code")
         groups = {key: indices for key, indices in groups.items() if key[0] != "sparse"}
-    kinds = [{"mode": mode, "path": path, "kind": kind, "indices": indices, "ranges": ranges(indices)}
+    by_index = {layer.index: layer for layer in spec.layers}
+    kinds = [{"mode": mode, "path": path, "kind": kind, "indices": indices, "ranges": ranges(indices),
+              "cores": linear_cores(twin, by_index[indices[0]], path) if mode == "linear" else set()}
              for (mode, path, kind), indices in groups.items()]
     return kinds, kept
+
+
+def linear_cores(twin: Twin, layer: Layer, path: str) -> set[str]:
+    """What the runtime runs for a swapped linear-attention / state-space layer: the kinds of the functions its
+    forward calls (chunk_gated_delta, ssd_chunk_scan, selective_scan, causal_conv1d), or {"lightning"} for a
+    block read whole."""
+    from runtime.attention import find_linear_cores
+    from runtime.attention.lightning import PARTS
+
+    try:
+        module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
+    except AttributeError:
+        return set()
+    kinds = set(find_linear_cores(module).values())
+    if not kinds and all(hasattr(module, part) for part in PARTS):
+        return {"lightning"}
+    return kinds
 
 
 def _experts_module(twin: Twin, layer: int, path: str):
@@ -314,19 +333,6 @@ def _is_pow2(n: int | None) -> bool:
     return bool(n) and n >= 16 and n & (n - 1) == 0
 
 
-def _scalar_decay_core(twin: Twin, layer: Layer, path: str) -> bool:
-    """Whether a swapped linear-attention layer runs on the runtime's scalar-decay scan (SSD or lightning)."""
-    from runtime.attention import find_linear_cores
-    from runtime.attention.lightning import PARTS
-
-    try:
-        module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
-    except AttributeError:
-        return False
-    kinds = set(find_linear_cores(module).values())
-    return "ssd_chunk_scan" in kinds or (not kinds and all(hasattr(module, part) for part in PARTS))
-
-
 def _attention_kernels(spec: ModelSpec, twin: Twin, refused: dict | None) -> dict[str, str]:
     """The gated delta rule kernel for the first swapped delta-rule attention whose head dims it can tile (one
     op in the registry: a model mixing gate kinds keeps the others on the PyTorch path), and the DSA kernel."""
@@ -338,7 +344,7 @@ def _attention_kernels(spec: ModelSpec, twin: Twin, refused: dict | None) -> dic
         attn = layer.attention
         head_k, head_v = attn.head_dim, attn.v_head_dim or attn.head_dim
         if (group["mode"] == "linear" and "scalar_decay_triton.py" not in out
-                and _scalar_decay_core(twin, layer, group["path"])):
+                and group["cores"] & {"ssd_chunk_scan", "lightning"}):
             # Mamba2's SSD (keys are B: the state size) and lightning attention (keys are the head size)
             head_k = attn.state_size or attn.head_dim
             if _is_pow2(head_k) and _is_pow2(attn.head_dim):
