@@ -34,6 +34,8 @@ def describe_attention(a: Attention) -> str:
         parts.append(f"window {a.window}")
     if a.index_topk:
         parts.append(f"indexer {a.index_heads}x{a.index_head_dim}, top-{a.index_topk} keys")
+    if a.state_size:
+        parts.append(f"state {a.state_size}")
     if a.gate:
         parts.append(f"{a.gate} decay")
     if a.conv_kernel:
