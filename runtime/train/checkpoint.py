@@ -5,6 +5,13 @@ only when all ranks are done does rank 0 rename it into place, so a run killed a
 either a complete checkpoint or none (the debris of an interrupted write is removed by the next save).
 The newest `keep` checkpoints are kept. State dicts come from `torch.distributed.checkpoint.state_dict`,
 which names optimizer state by parameter name and handles FSDP2-sharded (DTensor) parameters too.
+
+Under expert parallelism every EP rank holds different experts under the same parameter names, which DCP
+would take for replicas and store once. In the checkpoint those parameters (and their optimizer state)
+therefore carry their global identity: per-module experts their global index, expert stacks the EP slice
+they hold (`...experts.gate_up@ep1of2`). Each slice is stored once (FSDP2 shards over the ranks holding
+the same experts stay DTensors) and loads back to the rank that owns it. The checkpoint records `ep`, and
+a run with another expert-parallel degree is refused rather than handed the wrong experts.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _NAME = re.compile(r"step-(\d{8})")
@@ -46,6 +54,45 @@ def _rng_state() -> dict:
     return state
 
 
+def _expert_shards(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
+    """State-dict key prefix of each expert-parallel experts module -> (EP rank, EP size, experts)."""
+    return {f"{name}." if name else "": m.expert_shard for name, m in model.named_modules()
+            if getattr(m, "expert_shard", None) is not None}
+
+
+def _ep(shards: dict[str, tuple[int, int, int]]) -> int:
+    return max((size for _, size, _ in shards.values()), default=1)
+
+
+def _global_key(key: str, shards: dict[str, tuple[int, int, int]]) -> str:
+    """The checkpoint name of a state-dict key: expert keys made unique across EP ranks."""
+    for prefix, (rank, size, total) in shards.items():
+        if key.startswith(prefix):
+            parts = key[len(prefix):].split(".")
+            if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # one module per expert
+                return prefix + ".".join(["experts", str(rank * (total // size) + int(parts[1])), *parts[2:]])
+            return f"{key}@ep{rank}of{size}"
+    return key
+
+
+def _checkpoint_view(model_state: dict, optim_state: dict, shards: dict) -> tuple[dict, dict]:
+    """The state dicts under checkpoint names (the same tensors; param_groups keep local names, which are
+    the same on every rank)."""
+    if not shards:
+        return model_state, optim_state
+    return ({_global_key(k, shards): v for k, v in model_state.items()},
+            {**optim_state, "state": {_global_key(k, shards): v for k, v in optim_state["state"].items()}})
+
+
+def _local_view(model_state: dict, optim_state: dict, view: tuple[dict, dict], shards: dict) -> tuple[dict, dict]:
+    """`view` (as `_checkpoint_view` named it, now loaded) back under the model's own names."""
+    if not shards:
+        return view
+    model_view, optim_view = view
+    return ({k: model_view[_global_key(k, shards)] for k in model_state},
+            {**optim_view, "state": {k: optim_view["state"][_global_key(k, shards)] for k in optim_state["state"]}})
+
+
 def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
          data_position: int, keep: int = 2) -> Path:
     """Write checkpoint `step` (every rank calls this); returns its directory."""
@@ -57,9 +104,10 @@ def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    shards = _expert_shards(model)
+    model_state, optim_state = _checkpoint_view(*get_state_dict(model, optimizer), shards)
     dcp.save({"model": model_state, "optim": optim_state,
-              "train": {"step": step, "data_position": data_position}}, checkpoint_id=str(tmp))
+              "train": {"step": step, "data_position": data_position, "ep": _ep(shards)}}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -81,10 +129,18 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if not found:
         return None
     _, path = found[-1]
+    shards = _expert_shards(model)
+    layout = {"train": {"ep": 1}}  # checkpoints from before `ep` was recorded held no expert-parallel runs
+    dcp.load(layout, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    if layout["train"]["ep"] != _ep(shards):
+        raise ValueError(f"checkpoint {path} was saved with expert parallelism ep={layout['train']['ep']} and "
+                         f"this run has ep={_ep(shards)}: resume with the plan's ep it was saved with")
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "train": {"step": 0, "data_position": 0}}
+    model_view, optim_view = _checkpoint_view(model_state, optim_state, shards)
+    state = {"model": model_view, "optim": optim_view, "train": {"step": 0, "data_position": 0}}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     rng = path / f"rng-{_rank()}.pt"
     if rng.is_file():
         saved = torch.load(rng, weights_only=True)

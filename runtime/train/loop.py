@@ -164,9 +164,6 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     if world > 1 or plan.lora is not None:
         from runtime.parallel import build_mesh, parallelize
 
-        if plan.ep > 1 and cfg.checkpoint_dir:
-            raise ValueError("checkpoints of expert-parallel runs are not supported yet (experts are plain "
-                             "per-rank tensors that the checkpoint would take for replicas)")
         mesh = build_mesh(plan)
         model = parallelize(model, plan, mesh)  # LoRA, expert parallelism, FSDP2 (gradient reduction included)
     apply_recompute(model, plan.recompute)
