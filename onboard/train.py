@@ -171,13 +171,7 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         raise OnboardError("--steps must be at least 1")
     if data is not None and not Path(data).is_file():
         raise OnboardError(f"{data}: no such token file")
-    if plan.ep > 1:
-        if checkpoint_dir:
-            raise OnboardError("checkpoints of expert-parallel runs are not supported yet: drop --checkpoint-dir "
-                               "or use ep=1")
-        print("onboard: note: expert-parallel run, so no checkpoints are written", file=sys.stderr)
-    else:
-        checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
+    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
     runlog = Path(runlog) if runlog else bundle / "runs" / "train.jsonl"
     if plan.world_size == 1:
         from runtime.train import TrainConfig, train

@@ -92,10 +92,21 @@ class ModuleExperts(nn.Module):
     def num_experts(self) -> int:
         return len(self.experts)
 
+    def _sharded(self) -> bool:
+        if not torch.distributed.is_available():
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        return isinstance(self, FSDPModule) or any(isinstance(e, FSDPModule) for e in self.experts)
+
     def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
         outputs, start = [], 0
+        # under FSDP2 the ranks reduce-scatter the gradients of the experts' parameters together, and a
+        # parameter without a gradient on one rank (its expert got no tokens there) leaves it out of that rank's
+        # reduce-scatter: the ranks' collectives stop matching. So every expert runs, empty slices included.
+        every = self._sharded()
         for expert, n in zip(self.experts, d.counts.tolist()):
-            if n:
+            if n or every:
                 outputs.append(expert(x[start:start + n]))
             start += n
         y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
