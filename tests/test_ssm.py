@@ -312,3 +312,30 @@ def test_rendered_triton_kernels_match_the_pytorch_path(tmp_path):
     for line in ("grouped heads dg: ok", "strong decay dg: ok", "bf16 dq: ok", "fallbacks: ok",
                  "registered under the triton backend: ok"):
         assert line in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swapped_lightning_layer_matches_transformers_in_the_model_dtype(dtype):
+    """MiniMax's lightning block swapped onto the scalar-decay scan: same output, final state and dtypes as its
+    own forward, across several of its blocks (the scan computes in fp32; the projections after it run in the
+    model's dtype, as in transformers)."""
+    import copy
+
+    from transformers import AutoConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    from runtime.attention import swap_lightning_attention
+
+    config = AutoConfig.for_model("minimax", hidden_size=64, num_attention_heads=4, head_dim=16,
+                                  num_hidden_layers=4, block_size=8)
+    torch.manual_seed(0)
+    reference = MiniMaxLightningAttention(config, layer_idx=1).to(dtype)
+    swapped = copy.deepcopy(reference)
+    swap_lightning_attention(swapped, chunk_size=4)
+    x = torch.randn(2, 27, 64).to(dtype)
+    (out, state), (ref_out, ref_state) = swapped(x, None, None), reference(x, None, None)
+    assert out.dtype == ref_out.dtype == dtype and state.dtype == ref_state.dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out.float() - ref_out.float()).abs().max() <= tol * ref_out.float().abs().max()
+    assert (state.float() - ref_state.float()).abs().max() <= tol * ref_state.float().abs().max()
+    assert swapped.runtime_core_calls["lightning"] == 1
