@@ -118,35 +118,38 @@ def loss_target(spec: ModelSpec, twin: Twin, refused: dict | None = None) -> tup
     return {"head": path, "softcap": softcap, "scale": head.get("logit_scale"), "decoder": decoder or None}, None
 
 
-def attention_swap(layer: Layer, twin: Twin, refused: dict | None = None) -> tuple[str | None, str | None]:
-    """How the adapter runs a layer's attention in the runtime: ("linear", None) for a chunked sequence core
-    (gated delta rule, Mamba2 SSD, Mamba1 selective scan, lightning attention), ("sparse", None) for DSA, or (None, why it stays HuggingFace code). Decided by trying the
+def attention_swap(layer: Layer, twin: Twin,
+                   refused: dict | None = None) -> tuple[str | None, str | None, set[str]]:
+    """How the adapter runs a layer's attention in the runtime: ("linear", None, cores) for a chunked sequence
+    core (gated delta rule, Mamba2 SSD, Mamba1 selective scan, lightning attention, a short conv), cores being
+    what the swap takes over (chunk_gated_delta, ssd_chunk_scan, selective_scan, causal_conv1d, lightning);
+    ("sparse", None, set()) for DSA; or (None, why it stays HuggingFace code, set()). Decided by trying the
     runtime's swap on a copy of the twin's module, so a family whose functions only look right stays as it is."""
     from runtime.attention import swap_linear_core, swap_sparse_attention
 
     kind, path = layer.attention.kind, layer.attention.path
     if refused and f"attention:{path}" in refused:
-        return None, refused[f"attention:{path}"]
+        return None, refused[f"attention:{path}"], set()
     if kind.startswith(("linear:", "ssm:", "conv")):
         mode, swap = "linear", swap_linear_core
     elif kind == "sparse:dsa":
         mode, swap = "sparse", lambda m: swap_sparse_attention(m, paths=[""])
     else:
-        return None, None  # softmax-family attention: transformers' own sdpa / flash paths serve it
+        return None, None, set()  # softmax-family attention: transformers' own sdpa / flash paths serve it
     configs = [(c, c._attn_implementation) for c in {id(c): c for c in _configs(twin.model)}.values()]
     try:
         module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
         copied = copy.deepcopy(module)
         result = swap(copied)
     except (AttributeError, ValueError) as exc:
-        return None, one_line(exc)
+        return None, one_line(exc), set()
     finally:  # the trial swap may have set the attention implementation of a config the twin shares
         for config, implementation in configs:
             if config._attn_implementation != implementation:
                 config._attn_implementation = implementation
-    if mode == "sparse" and result.kept:
-        return None, "; ".join(result.kept.values())
-    return mode, None
+    if mode == "sparse":
+        return (None, "; ".join(result.kept.values()), set()) if result.kept else (mode, None, set())
+    return mode, None, set(result.values())  # {function name: core kind}, or {"forward": "lightning"}
 
 
 def _configs(model):
@@ -157,11 +160,14 @@ def attention_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) ->
     """Attention layers the adapter swaps, grouped by (mode, module path); and why other linear / sparse
     attention layers stay as they are."""
     groups: dict[tuple, list[int]] = {}
+    cores: dict[tuple, set[str]] = {}
     kept: dict[int, str] = {}
     for layer in spec.layers:
-        mode, why = attention_swap(layer, twin, refused)
+        mode, why, layer_cores = attention_swap(layer, twin, refused)
         if mode:
-            groups.setdefault((mode, layer.attention.path, layer.attention.kind), []).append(layer.index)
+            key = (mode, layer.attention.path, layer.attention.kind)
+            groups.setdefault(key, []).append(layer.index)
+            cores.setdefault(key, layer_cores)
         elif why:
             kept[layer.index] = f"{layer.attention.kind}: {why}"
     refused_sparse = [i for i, why in kept.items() if why.startswith("sparse:")]
@@ -173,28 +179,10 @@ def attention_kinds(spec: ModelSpec, twin: Twin, refused: dict | None = None) ->
                     kept[i] = (f"{kind}: it shares its attention implementation with layers "
                                f"{ranges(sorted(refused_sparse))}, which stay HuggingFace code")
         groups = {key: indices for key, indices in groups.items() if key[0] != "sparse"}
-    by_index = {layer.index: layer for layer in spec.layers}
     kinds = [{"mode": mode, "path": path, "kind": kind, "indices": indices, "ranges": ranges(indices),
-              "cores": linear_cores(twin, by_index[indices[0]], path) if mode == "linear" else set()}
+              "cores": cores[(mode, path, kind)]}
              for (mode, path, kind), indices in groups.items()]
     return kinds, kept
-
-
-def linear_cores(twin: Twin, layer: Layer, path: str) -> set[str]:
-    """What the runtime runs for a swapped linear-attention / state-space layer: the kinds of the functions its
-    forward calls (chunk_gated_delta, ssd_chunk_scan, selective_scan, causal_conv1d), or {"lightning"} for a
-    block read whole."""
-    from runtime.attention import find_linear_cores
-    from runtime.attention.lightning import PARTS
-
-    try:
-        module = twin.model.get_submodule(f"{twin.layers_path}.{layer.twin_layer}.{path}")
-    except AttributeError:
-        return set()
-    kinds = set(find_linear_cores(module).values())
-    if not kinds and all(hasattr(module, part) for part in PARTS):
-        return {"lightning"}
-    return kinds
 
 
 def _experts_module(twin: Twin, layer: int, path: str):
@@ -334,25 +322,23 @@ def _is_pow2(n: int | None) -> bool:
 
 
 def _attention_kernels(spec: ModelSpec, twin: Twin, refused: dict | None) -> dict[str, str]:
-    """The gated delta rule kernel for the first swapped delta-rule attention whose head dims it can tile (one
-    op in the registry: a model mixing gate kinds keeps the others on the PyTorch path), and the DSA kernel."""
+    """The scalar-decay kernel (Mamba2 SSD, lightning) and the gated delta rule kernel, each for the first swapped
+    attention of its kind whose dims it can tile (one op each in the registry: a model mixing gate kinds keeps
+    the others on the PyTorch path), and the DSA kernel."""
     out = {}
     groups, _ = attention_kinds(spec, twin, refused)
     by_index = {layer.index: layer for layer in spec.layers}
     for group in groups:
-        layer = by_index[group["indices"][0]]
-        attn = layer.attention
+        attn = by_index[group["indices"][0]].attention
         head_k, head_v = attn.head_dim, attn.v_head_dim or attn.head_dim
-        if (group["mode"] == "linear" and "scalar_decay_triton.py" not in out
-                and group["cores"] & {"ssd_chunk_scan", "lightning"}):
+        if group["mode"] == "linear" and group["cores"] & {"ssd_chunk_scan", "lightning"}:
             # Mamba2's SSD (keys are B: the state size) and lightning attention (keys are the head size)
             head_k = attn.state_size or attn.head_dim
-            if _is_pow2(head_k) and _is_pow2(attn.head_dim):
+            if "scalar_decay_triton.py" not in out and _is_pow2(head_k) and _is_pow2(attn.head_dim):
                 out["scalar_decay_triton.py"] = environment().get_template("kernels/scalar_decay_triton.py.j2").render(
                     name=spec.name, head_k=head_k, head_v=attn.head_dim, chunk=64, block_k=min(head_k, 64),
                     block_v=min(attn.head_dim, 64), dtype=KERNEL_DTYPE)
-            continue
-        if (group["mode"] == "linear" and attn.gate in ("scalar", "channel") and "gated_delta_triton.py" not in out
+        elif (group["mode"] == "linear" and attn.gate in ("scalar", "channel") and "gated_delta_triton.py" not in out
                 and _is_pow2(head_k) and _is_pow2(head_v)):
             out["gated_delta_triton.py"] = environment().get_template("kernels/gated_delta_triton.py.j2").render(
                 name=spec.name, gate="head" if attn.gate == "scalar" else "channel", head_k=head_k, head_v=head_v,

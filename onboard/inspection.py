@@ -300,9 +300,9 @@ def _head_facts(graph: Graph) -> dict:
         if not bias:
             # a constant factor on the head's input in the causal-LM forward itself, after the decoder's last norm
             # (Inkling's 1 / logits_mup_width_multiplier): with no bias it scales the logits alike
-            before = [n for n in view.ancestors(head) if view.path(n) == "" and _constant_factor(n) is not None]
-            for n in before:
-                facts["logit_scale"] = facts.get("logit_scale", 1.0) * _constant_factor(n)
+            before = [f for n in view.ancestors(head) if view.path(n) == "" and (f := _constant_factor(n)) is not None]
+            for factor in before:
+                facts["logit_scale"] = facts.get("logit_scale", 1.0) * factor
         if tanh:
             divs = [a for n in view.ancestors(tanh[0]) & view.descendants(head) for a in n.args
                     if op_name(n) == "div" and isinstance(a, (int, float))]

@@ -122,11 +122,8 @@ def _probe_chunk(fn) -> bool:
           "use_qk_l2norm_in_kernel": True}
     for gate_shape in ((b, t, h), (b, t, h, d)):
         g = -F.softplus(torch.randn(gate_shape, generator=gen))
-        theirs = _call(fn, q, k, v, g=g, beta=beta, chunk_size=8, **kw)
-        if theirs is None or theirs[1] is None:
-            continue
-        ours = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, **kw)
-        if _close(theirs[0], ours[0]) and _close(theirs[1], ours[1]):
+        if _same_pair(_call(fn, q, k, v, g=g, beta=beta, chunk_size=8, **kw),
+                      chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, **kw)):
             return True
     return False
 
@@ -149,11 +146,8 @@ def _probe_ssd(fn) -> bool:
     kw = {"D": torch.randn(h, generator=gen), "dt_bias": torch.randn(h, generator=gen), "dt_softplus": True,
           "initial_states": torch.randn(b, h, p, n, generator=gen), "return_final_states": True}
     a = -torch.rand(h, generator=gen) * 2
-    theirs = _call(fn, x, dt, a, *bc, chunk_size=8, **kw)
-    if not isinstance(theirs, tuple) or len(theirs) != 2:
-        return False
-    ours = ssd_chunk_scan(x, dt, a, *bc, chunk_size=4, **kw)
-    return _close(theirs[0], ours[0]) and _close(theirs[1], ours[1])
+    return _same_pair(_call(fn, x, dt, a, *bc, chunk_size=8, **kw),
+                      ssd_chunk_scan(x, dt, a, *bc, chunk_size=4, **kw))
 
 
 def _probe_selective(fn) -> bool:
@@ -167,11 +161,13 @@ def _probe_selective(fn) -> bool:
     kw = {"D": torch.randn(d, generator=gen), "z": z, "delta_bias": torch.randn(d, generator=gen),
           "delta_softplus": True, "return_last_state": True}
     a = -torch.rand(d, n, generator=gen) * 2
-    theirs = _call(fn, x, dt, a, *bc, **kw)
-    if not isinstance(theirs, tuple) or len(theirs) != 2:
-        return False
-    ours = selective_scan(x, dt, a, *bc, **kw)
-    return _close(theirs[0], ours[0]) and _close(theirs[1], ours[1])
+    return _same_pair(_call(fn, x, dt, a, *bc, **kw), selective_scan(x, dt, a, *bc, **kw))
+
+
+def _same_pair(theirs, ours: tuple) -> bool:
+    """Whether a probed function returned the runtime's (output, final state)."""
+    return (isinstance(theirs, tuple) and len(theirs) == 2 and theirs[1] is not None
+            and _close(theirs[0], ours[0]) and _close(theirs[1], ours[1]))
 
 
 _PROBES = {"chunk_gated_delta": _probe_chunk, "causal_conv1d": _probe_conv, "ssd_chunk_scan": _probe_ssd,
