@@ -87,3 +87,21 @@ def test_a_wrong_decay_fails_verification(family, monkeypatch):
                             _wrong_decay(module.chunk_scalar_decay, 2 if module is lightning else 1))
     result = verify_swaps(spec, twin, adapt, seeds=(0,))
     assert not result.passed
+
+
+def test_a_mixer_whose_scan_stays_huggingface_code_fails_verification(family, monkeypatch):
+    """The conv beside a scan does not count: if only the conv runs in the runtime, the mixer was not swapped."""
+    name, spec, twin, adapt = family
+    if FAMILIES[name] not in ("ssd_chunk_scan", "selective_scan"):
+        pytest.skip("only Mamba mixers have a conv beside their scan")
+    runtime_function = swap._runtime_function
+
+    def conv_only(kind, module, *args):
+        if kind == "causal_conv1d":
+            return runtime_function(kind, module, *args)
+        namespace = importlib.import_module(type(module).__module__).__dict__
+        return next(namespace[n] for n, k in module._runtime_kinds.items() if k == kind)  # HF's own scan
+
+    monkeypatch.setattr(swap, "_runtime_function", conv_only)
+    result = verify_swaps(spec, twin, adapt, seeds=(0,))
+    assert not result.passed and "the runtime attention did not run" in result.note
