@@ -84,8 +84,10 @@ def _check_out(out: Path, force: bool) -> None:
     if out.exists() and any(out.iterdir()) and not force:
         raise OnboardError(f"{out} already holds a bundle; pass --force to replace it")
     parent = out.parent if str(out.parent) else Path(".")
-    if not parent.exists():
-        raise OnboardError(f"{parent} does not exist: create it first or choose another --out")
+    try:  # the default --out, bundles/<model>, starts a bundles/ folder on a fresh checkout
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OnboardError(f"cannot create {parent}: {exc.strerror or exc}") from None
     try:
         probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".onboard-probe-")
         probe.close()

@@ -278,3 +278,11 @@ def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():
     assert spec.head["logit_softcap"] == pytest.approx(default_config("inkling2_text").final_logit_softcapping)
     target, why = loss_target(spec, twin)
     assert why is None and target["softcap"] == spec.head["logit_softcap"]
+
+
+def test_missing_parent_folders_of_out_are_created(tmp_path):
+    """`onboard adapt MODEL` writes to bundles/<model> by default: on a fresh checkout bundles/ does not exist."""
+    out = tmp_path / "bundles" / "nested" / "b"
+    result = _cli("adapt", "olmoe-1b-7b", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert (out / "REVIEW.md").is_file() and (out / "adapter.py").is_file()
