@@ -31,7 +31,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 SIDES = ("runtime", "transformers")
 NAMES = ("hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")

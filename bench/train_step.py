@@ -66,7 +66,7 @@ def run_variant(arch: str, variant: str, bundle: str | None, tokens: int, batch:
     params = sum(p.numel() for p in model.parameters())
     if variant == "adapted":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from onboard.bundle import load_adapter
+        from onboard.bundle_files import load_adapter
 
         load_adapter(Path(bundle)).adapt(model)
     model.train()

@@ -115,29 +115,28 @@ def support_row(model_type: str, adapt_dir=None) -> dict:
 
 
 def _adapt_row(source, spec, adapt_dir) -> dict:
-    import json
     from pathlib import Path
 
     from onboard.bundle import adapt
-    from onboard.codegen import replaceable
+    from onboard.bundle_files import read_decision
+    from onboard.decision import by_reason
 
     out = Path(adapt_dir) / source.name
     try:
         _, verification = adapt(source, out, force=True)
     except Exception as exc:
         return {"adapt": "error", "adapt_why": " ".join(str(exc).split())[:200]}
-    recorded = json.loads((out / "verification.json").read_text())
-    refused, partial = recorded.get("refused", {}), recorded.get("experts_only", {})
-    reasons = sorted({f"experts only ({why})" for why in partial.values()})
-    kept = {why for layer in spec.layers if layer.mlp.kind == "moe" and (why := replaceable(layer.mlp, refused))}
-    reasons += sorted(kept - set(partial.values()))
+    decision = read_decision(out)
+    partial = {e.why for e in decision.moe if e.takes == "experts"}
+    reasons = sorted(f"experts only ({why})" for why in partial)
+    reasons += sorted(set(decision.kept_moe().values()) - partial)
     seeds = verification.seeds
     return {"adapt": "verified" if verification.passed else "FAILED", "replaced": verification.replaced,
             "adapt_why": "; ".join(reasons),
             "attention_swapped": bool(seeds) and all(r.runtime_attention_calls for r in seeds),
             "loss_swapped": bool(seeds) and all(r.runtime_loss_calls for r in seeds),
-            "loss_why": recorded.get("kept", {}).get("loss") or "",
-            "attention_why": "; ".join(recorded.get("kept", {}).get("attention", {}).values())}
+            "loss_why": decision.loss.why or "",
+            "attention_why": "; ".join(why for _, why in by_reason(decision.kept_attention()))}
 
 
 def markdown(rows: list[dict]) -> str:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from onboard.capture import Capture, Graph, capture
+from onboard.config_dict import walk
 from onboard.errors import OnboardError
 from onboard.graph import GraphView, op_name
 from onboard.graph import parent as parent_path
@@ -20,14 +21,7 @@ from onboard.patterns.dense import DenseMatch, match_dense_mlp, norm_kinds
 from onboard.patterns.moe import MoEMatch, match_moe
 from onboard.source import ModelSource, resolve
 from onboard.spec import MLP, Attention, Layer, ModelSpec, Unmatched
-from onboard.twin import (
-    TEST_SEQ_LEN,
-    Twin,
-    _walk,
-    build_twin,
-    find_layer_stack,
-    meaning_of,
-)
+from onboard.twin import TEST_SEQ_LEN, Twin, build_twin, find_layer_stack, meaning_of
 
 
 @dataclass
@@ -104,7 +98,7 @@ class FullScale:
         self.layers_path, self.stack = find_layer_stack(self.model, len(twin.full_layer_signatures))
         self.config_values: dict[str, list] = {}
         self.config_keys: dict[str, list[tuple[str, int]]] = {}
-        for path, key, value in _walk(source.config.to_dict()):
+        for path, key, value in walk(source.config.to_dict()):
             meaning = meaning_of(key)
             if meaning and isinstance(value, int) and not isinstance(value, bool):
                 self.config_values.setdefault(meaning, []).append(value)

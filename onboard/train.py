@@ -19,28 +19,12 @@ from pathlib import Path
 
 import torch
 
+from onboard.bundle_files import load_adapter, read_bundle
 from onboard.errors import OnboardError, one_line
 from runtime.plan import Plan
 
 # twin config fields that grow with --width (head count grows, head size stays)
 _WIDE = ("hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn")
-
-
-def read_bundle(bundle) -> tuple[Path, dict, dict]:
-    """The bundle directory, its spec and its source record; one-line errors for anything missing."""
-    bundle = Path(bundle)
-    if not bundle.is_dir():
-        raise OnboardError(f"{bundle}: no such bundle directory (write one with `onboard adapt MODEL --out DIR`)")
-    missing = [f for f in ("spec.json", "adapter.py", "source.json") if not (bundle / f).is_file()]
-    if missing:
-        raise OnboardError(f"{bundle} is not a bundle: missing {', '.join(missing)}")
-    try:
-        spec = json.loads((bundle / "spec.json").read_text())
-        origin = json.loads((bundle / "source.json").read_text())
-        origin["ref"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
-    return bundle, spec, origin
 
 
 def read_plan(path) -> Plan:
@@ -58,16 +42,8 @@ def train_config(bundle, *, layers: int | None = None, width: int = 1) -> dict:
     """The config the loop trains: the bundle's tiny twin, or its first `layers` layers at twin width,
     `width` times wider (more heads of the same size, wider MLPs)."""
     from onboard.source import resolve
-    from onboard.twin import (
-        _get,
-        _layers_key,
-        _set,
-        _truncate_layers,
-        _walk,
-        build_twin,
-        meaning_of,
-        shrink_config_dict,
-    )
+    from onboard.config_dict import get, layers_key, put, truncate_layers, walk
+    from onboard.twin import build_twin, meaning_of, shrink_config_dict
 
     if width < 1 or (layers is not None and layers < 1):
         raise OnboardError("--layers and --width must be at least 1")
@@ -77,17 +53,17 @@ def train_config(bundle, *, layers: int | None = None, width: int = 1) -> dict:
         cfg = build_twin(source, run_check=False).config.to_dict()
     else:
         cfg, _ = shrink_config_dict(source.config.to_dict())
-        key = _layers_key(cfg)
+        key = layers_key(cfg)
         if key is None:
             raise OnboardError(f"{bundle}: the model config has no layer count to set")
-        full = _get(cfg, key)
+        full = get(cfg, key)
         if layers > full:
             raise OnboardError(f"{bundle}: the model has {full} layers; --layers may not exceed that")
-        _truncate_layers(cfg, key, full, layers)
+        truncate_layers(cfg, key, full, layers)
     if width > 1:
-        for path, key, value in list(_walk(cfg)):
+        for path, key, value in list(walk(cfg)):
             if meaning_of(key) in _WIDE and isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                _set(cfg, path, value * width)
+                put(cfg, path, value * width)
     return cfg
 
 
@@ -101,16 +77,17 @@ def _record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) -> dict:
     from the config field that holds it at full scale (`full`) and read back from the trained config."""
     import hashlib
 
-    from onboard.twin import _get, _walk, meaning_of
+    from onboard.config_dict import get, walk
+    from onboard.twin import meaning_of
     from runtime.moe.block import MoEBlock
     from runtime.runlog import model_record
 
     record = model_record(spec)
-    sizes = [(path, key, value) for path, key, value in _walk(full) if meaning_of(key) and isinstance(value, int)]
+    sizes = [(path, key, value) for path, key, value in walk(full) if meaning_of(key) and isinstance(value, int)]
     for name, meaning in _FIELD_MEANINGS.items():
         value = record.get(name)
         holders = [(meaning_of(key) != meaning, path) for path, key, v in sizes if v == value]
-        trained = _get(cfg, min(holders)[1]) if holders else None
+        trained = get(cfg, min(holders)[1]) if holders else None
         if isinstance(trained, int) and not isinstance(trained, bool):
             record[name] = trained
         elif name == "head_dim" and value and record.get("heads") and not holders:  # implied: hidden / heads
@@ -136,7 +113,6 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
 
     `config` is a JSON file written by `train_config` (the launcher computes it once for every rank).
     """
-    from onboard.bundle import load_adapter
     from onboard.source import resolve
 
     bundle, spec, origin = read_bundle(bundle)

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from onboard.config_dict import get, is_size, layers_key, per_layer_lists, put, truncate_layers, walk
 from onboard.errors import OnboardError, one_line
 from onboard.source import ModelSource
+from runtime import model_tree
 
 TEST_SEQ_LEN = 32
 TEST_BATCH = 2
@@ -113,6 +115,17 @@ class Twin:
     def shrunk(self, meaning: str) -> list[Shrink]:
         return [s for s in self.shrinks if s.meaning == meaning]
 
+    def module(self, path: str) -> nn.Module | None:
+        """The twin's module at a dotted path, or None when the twin has none there."""
+        try:
+            return self.model.get_submodule(path)
+        except AttributeError:
+            return None
+
+    def layer_module(self, layer: int, path: str) -> nn.Module | None:
+        """The module at `path` below the twin's decoder layer `layer` (the layer itself for ""), or None."""
+        return self.module(f"{self.layers_path}.{layer}.{path}" if path else f"{self.layers_path}.{layer}")
+
     def forward_once(self, handles: list) -> None:
         """Run the example batch through the twin once (no grad), then remove the given hook handles."""
         try:
@@ -133,34 +146,7 @@ class Twin:
 # Shrinking the config
 
 
-def _walk(d: dict, prefix: str = ""):
-    for key, value in d.items():
-        key = str(key)
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from _walk(value, path + ".")
-        else:
-            yield path, key, value
-
-
-def _get(d: dict, path: str):
-    for part in path.split("."):
-        d = d[part]
-    return d
-
-
-def _set(d: dict, path: str, value) -> None:
-    parts = path.split(".")
-    for part in parts[:-1]:
-        d = d[part]
-    d[parts[-1]] = value
-
-
-def _is_size(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-class _Plan:
+class _ConfigEdit:
     """The twin's values, decided field by field; records every change."""
 
     def __init__(self, cfg: dict):
@@ -168,16 +154,16 @@ class _Plan:
         self.shrinks: list[Shrink] = []
 
     def fields(self, meaning: str):
-        return [(p, v) for p, k, v in _walk(self.cfg) if meaning_of(k) == meaning and _is_size(v)]
+        return [(p, v) for p, k, v in walk(self.cfg) if meaning_of(k) == meaning and is_size(v)]
 
     def first(self, meaning: str):
         found = self.fields(meaning)
         return found[0][1] if found else None
 
     def put(self, path: str, meaning: str, value) -> None:
-        old = _get(self.cfg, path)
+        old = get(self.cfg, path)
         if old != value:
-            _set(self.cfg, path, value)
+            put(self.cfg, path, value)
             earlier = next((s for s in self.shrinks if s.path == path), None)
             if earlier is not None:  # a later rule refines an earlier one: keep the original full value
                 earlier.twin = value
@@ -192,7 +178,7 @@ class _Plan:
             self.put(path, meaning, value_of(old))
 
 
-def _routing(plan: _Plan) -> None:
+def _routing(plan: _ConfigEdit) -> None:
     experts = plan.first("experts")
     top_k = plan.first("top_k")
     if experts is None or experts <= 1:
@@ -220,21 +206,21 @@ def _routing(plan: _Plan) -> None:
     plan.put_all("zero_experts", lambda old: min(old, 2))
 
 
-def _heads(plan: _Plan) -> None:
+def _heads(plan: _ConfigEdit) -> None:
     """Attention heads to 4; key/value heads keep their relation (MHA, GQA or MQA) to the heads beside them."""
-    for path, key, value in list(_walk(plan.cfg)):
-        if meaning_of(key) != "heads" or not _is_size(value):
+    for path, key, value in list(walk(plan.cfg)):
+        if meaning_of(key) != "heads" or not is_size(value):
             continue
         prefix = path[: -len(key)]
         plan.put(path, "heads", SIZES["heads"])
-        for kv_path, kv_key, kv_value in list(_walk(plan.cfg)):
-            if kv_path[: -len(kv_key)] != prefix or meaning_of(kv_key) != "kv_heads" or not _is_size(kv_value):
+        for kv_path, kv_key, kv_value in list(walk(plan.cfg)):
+            if kv_path[: -len(kv_key)] != prefix or meaning_of(kv_key) != "kv_heads" or not is_size(kv_value):
                 continue
             twin = SIZES["heads"] if kv_value >= value else (1 if kv_value == 1 else 2)
             plan.put(kv_path, "kv_heads", twin)
 
 
-def _linear_heads(plan: _Plan) -> None:
+def _linear_heads(plan: _ConfigEdit) -> None:
     k_heads = plan.first("linear_k_heads")
     v_heads = plan.first("linear_v_heads")
     if k_heads:
@@ -245,30 +231,30 @@ def _linear_heads(plan: _Plan) -> None:
 
 def _token_ids(cfg: dict, vocab: int) -> None:
     """Special token ids must stay inside the shrunk vocabulary (embeddings use pad as padding_idx)."""
-    for path, key, value in list(_walk(cfg)):
+    for path, key, value in list(walk(cfg)):
         if key.endswith("token_id") and isinstance(value, int) and value >= vocab:
-            _set(cfg, path, min(value, vocab - 1) if "pad" not in key else 0)
+            put(cfg, path, min(value, vocab - 1) if "pad" not in key else 0)
         elif key.endswith("token_id") and isinstance(value, list):
-            _set(cfg, path, [v if v < vocab else vocab - 1 for v in value if isinstance(v, int)])
+            put(cfg, path, [v if v < vocab else vocab - 1 for v in value if isinstance(v, int)])
 
 
-def _rope(cfg: dict, plan: _Plan) -> None:
+def _rope(cfg: dict, plan: _ConfigEdit) -> None:
     """Rotary sections that partition the head dimension must follow it down."""
-    for path, key, value in list(_walk(cfg)):
+    for path, key, value in list(walk(cfg)):
         if key == "mrope_section" and isinstance(value, list) and value:
             head_dim = plan.first("head_dim") or SIZES["head_dim"]
             full_half = sum(value)
             twin_half = max(len(value), head_dim // 2)
             scaled = [max(1, v * twin_half // full_half) for v in value]
             scaled[0] += twin_half - sum(scaled)
-            _set(cfg, path, scaled)
+            put(cfg, path, scaled)
 
 
 HEAD_DIMS = ("head_dim", "rope_head_dim", "nope_head_dim", "v_head_dim", "index_head_dim", "linear_head_dim",
              "ssm_head_dim")
 
 
-def _tie_equal_head_dims(plan: _Plan) -> None:
+def _tie_equal_head_dims(plan: _ConfigEdit) -> None:
     """Head dims that were equal at full size stay equal (e.g. DeepSeek's head_dim is its rope dim)."""
     by_full: dict[int, list[Shrink]] = {}
     for s in plan.shrinks:
@@ -278,16 +264,16 @@ def _tie_equal_head_dims(plan: _Plan) -> None:
         low = min(s.twin for s in group)
         for s in group:
             if s.twin != low:
-                _set(plan.cfg, s.path, low)
+                put(plan.cfg, s.path, low)
                 s.twin = low
 
 
-def _derived_sizes(plan: _Plan) -> None:
+def _derived_sizes(plan: _ConfigEdit) -> None:
     """Unknown size fields that were a sum or small multiple of shrunk ones follow them down."""
     known = {s.path for s in plan.shrinks}
     dims = [s for s in plan.shrinks if s.meaning in HEAD_DIMS + ("hidden", "heads", "kv_heads", "ffn")]
-    for path, key, value in list(_walk(plan.cfg)):
-        if path in known or not _is_size(value) or not re.search(r"dim|size|heads?$", key):
+    for path, key, value in list(walk(plan.cfg)):
+        if path in known or not is_size(value) or not re.search(r"dim|size|heads?$", key):
             continue
         if meaning_of(key) is not None or key.startswith("max_") or "position" in key or "vocab" in key:
             continue
@@ -308,24 +294,24 @@ def _derived_sizes(plan: _Plan) -> None:
             plan.put(path, "derived", twin)
 
 
-def _split_head_dims(plan: _Plan) -> None:
+def _split_head_dims(plan: _ConfigEdit) -> None:
     """A head dim that was nope + rope at full size (MLA-style split heads) stays their sum."""
     nope = plan.shrunk_meaning("nope_head_dim")
     rope = plan.shrunk_meaning("rope_head_dim")
     if not nope or not rope:
         return
-    for path, key, value in list(_walk(plan.cfg)):
-        if meaning_of(key) == "head_dim" and _is_size(value):
+    for path, key, value in list(walk(plan.cfg)):
+        if meaning_of(key) == "head_dim" and is_size(value):
             full = next((s.full for s in plan.shrinks if s.path == path), value)
             if full == nope.full + rope.full:
                 plan.put(path, "head_dim", nope.twin + rope.twin)
 
 
-def _ssm_heads(plan: _Plan) -> None:
+def _ssm_heads(plan: _ConfigEdit) -> None:
     """Mamba-2 style blocks need heads x head_dim == expand x hidden."""
     heads = plan.fields("ssm_heads")
     head_dims = plan.fields("ssm_head_dim")
-    expand = next((v for p, k, v in _walk(plan.cfg) if k in ("mamba_expand", "expand") and _is_size(v)), None)
+    expand = next((v for p, k, v in walk(plan.cfg) if k in ("mamba_expand", "expand") and is_size(v)), None)
     hidden = plan.first("hidden")
     if not (heads and expand and hidden):
         return
@@ -345,7 +331,7 @@ def _ssm_heads(plan: _Plan) -> None:
 
 def shrink_config_dict(full: dict) -> tuple[dict, list[Shrink]]:
     """Twin-scale values for every field whose meaning the table knows; the rest stays as it was."""
-    plan = _Plan(copy.deepcopy(full))
+    plan = _ConfigEdit(copy.deepcopy(full))
     _routing(plan)
     _heads(plan)
     _linear_heads(plan)
@@ -372,22 +358,11 @@ def shrink_config_dict(full: dict) -> tuple[dict, list[Shrink]]:
 
 
 def find_layer_stack(model: nn.Module, num_layers: int | None) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of decoder layers: the longest ModuleList of structurally similar blocks."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if any(sum(1 for _ in child.parameters()) == 0 for child in module):
-            continue
-        if "expert" in name.split(".")[-1]:  # per-expert lists are nested inside layers; prefer the shallower one
-            continue
-        exact = num_layers is not None and len(module) == num_layers
-        score = (exact, -name.count("."), len(module))
-        if best is None or score > best[0]:
-            best = (score, (name, module))
-    if best is None:
-        raise OnboardError("no decoder layer stack found (no ModuleList of blocks with parameters)")
-    return best[1]
+    """The decoder layer stack (`runtime.model_tree.find_layer_stack`), as an OnboardError when there is none."""
+    try:
+        return model_tree.find_layer_stack(model, num_layers)
+    except ValueError as exc:
+        raise OnboardError(str(exc)) from None
 
 
 def _attr_fingerprint(module: nn.Module) -> list[str]:
@@ -410,39 +385,6 @@ def layer_signature(layer: nn.Module, per_layer_values: tuple = ()) -> str:
     return "|".join(parts)
 
 
-def _is_index_list(key: str, value) -> bool:
-    """Lists of layer indices (``moe_layers``, ``kda_layers``), as opposed to one value per layer."""
-    return (
-        "layer" in key and isinstance(value, list) and len(value) > 0
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        and all(a < b for a, b in zip(value, value[1:]))
-    )
-
-
-def _per_layer_lists(cfg: dict, num_layers: int) -> list[str]:
-    return [
-        path for path, key, value in _walk(cfg)
-        if isinstance(value, list) and len(value) == num_layers and not _is_index_list(key, value)
-    ]
-
-
-def _truncate_layers(cfg: dict, layers_key: str, full_layers: int, keep: int) -> None:
-    for path, key, value in list(_walk(cfg)):
-        if _is_index_list(key, value):
-            one_based = max(value) == full_layers
-            _set(cfg, path, [v for v in value if v < keep or (one_based and v == keep)])
-        elif isinstance(value, list) and len(value) == full_layers:
-            _set(cfg, path, value[:keep])
-    _set(cfg, layers_key, keep)
-
-
-def _layers_key(cfg: dict) -> str | None:
-    for path, key, value in _walk(cfg):
-        if key in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") and _is_size(value):
-            return path
-    return None
-
-
 def _make_config(source: ModelSource, cfg_dict: dict):
     cls = type(source.config)
     try:
@@ -455,7 +397,7 @@ def _make_config(source: ModelSource, cfg_dict: dict):
 
 def _signatures(model: nn.Module, cfg: dict, layers_path: str, list_paths: list[str]) -> list[str]:
     stack = dict(model.named_modules())[layers_path]
-    lists = [_get(cfg, p) for p in list_paths]
+    lists = [get(cfg, p) for p in list_paths]
     return [layer_signature(layer, tuple(lst[i] for lst in lists)) for i, layer in enumerate(stack)]
 
 
@@ -470,14 +412,14 @@ def build_twin(source: ModelSource, *, run_check: bool = True) -> Twin:
     """Shrink, choose the layer prefix, build for real, and check forward + backward runs."""
     full = source.config.to_dict()
     cfg, shrinks = shrink_config_dict(full)
-    layers_key = _layers_key(cfg)
-    full_layers = _get(cfg, layers_key) if layers_key else None
+    count_key = layers_key(cfg)
+    full_layers = get(cfg, count_key) if count_key else None
 
     # 1. twin width, full depth, on meta: the structural signature of every layer.
     wide = source.build(_make_config(source, cfg), device="meta")
     layers_path, stack = find_layer_stack(wide, full_layers)
     full_layers = len(stack)
-    list_paths = _per_layer_lists(cfg, full_layers)  # decided at full depth: short lists are ambiguous
+    list_paths = per_layer_lists(cfg, full_layers)  # decided at full depth: short lists are ambiguous
     full_sigs = _signatures(wide, cfg, layers_path, list_paths)
     del wide
 
@@ -495,9 +437,9 @@ def build_twin(source: ModelSource, *, run_check: bool = True) -> Twin:
     # 3. the real twin; if the shortened stack does not reproduce the full one (validators that tie layer
     # counts together, index lists we could not read), keep the full depth at twin width instead.
     model = None
-    if layers_key and keep != full_layers:
+    if count_key and keep != full_layers:
         short = copy.deepcopy(cfg)
-        _truncate_layers(short, layers_key, full_layers, keep)
+        truncate_layers(short, count_key, full_layers, keep)
         try:
             model = _build_real(source, short)
             twin_sigs = _signatures(model, short, layers_path, list_paths)
@@ -505,7 +447,7 @@ def build_twin(source: ModelSource, *, run_check: bool = True) -> Twin:
             model = None
         if model is not None and twin_sigs == full_sigs[:keep]:
             cfg = short
-            shrinks.append(Shrink(layers_key, "layers", full_layers, keep))
+            shrinks.append(Shrink(count_key, "layers", full_layers, keep))
         else:
             model = None
     if model is None:

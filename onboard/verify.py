@@ -2,8 +2,10 @@
 
 For each seed the twin's weights are redrawn (router biases included, so bias correction is exercised),
 the same batch goes through the HuggingFace model and through an adapted deep copy, and the logits, the
-loss and every parameter's gradient are compared. The run also proves the adapter ran: it counts the
-runtime blocks that were called and checks that none of the replaced HuggingFace blocks was.
+loss and every parameter's gradient are compared. The run also proves the adapter did what the adapt
+decision says, from the handles `adapt(model)` returns (`runtime.swap.Swaps`): as many swaps of each kind
+as the decision expects in the twin, every one of them run (its own call count), and none of the
+HuggingFace blocks they replaced run.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from onboard.decision import Decision
 from onboard.errors import one_line
 from onboard.spec import ModelSpec
 from onboard.twin import Twin
-from runtime.adapt import tensor_at
+from runtime.model_tree import tensor_at
+from runtime.swap import Swaps
 
 SEEDS = (0, 1, 2)
 # fp32 with a different summation order (grouped GEMM vs per-expert loops): agreement to ~1e-6 relative
@@ -58,6 +62,7 @@ class Verification:
     note: str = ""
     backends: dict = field(default_factory=dict)  # runtime op -> backend that ran it (cpu, triton, npu)
     aux_loss: dict = field(default_factory=dict)  # the model's router auxiliary loss, HF vs adapted (if any)
+    swaps: dict = field(default_factory=dict)  # handle kind -> {"expected": n, "made": n} in the twin
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,106 +92,101 @@ def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
     return [m.register_forward_hook(hook) for m in modules], counter
 
 
-def expected_replacements(spec: ModelSpec, twin: Twin, targets) -> int:
+MOE_KINDS = ("moe_block", "experts")
+
+
+def verify(spec: ModelSpec, twin: Twin, adapt, decision: Decision, seeds=SEEDS) -> Verification:
+    """Run the twin through HuggingFace and through `adapt`; compare everything, and check the handles `adapt`
+    returns against `decision`. Never raises: an adapter that crashes is a failed verification, with the error
+    in the note. Where the decision takes the loss, the adapter computes it without full logits; the logits are
+    then compared from a forward pass without labels."""
     depth = len(twin.model.get_submodule(twin.layers_path))
-    return sum(1 for layer in spec.layers if layer.index < depth and layer.mlp.kind == "moe" and targets(layer))
-
-
-def verify(spec: ModelSpec, twin: Twin, adapt, targets, seeds=SEEDS, *, loss_swapped: bool = False,
-           attention: dict | None = None) -> Verification:
-    """Run the twin through HuggingFace and through `adapt`; compare everything. `targets(layer)` names the
-    module (below the decoder layer) the adapter should replace, or None. Never raises: an adapter that
-    crashes is a failed verification, with the error in the note. With `loss_swapped` the adapter must also
-    compute the training loss in the runtime (without full logits); the logits are then compared from a
-    forward pass without labels. `attention` maps "linear" / "sparse" to the layer indices whose attention the
-    adapter must run in the runtime; the runtime's attention cores must then have run."""
-    expected = expected_replacements(spec, twin, targets)
+    wanted = decision.expected(depth)
+    expected = sum(wanted[k] for k in MOE_KINDS)
     tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL}
     try:
-        return _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped, attention or {})
+        return _verify(spec, twin, adapt, seeds, wanted, tolerances)
     except Exception as exc:  # generated code under test: report, do not crash
         return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
 
 
-def _sequence_core_calls(calls) -> int:
-    """Calls of the runtime's linear-attention / state-space cores (the causal conv beside them does not count:
-    a mixer whose conv ran in the runtime but whose scan did not has not been swapped)."""
-    return sum(n for kind, n in calls.items() if kind != "causal_conv1d")
+def _attention_calls(swaps: Swaps) -> int:
+    """Calls of the runtime's attention: sequence cores of linear-attention / state-space swaps (the causal conv
+    beside them does not count: a mixer whose conv ran in the runtime but whose scan did not has not been
+    swapped) and sparse attentions over picked keys."""
+    linear = sum(n for s in swaps.of("linear_core") for kind, n in s.calls.items() if kind != "causal_conv1d")
+    return linear + sum(s.calls["sparse"] for s in swaps.of("sparse_attention"))
 
 
-def _verify(spec, twin, adapt, targets, seeds, expected, tolerances, loss_swapped, attention) -> Verification:
-    from runtime.attention import LINEAR_CORE_CALLS, reset_sparse_calls, sparse_calls
-    from runtime.moe import MoEBlock, RoutedExperts
+def _ran(swap) -> bool:
+    """Whether the runtime code behind a swap ran (a linear-attention swap whose conv alone ran did not, nor a
+    sparse-attention swap whose indexer alone ran)."""
+    return sum(n for kind, n in swap.calls.items() if kind not in ("causal_conv1d", "indexer")) > 0
 
+
+def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
     results = []
-    replaced = 0
-    depth = len(twin.model.get_submodule(twin.layers_path))
-    attention_expected = {mode: sum(1 for i in indices if i < depth) for mode, indices in attention.items()}
-    attention_swapped = 0
+    made: dict[str, int] = {}
     for seed in seeds:
         ref = copy.deepcopy(twin.model)
         _redraw(ref, spec, twin.layers_path, seed)
         ref.eval()
         adapted = copy.deepcopy(ref)
         names = dict(adapted.named_parameters())
-        stack = adapted.get_submodule(twin.layers_path)
-        originals = [stack[layer.index].get_submodule(targets(layer)) for layer in spec.layers
-                     if layer.index < len(stack) and layer.mlp.kind == "moe" and targets(layer)]
-        original_hooks, original_calls = _count_calls(originals)
-        _adapt_for_checking(adapt, adapted)
-        replaced = getattr(adapted, "onboard_replaced", 0)
-        runtime_hooks, runtime_calls = _count_calls([m for m in adapted.modules() if isinstance(m, (MoEBlock, RoutedExperts))])
+        swaps = _adapt_for_checking(adapt, adapted)
+        made = {kind: len(swaps.of(kind)) for kind in wanted}
+        original_hooks, original_calls = _count_calls([s.replaced for s in swaps.of(*MOE_KINDS)])
         batch = twin.example_batch(seed)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()
-        attention_swapped = getattr(adapted, "onboard_attention_swapped", 0)
-        linear_before = _sequence_core_calls(LINEAR_CORE_CALLS)
-        reset_sparse_calls()
         out_ad = adapted(**batch, use_cache=False)
         out_ad.loss.backward()
-        attention_calls = {"linear": _sequence_core_calls(LINEAR_CORE_CALLS) - linear_before, "sparse": sparse_calls()["sparse"]}
-        loss_calls = getattr(adapted, "onboard_loss_calls", 0)
-        for h in original_hooks + runtime_hooks:
+        for h in original_hooks:
             h.remove()
+        runtime_calls = sum(swaps.calls(kind) for kind in MOE_KINDS)
+        loss_calls, attention_calls = swaps.calls("loss"), _attention_calls(swaps)
         logits_ad = out_ad.logits
         if logits_ad is None or logits_ad.numel() == 0:  # the runtime loss never made logits: ask for them
             with torch.no_grad():
                 logits_ad = adapted(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
-        result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls[0], original_calls[0])
+        result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls, original_calls[0])
         result.runtime_loss_calls = loss_calls
-        result.runtime_attention_calls = sum(attention_calls.values())
-        if loss_swapped and loss_calls == 0:
-            result.passed = False
-        if any(attention_expected.get(mode) and not attention_calls[mode] for mode in attention_calls):
+        result.runtime_attention_calls = attention_calls
+        idle = [s.path or s.kind for s in swaps if not _ran(s)]
+        if idle or (wanted["loss"] and not loss_calls) or (wanted["linear_core"] + wanted["sparse_attention"]
+                                                          and not attention_calls):
             result.passed = False
         results.append(result)
-    aux = _aux_losses(twin, spec, adapt) if replaced or loss_swapped else {}
-    wanted = sum(attention_expected.values())
-    passed = (bool(results) and all(r.passed for r in results) and replaced == expected and aux.get("passed", True)
-              and attention_swapped == wanted)
-    note = "" if replaced == expected else f"adapter replaced {replaced} blocks, expected {expected}"
-    if expected == 0:
-        note = "no MoE block the runtime can take over" + ("" if loss_swapped else
-                                                         ": the adapter leaves the model as it is")
-    if attention_swapped != wanted:
-        note = (note + "; " if note else "") + f"adapter swapped {attention_swapped} attention layers, expected {wanted}"
-    if wanted and results and not all(r.runtime_attention_calls for r in results):
-        note = (note + "; " if note else "") + "the runtime attention did not run"
-    if loss_swapped and results and not all(r.runtime_loss_calls for r in results):
-        note = (note + "; " if note else "") + "the runtime loss did not run"
+    replaced, expected = sum(made.get(k, 0) for k in MOE_KINDS), sum(wanted[k] for k in MOE_KINDS)
+    aux = _aux_losses(twin, spec, adapt) if replaced or wanted["loss"] else {}
+    counts_match = made == wanted
+    passed = bool(results) and all(r.passed for r in results) and counts_match and aux.get("passed", True)
+    notes = [f"adapter made {made.get(kind, 0)} {kind} swaps, expected {n}" for kind, n in wanted.items()
+             if made.get(kind, 0) != n]
+    if not expected and not notes:
+        notes.append("no MoE block the runtime can take over" + ("" if wanted["loss"] else
+                                                                  ": the adapter leaves the model as it is"))
+    if wanted["linear_core"] + wanted["sparse_attention"] and results and not all(r.runtime_attention_calls
+                                                                                   for r in results):
+        notes.append("the runtime attention did not run")
+    if wanted["loss"] and results and not all(r.runtime_loss_calls for r in results):
+        notes.append("the runtime loss did not run")
     if not aux.get("passed", True):
-        note = (note + "; " if note else "") + "the router auxiliary loss differs"
-    return Verification(passed, replaced, expected, results, tolerances, note, _backends() if replaced else {}, aux)
+        notes.append("the router auxiliary loss differs")
+    return Verification(passed, replaced, expected, results, tolerances, "; ".join(notes),
+                        _backends() if replaced else {}, aux,
+                        swaps={kind: {"expected": n, "made": made.get(kind, 0)} for kind, n in wanted.items() if n})
 
 
-def _adapt_for_checking(adapt, model: nn.Module) -> nn.Module:
+def _adapt_for_checking(adapt, model: nn.Module) -> Swaps:
     """Adapt `model`, with linear-attention chunks short enough that the twin's sequence spans several:
-    chunk boundaries are where a chunked recurrence goes wrong."""
+    chunk boundaries are where a chunked recurrence goes wrong. The handles it returns, as Swaps."""
     import inspect
 
-    if "chunk_size" in inspect.signature(adapt).parameters:
-        return adapt(model, chunk_size=CHECK_CHUNK)
-    return adapt(model)
+    swaps = adapt(model, chunk_size=CHECK_CHUNK) if "chunk_size" in inspect.signature(adapt).parameters else adapt(model)
+    if not isinstance(swaps, list):
+        raise TypeError(f"adapt() returned {type(swaps).__name__}, not the handles of its swaps (runtime.swap.Swaps)")
+    return Swaps(swaps)
 
 
 def _aux_losses(twin: Twin, spec: ModelSpec, adapt) -> dict:
@@ -194,7 +194,8 @@ def _aux_losses(twin: Twin, spec: ModelSpec, adapt) -> dict:
     ref = copy.deepcopy(twin.model)
     _redraw(ref, spec, twin.layers_path, 0)
     ref.eval()
-    adapted = _adapt_for_checking(adapt, copy.deepcopy(ref))
+    adapted = copy.deepcopy(ref)
+    _adapt_for_checking(adapt, adapted)
     batch = twin.example_batch(0)
     try:
         with torch.no_grad():

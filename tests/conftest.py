@@ -1,8 +1,11 @@
-"""Test settings: offline, quiet, and two threads at most (CI has 2 cores)."""
+"""Test settings: offline, quiet, two threads at most (CI has 2 cores), and a kernel store of the session's own
+(rendered kernels never land in the checkout's runtime/kernels/store)."""
 
 import os
+import tempfile
 import warnings
 
+os.environ.setdefault("ONBOARD_KERNEL_STORE", tempfile.mkdtemp(prefix="onboard-kernel-store-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -43,12 +46,14 @@ def mixtral_bundle(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def twin_adapter():
-    """`adapter(directory, ref=None, family=None) -> (spec, twin, adapt)`: the tiny twin of a catalogue / HF `ref`
-    or of a transformers `family` at its default config, adapted as `onboard adapt` does it: spec and rendered
-    adapter written to `directory`, and the adapter loaded back from there (no verification)."""
-    from onboard.bundle import load_adapter
+    """`adapter(directory, ref=None, family=None) -> (spec, twin, decision, adapt)`: the tiny twin of a catalogue /
+    HF `ref` or of a transformers `family` at its default config, adapted as `onboard adapt` does it: spec,
+    decision and rendered adapter written to `directory`, and the adapter loaded back from there (no kernels, no
+    verification)."""
+    from onboard.bundle_files import load_adapter
     from onboard.capture import capture
     from onboard.codegen import render_adapter
+    from onboard.decision import decide
     from onboard.families import default_config
     from onboard.inspection import build_spec
     from onboard.source import from_config, resolve
@@ -58,8 +63,10 @@ def twin_adapter():
         source = resolve(ref) if ref else from_config(default_config(family), family)
         twin = build_twin(source)
         spec = build_spec(source, twin, capture(twin))
+        decision = decide(spec, twin)
         (directory / "spec.json").write_text(spec.to_json())
-        (directory / "adapter.py").write_text(render_adapter(spec, twin))
-        return spec, twin, load_adapter(directory).adapt
+        (directory / "decision.json").write_text(decision.to_json())
+        (directory / "adapter.py").write_text(render_adapter(spec, decision))
+        return spec, twin, decision, load_adapter(directory).adapt
 
     return adapter

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from onboard.bundle import adapt, load_adapter
+from onboard.bundle import adapt
+from onboard.bundle_files import FILES, load_adapter, read_decision
 from onboard.capture import capture
-from onboard.codegen import swapped_path
+from onboard.decision import decide
 from onboard.inspection import build_spec
 from onboard.source import resolve
 from onboard.twin import build_twin
@@ -27,8 +28,7 @@ def test_catalogue_models_adapt_and_verify(model, tmp_path):
     assert result.replaced == result.expected >= 1
     assert all(r.runtime_calls == result.replaced and r.original_calls == 0 for r in result.seeds)
     files = sorted(p.name for p in (tmp_path / "bundle").iterdir())
-    assert files == ["REVIEW.md", "adapter.py", "kernels", "plan.json", "source.json", "spec.json", "train.sh",
-                     "verification.json"]
+    assert files == sorted(FILES)
     review = (tmp_path / "bundle" / "REVIEW.md").read_text()
     assert "PASSED" in review and "runtime.moe.MoEBlock" in review
 
@@ -47,16 +47,20 @@ def test_parameters_are_reused_not_copied(tmp_path):
     module = load_adapter(tmp_path / "b")
     twin = build_twin(resolve("qwen3-30b-a3b"))
     before = {name: p for name, p in twin.model.named_parameters()}
-    module.adapt(twin.model)
+    swaps = module.adapt(twin.model)
     after = {id(p) for p in twin.model.parameters()}
     assert {id(p) for p in before.values()} == after
-    assert twin.model.onboard_replaced == 1
+    assert [s.kind for s in swaps] == ["moe_block", "loss"]
+    # undone, the model is HuggingFace code again: its own blocks, the same parameters
+    swaps.undo()
+    assert {name: p for name, p in twin.model.named_parameters()} == before
+    assert not any(type(m).__module__.startswith("runtime.") for m in twin.model.modules())
 
 
 def test_regeneration_is_byte_identical(tmp_path):
     adapt(resolve("mixtral-8x7b"), tmp_path / "one")
     adapt(resolve("mixtral-8x7b"), tmp_path / "two")
-    for name in ("spec.json", "adapter.py", "source.json", "plan.json", "train.sh"):
+    for name in ("spec.json", "decision.json", "adapter.py", "kernels.json", "source.json", "plan.json", "train.sh"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
 
 
@@ -65,17 +69,17 @@ def deepseek():
     source = resolve("deepseek-v3")
     twin = build_twin(source)
     spec = build_spec(source, twin, capture(twin))
-    return spec, twin
+    return spec, twin, decide(spec, twin)
 
 
 def _verify_rendered(deepseek, tmp_path):
     """Render DeepSeek-V3's adapter and verify it with whatever runtime is in place now."""
     from onboard.codegen import render_adapter
 
-    spec, twin = deepseek
+    spec, twin, decision = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
-    (tmp_path / "adapter.py").write_text(render_adapter(spec, twin))
-    return verify(spec, twin, load_adapter(tmp_path).adapt, lambda layer: swapped_path(layer, twin))
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision))
+    return verify(spec, twin, load_adapter(tmp_path).adapt, decision)
 
 
 def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
@@ -206,10 +210,11 @@ def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
     from onboard.source import from_config
 
     spec, result = adapt(from_config(default_config("inkling_text"), "inkling_text"), tmp_path / "b")
-    recorded = json.loads((tmp_path / "b" / "verification.json").read_text())
-    refused, partial = recorded["refused"], recorded["experts_only"]
-    assert refused and all("did not verify" in why for why in refused.values())
-    assert partial and all("did not verify" in why for why in partial.values())
+    decision = read_decision(tmp_path / "b")
+    partial = [e for e in decision.moe if e.takes == "experts"]
+    assert decision.refused and all(t.startswith("moe:") and "did not verify" in why
+                                    for t, why in decision.refused.items())
+    assert partial and all("did not verify" in e.why for e in partial)
     assert result.passed and result.replaced == result.expected > 0
     assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
     review = (tmp_path / "b" / "REVIEW.md").read_text()
@@ -217,7 +222,7 @@ def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
     # its head input is divided by logits_mup_width_multiplier in the causal-LM forward: read as a logit scale,
     # the loss runs in the runtime and verifies
     assert spec.head["logit_scale"] == pytest.approx(1 / spec_config(spec, "logits_mup_width_multiplier"))
-    assert recorded["kept"]["loss"] is None and all(r.runtime_loss_calls == 1 for r in result.seeds)
+    assert decision.loss.takes and all(r.runtime_loss_calls == 1 for r in result.seeds)
 
 
 def spec_config(spec, name):
@@ -233,10 +238,11 @@ def test_routers_the_runtime_cannot_reproduce_keep_routing_and_swap_experts(fami
     from onboard.source import from_config
 
     spec, result = adapt(from_config(default_config(family), family), tmp_path / "b")
-    partial = json.loads((tmp_path / "b" / "verification.json").read_text())["experts_only"]
-    assert partial and result.passed and result.replaced == result.expected > 0
+    decision = read_decision(tmp_path / "b")
+    assert {e.takes for e in decision.moe} == {"experts"} and all(e.why for e in decision.moe)
+    assert result.passed and result.replaced == result.expected > 0
+    assert result.swaps["experts"] == {"expected": result.expected, "made": result.expected}
     assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
-    assert "adapter.py" in {p.name for p in (tmp_path / "b").iterdir()}
     assert "RoutedExperts(experts)" in (tmp_path / "b" / "adapter.py").read_text()
 
 
@@ -267,7 +273,6 @@ def test_router_auxiliary_loss_is_kept(family, tmp_path):
 def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():
     """Inkling2's model forward reads `decoder_layer.attention_type`, a class attribute: the stand-in layers of the
     head capture carry it, so the head, its soft cap and the loss are found and the loss can be swapped."""
-    from onboard.codegen import loss_target
     from onboard.families import default_config
     from onboard.source import from_config
 
@@ -276,8 +281,8 @@ def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():
     spec = build_spec(source, twin, capture(twin))
     assert spec.head["captured"] and spec.head["loss"] == "cross_entropy"
     assert spec.head["logit_softcap"] == pytest.approx(default_config("inkling2_text").final_logit_softcapping)
-    target, why = loss_target(spec, twin)
-    assert why is None and target["softcap"] == spec.head["logit_softcap"]
+    loss = decide(spec, twin).loss
+    assert loss.takes and loss.why is None and loss.softcap == spec.head["logit_softcap"]
 
 
 def test_missing_parent_folders_of_out_are_created(tmp_path):

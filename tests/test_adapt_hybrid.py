@@ -4,10 +4,9 @@ bugs planted in the runtime's attention: a wrong gate, an off-by-one chunk bound
 import pytest
 import torch
 
-from onboard.bundle import verify_swaps
-from onboard.codegen import attention_kinds
+from onboard.verify import verify
 from runtime.attention import dsa
-from runtime.attention.gated_delta import _chunk_core
+from runtime.attention.gated_delta import chunk_core
 from runtime.kernels import registry
 
 LINEAR_OP = "linear_attention.chunk_gated_delta"
@@ -18,15 +17,10 @@ def hybrid(request, tmp_path_factory, twin_adapter):
     return (request.param, *twin_adapter(tmp_path_factory.mktemp(request.param), ref=request.param))
 
 
-def _verify(spec, twin, adapt, seeds=(0, 1, 2)):
-    return verify_swaps(spec, twin, adapt, seeds=seeds)
-
-
 def test_attention_moe_and_loss_all_run_in_the_runtime(hybrid):
-    name, spec, twin, adapt = hybrid
-    kinds = {group["mode"] for group in attention_kinds(spec, twin)[0]}
-    assert kinds == ({"sparse"} if name == "deepseek-v3.2" else {"linear"})
-    result = _verify(spec, twin, adapt)
+    name, spec, twin, decision, adapt = hybrid
+    assert {e.takes for e in decision.swapped_attention()} == ({"sparse"} if name == "deepseek-v3.2" else {"linear"})
+    result = verify(spec, twin, adapt, decision)
     assert result.passed, result.note or [r.grad_failures for r in result.seeds]
     assert result.replaced == result.expected >= 1
     for r in result.seeds:
@@ -34,7 +28,7 @@ def test_attention_moe_and_loss_all_run_in_the_runtime(hybrid):
 
 
 def _late_gate(q, k, v, g, beta, s0, chunk, block=None):
-    return _chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk, block)
+    return chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk, block)
 
 
 def _early_boundary(q, k, v, g, beta, s0, chunk, block=None):
@@ -42,8 +36,8 @@ def _early_boundary(q, k, v, g, beta, s0, chunk, block=None):
     outs, s = [], s0
     for c0 in range(0, q.shape[1], chunk):
         part = [x[:, c0:c0 + chunk] for x in (q, k, v, g, beta)]
-        outs.append(_chunk_core(*part, s, chunk, block)[0])
-        s = _chunk_core(*[x[:, :-1] for x in part], s, 1, block)[1]
+        outs.append(chunk_core(*part, s, chunk, block)[0])
+        s = chunk_core(*[x[:, :-1] for x in part], s, 1, block)[1]
     return torch.cat(outs, 1), s
 
 
@@ -57,7 +51,7 @@ _visible_picks = dsa.visible_picks
 
 @pytest.mark.parametrize("bug", ["wrong gate", "off-by-one chunk boundary", "missing top-k mask"])
 def test_planted_attention_bugs_fail_verification(hybrid, bug, monkeypatch):
-    name, spec, twin, adapt = hybrid
+    name, spec, twin, decision, adapt = hybrid
     if (bug == "missing top-k mask") != (name == "deepseek-v3.2"):
         pytest.skip("the bug lives in the other kind of attention")
     if bug == "missing top-k mask":
@@ -65,7 +59,7 @@ def test_planted_attention_bugs_fail_verification(hybrid, bug, monkeypatch):
     else:
         registry.register(LINEAR_OP, "cpu", _late_gate if bug == "wrong gate" else _early_boundary)
     try:
-        result = _verify(spec, twin, adapt, seeds=(0,))
+        result = verify(spec, twin, adapt, decision, seeds=(0,))
     finally:
         registry.unregister(LINEAR_OP, "cpu") if bug != "missing top-k mask" else None
     assert not result.passed

@@ -10,13 +10,11 @@ import importlib
 import pytest
 import torch
 
-from onboard.bundle import verify_swaps
-from onboard.codegen import attention_kinds
-from runtime.attention.swap import SEQUENCE_CORES
+from onboard.verify import verify
 
 # the modules (the package exports functions of the same names)
-lightning, selective_scan, ssd, swap = (importlib.import_module(f"runtime.attention.{name}")
-                                        for name in ("lightning", "selective_scan", "ssd", "swap"))
+linear_core, lightning, selective_scan, ssd = (importlib.import_module(f"runtime.attention.{name}")
+                                               for name in ("linear_core", "lightning", "selective_scan", "ssd"))
 
 FAMILIES = {"minimax": "lightning", "nemotron_h": "ssd_chunk_scan", "granitemoehybrid": "ssd_chunk_scan",
             "jamba": "selective_scan", "lfm3": "short_conv"}
@@ -27,30 +25,24 @@ def family(request, tmp_path_factory, twin_adapter):
     return (request.param, *twin_adapter(tmp_path_factory.mktemp(request.param), family=request.param))
 
 
-def _core_calls(model) -> dict:
-    calls: dict = {}
-    for module in model.modules():
-        for kind, n in getattr(module, "runtime_core_calls", {}).items():
-            calls[kind] = calls.get(kind, 0) + n
-    return calls
-
-
 def test_mixers_moe_and_loss_run_in_the_runtime(family):
-    name, spec, twin, adapt = family
-    groups, kept = attention_kinds(spec, twin)
-    assert not kept, kept
+    name, spec, twin, decision, adapt = family
+    assert not decision.kept_attention(), decision.kept_attention()
     mixers = [layer.index for layer in spec.layers if layer.attention.kind.startswith(("ssm:", "linear:", "conv"))]
-    assert sorted(i for g in groups for i in g["indices"]) == mixers
-    result = verify_swaps(spec, twin, adapt, seeds=(0, 1))
+    assert sorted(i for e in decision.swapped_attention() for i in e.layers) == mixers
+    result = verify(spec, twin, adapt, decision, seeds=(0, 1))
     assert result.passed, result.note or [r.grad_failures for r in result.seeds]
     assert result.replaced == result.expected >= (0 if name == "lfm3" else 1)  # LFM3's MLPs are dense
     for r in result.seeds:
         assert r.runtime_attention_calls > 0 and r.runtime_loss_calls == 1 and r.original_calls == 0
-    # the sequence core itself ran (not only the causal conv beside it)
-    model = adapt(copy.deepcopy(twin.model).eval(), chunk_size=8)
+    # each mixer's sequence core itself ran (not only the causal conv beside it)
+    model = copy.deepcopy(twin.model).eval()
+    swaps = adapt(model, chunk_size=8)
     with torch.no_grad():
         model(**{k: v for k, v in twin.example_batch(0).items() if k != "labels"}, use_cache=False)
-    assert set(_core_calls(model)) & ({FAMILIES[name]} | set(SEQUENCE_CORES))
+    mixer_swaps = swaps.of("linear_core")
+    assert len(mixer_swaps) == sum(1 for i in mixers if i < len(model.get_submodule(twin.layers_path)))
+    assert all(s.calls[FAMILIES[name]] == 1 for s in mixer_swaps), [s.calls for s in mixer_swaps]
 
 
 def _wrong_decay(core, dim):
@@ -76,32 +68,29 @@ def _conv_late(conv):
 def test_a_wrong_decay_fails_verification(family, monkeypatch):
     """Mamba's decay one token late; lightning's (constant in time) that of the neighbouring head; a short
     conv mixer's output one token late."""
-    name, spec, twin, adapt = family
+    name, spec, twin, decision, adapt = family
     if FAMILIES[name] == "short_conv":
-        monkeypatch.setattr(swap, "causal_conv1d", _conv_late(swap.causal_conv1d))
+        monkeypatch.setattr(linear_core, "causal_conv1d", _conv_late(linear_core.causal_conv1d))
     elif FAMILIES[name] == "selective_scan":
         monkeypatch.setattr(selective_scan, "selective_scan", _selective_late(selective_scan.selective_scan))
     else:
         module = lightning if FAMILIES[name] == "lightning" else ssd
         monkeypatch.setattr(module, "chunk_scalar_decay",
                             _wrong_decay(module.chunk_scalar_decay, 2 if module is lightning else 1))
-    result = verify_swaps(spec, twin, adapt, seeds=(0,))
+    result = verify(spec, twin, adapt, decision, seeds=(0,))
     assert not result.passed
 
 
 def test_a_mixer_whose_scan_stays_huggingface_code_fails_verification(family, monkeypatch):
     """The conv beside a scan does not count: if only the conv runs in the runtime, the mixer was not swapped."""
-    name, spec, twin, adapt = family
+    name, spec, twin, decision, adapt = family
     if FAMILIES[name] not in ("ssd_chunk_scan", "selective_scan"):
         pytest.skip("only Mamba mixers have a conv beside their scan")
-    runtime_function = swap._runtime_function
+    rebuild = linear_core.forward_with_globals
 
-    def conv_only(kind, module, *args):
-        if kind == "causal_conv1d":
-            return runtime_function(kind, module, *args)
-        namespace = importlib.import_module(type(module).__module__).__dict__
-        return next(namespace[n] for n, k in module._runtime_kinds.items() if k == kind)  # HF's own scan
+    def conv_only(cls, replacements):  # the runtime's conv goes in; the scan stays transformers' own
+        return rebuild(cls, {name: fn for name, fn in replacements.items() if fn.__name__ == "conv"})
 
-    monkeypatch.setattr(swap, "_runtime_function", conv_only)
-    result = verify_swaps(spec, twin, adapt, seeds=(0,))
+    monkeypatch.setattr(linear_core, "forward_with_globals", conv_only)
+    result = verify(spec, twin, adapt, decision, seeds=(0,))
     assert not result.passed and "the runtime attention did not run" in result.note

@@ -4,10 +4,7 @@ The chunked core is checked against the token-by-token recurrence (fp64, so any 
 swapped modules against transformers' own modeling code on tiny random-weight models, forward and backward.
 """
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +18,12 @@ from runtime.attention import (
     find_linear_cores,
     recurrent_gated_delta_rule,
     swap_linear_core,
-    unswap_linear_core,
 )
 from runtime.attention.decay_pairs import decay_pairs, decay_pairs_backward
-from runtime.attention.gated_delta import _chunk_core
+from runtime.attention.gated_delta import chunk_core
 from runtime.attention.triangular import unit_lower_inverse
 from runtime.kernels import registry
+from helpers import run_kernel_check, stored_kernel
 
 OP = "linear_attention.chunk_gated_delta"
 
@@ -162,20 +159,13 @@ def test_conv_keeps_packed_sequences_apart():
 
 
 @pytest.mark.parametrize("gate", ["head", "channel"])
-def test_rendered_triton_kernels_match_the_reference(gate, tmp_path):
+def test_rendered_triton_kernels_match_the_reference(gate):
     """templates/kernels/gated_delta_triton.py.j2 rendered small, run by Triton's CPU interpreter in its own
     process (Triton reads TRITON_INTERPRET at import), forward and the backward from what it saved."""
     pytest.importorskip("triton")
-    from onboard.codegen import environment
-
-    source = environment().get_template("kernels/gated_delta_triton.py.j2").render(
-        name="tiny", head_k=32, head_v=32, chunk=32, block=16, block_v=16, block_k=16, gate=gate, dtype="fp32")
-    path = tmp_path / "gated_delta_triton.py"
-    path.write_text(source)
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
-    result = subprocess.run([sys.executable, str(here / "kernels" / "check_gated_delta_triton.py"), str(tmp_path)],
-                            check=False, capture_output=True, text=True, env=env, timeout=600, cwd=here.parent)
+    key = stored_kernel("kernels/gated_delta_triton.py.j2", name="tiny", head_k=32, head_v=32, chunk=32, block=16,
+                        block_v=16, block_k=16, gate=gate, dtype="fp32")
+    result = run_kernel_check("check_gated_delta_triton.py", key, threads=2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dg: ok" in result.stdout and "registered under the triton backend: ok" in result.stdout
 
@@ -200,9 +190,9 @@ CONFIGS = {
 }
 
 
-def _tiny(model_type):
+def _tiny(model_type, **overrides):
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
 
 
@@ -242,25 +232,26 @@ def swapped(request):
     ref = _run(model, ids)
     modules = _linear_modules(model)
     tensors = {n: p for n, p in model.named_parameters()}
-    for m in modules:
-        assert sorted(swap_linear_core(m, chunk_size=16).values()) == ["causal_conv1d", "chunk_gated_delta"]
+    swaps = [swap_linear_core(m, chunk_size=16) for m in modules]
+    for swap in swaps:
+        assert sorted(swap.parts.values()) == ["causal_conv1d", "chunk_gated_delta"]
     assert {n: p for n, p in model.named_parameters()} == tensors  # same names, same tensor objects
-    return model, ids, ref, modules
+    return model, ids, ref, swaps
 
 
 def test_swapped_model_matches_transformers(swapped):
-    model, ids, ref, modules = swapped
-    assert modules
-    before = [dict(m.runtime_core_calls) for m in modules]
+    model, ids, ref, swaps = swapped
+    assert swaps
+    before = [dict(s.calls) for s in swaps]
     assert _matches(_run(model, ids), ref)
-    for m, calls in zip(modules, before):  # one forward: each core once (the backward does not re-enter them)
-        assert {k: m.runtime_core_calls[k] - calls.get(k, 0) for k in m.runtime_core_calls} == {
-            "chunk_gated_delta": 1, "causal_conv1d": 1}
+    for swap, calls in zip(swaps, before):  # one forward: each core once (the backward does not re-enter them)
+        assert {k: swap.calls[k] - calls.get(k, 0) for k in swap.calls} == {"chunk_gated_delta": 1,
+                                                                          "causal_conv1d": 1}
 
 
 def late_gate(q, k, v, g, beta, s0, chunk, block=None):
     """Planted bug: the decay applied one token late."""
-    return _chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk)
+    return chunk_core(q, k, v, g.roll(1, dims=1), beta, s0, chunk)
 
 
 def early_boundary(q, k, v, g, beta, s0, chunk, block=None):
@@ -269,8 +260,8 @@ def early_boundary(q, k, v, g, beta, s0, chunk, block=None):
     outs, s = [], s0
     for c0 in range(0, q.shape[1], chunk):
         part = [x[:, c0:c0 + chunk] for x in (q, k, v, g, beta)]
-        outs.append(_chunk_core(*part, s, chunk)[0])
-        s = _chunk_core(*[x[:, :-1] for x in part], s, 1)[1]
+        outs.append(chunk_core(*part, s, chunk)[0])
+        s = chunk_core(*[x[:, :-1] for x in part], s, 1)[1]
     return torch.cat(outs, 1), s
 
 
@@ -295,28 +286,43 @@ def _prefill_then_decode(model, ids):
     return first.logits, step.logits
 
 
-def test_swapped_core_fills_the_cache_like_transformers(swapped):
-    model, ids, _, modules = swapped
+def test_swapped_core_fills_the_cache_like_transformers():
+    model = _tiny("qwen3_next")
+    ids = torch.randint(0, 64, (2, 70), generator=torch.Generator().manual_seed(1))
+    ref = _prefill_then_decode(model, ids)
+    swaps = [swap_linear_core(m, chunk_size=16) for m in _linear_modules(model)]
     got = _prefill_then_decode(model, ids)
-    for m in modules:
-        unswap_linear_core(m)
-    try:
-        ref = _prefill_then_decode(model, ids)
-    finally:
-        for m in modules:
-            swap_linear_core(m, chunk_size=16)
+    assert all(s.calls["chunk_gated_delta"] == 1 for s in swaps)  # the prefill ran the runtime's core
     for a, b in zip(got, ref):
         assert _rel(a, b) < 1e-5
 
 
-def test_unswap_restores_the_class():
-    model = _tiny("qwen3_next")
-    m = _linear_modules(model)[0]
-    cls = type(m)
-    swap_linear_core(m)
-    assert type(m) is not cls and isinstance(m, cls)
-    unswap_linear_core(m)
-    assert type(m) is cls
+def test_a_swap_changes_one_instance_and_undo_restores_it():
+    """The swap gives this one module a forward of its own: its class, its modeling module's globals and every
+    other instance (in this model and in another model) stay HuggingFace code; undo restores it exactly."""
+
+    two_linear = {"num_hidden_layers": 3, "layer_types": ["linear_attention", "linear_attention", "full_attention"]}
+    model, other = _tiny("qwen3_next", **two_linear), _tiny("qwen3_next", **two_linear)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    first, second = _linear_modules(model)[:2]
+    cls = type(first)
+    namespace = dict(vars(sys.modules[cls.__module__]))
+    swap = swap_linear_core(first, chunk_size=8)
+    assert type(first) is cls and "forward" in vars(first) and "forward" not in vars(second)
+    assert dict(vars(sys.modules[cls.__module__])) == namespace  # the modeling module is untouched
+    others = [swap_linear_core(m, chunk_size=8) for m in _linear_modules(other)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert swap.calls["chunk_gated_delta"] == 1 and not any(s.calls for s in others)  # no leak across models
+    with pytest.raises(ValueError, match="already runs a forward of its own"):
+        swap_linear_core(first)
+    swap.undo()
+    assert "forward" not in vars(first)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+    assert swap.calls["chunk_gated_delta"] == 1
 
 
 # an unseen family: its own names, the same contract
@@ -357,8 +363,9 @@ def test_unseen_family_is_swapped_by_signature_and_probe():
     torch.manual_seed(0)
     mixer, x = NovelMixer(), torch.randn(2, 21, 16)
     ref = mixer(x)
-    assert swap_linear_core(mixer, chunk_size=8) == {"novel_delta": "chunk_gated_delta"}
-    assert torch.allclose(mixer(x), ref, atol=1e-5) and mixer.runtime_core_calls["chunk_gated_delta"] == 1
+    swap = swap_linear_core(mixer, chunk_size=8)
+    assert swap.parts == {"novel_delta": "chunk_gated_delta"}
+    assert torch.allclose(mixer(x), ref, atol=1e-5) and swap.calls["chunk_gated_delta"] == 1
 
 
 def test_look_alike_with_another_meaning_is_refused():
@@ -366,7 +373,7 @@ def test_look_alike_with_another_meaning_is_refused():
     assert find_linear_cores(mixer) == {"ungated_delta": "chunk_gated_delta"}  # the signature alone says yes
     with pytest.raises(ValueError, match="does not compute"):
         swap_linear_core(mixer)
-    assert type(mixer) is LookAlikeMixer
+    assert type(mixer) is LookAlikeMixer and "forward" not in vars(mixer)
 
 
 def test_module_without_a_linear_core_is_refused():

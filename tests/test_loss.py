@@ -1,10 +1,6 @@
 """Chunked LM-head losses against full logits: plain F.linear + F.cross_entropy written here, and
 transformers' own ForCausalLMLoss; values and gradients (hidden, weight, bias), fp32, tiny shapes."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -227,19 +223,14 @@ def test_bad_input_is_a_clear_error(change, message):
         lm_head_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
 
 
-def test_rendered_triton_rows_match_the_reference(tmp_path):
+def test_rendered_triton_rows_match_the_reference():
     """The Triton cross-entropy rows (templates/kernels/loss_triton.py.j2) under the CPU interpreter: against
     the PyTorch rows, then the whole loss with the kernel picked by backend dispatch."""
     pytest.importorskip("triton")
-    from onboard.codegen import environment
+    from helpers import run_kernel_check, stored_kernel
 
     # a vocabulary that the block (64) does not divide: the masked tail of each row is exercised
-    source = environment().get_template("kernels/loss_triton.py.j2").render(name="twin", vocab=300, block=64)
-    path = tmp_path / "loss_triton.py"
-    path.write_text(source)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
-    script = Path(__file__).parent / "kernels" / "check_loss_triton.py"
-    result = subprocess.run([sys.executable, str(script), str(path)], check=False, capture_output=True, text=True,
-                            env=env, timeout=600)
+    key = stored_kernel("kernels/loss_triton.py.j2", name="twin", vocab=300, block=64)
+    result = run_kernel_check("check_loss_triton.py", key, threads=2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "token-chunked loss through the registry: ok" in result.stdout

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.kernels import registry
-from runtime.moe.dispatch import permute, plan_dispatch, unpermute
+from runtime.moe.dispatch import permute, sort_by_expert, unpermute
 from runtime.moe.grouped import grouped_mm
 
 
@@ -60,7 +60,7 @@ def test_npu_wrappers_match_the_reference(fake_npu):
     registry.use("npu")
     torch.manual_seed(0)
     indices = torch.stack([torch.randperm(5)[:2] for _ in range(9)])
-    d = plan_dispatch(indices, 5)
+    d = sort_by_expert(indices, 5)
     x = torch.randn(9, 4)
     assert registry.lookup("moe.permute", permute) is npu.permute
     assert torch.equal(npu.permute(x, d), permute(x, d))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.moe.block import GroupedExperts, MoEBlock
-from runtime.moe.dispatch import permute, plan_dispatch, unpermute
+from runtime.moe.dispatch import permute, sort_by_expert, unpermute
 from runtime.moe.grouped import grouped_mm
 from runtime.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from runtime.moe.router import RouterSpec, route, update_expert_bias
@@ -65,11 +65,11 @@ def test_dispatch_round_trip_and_capacity():
     torch.manual_seed(0)
     indices = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
     x = torch.randn(4, 5)
-    d = plan_dispatch(indices, 4)
+    d = sort_by_expert(indices, 4)
     assert d.counts.tolist() == [4, 2, 1, 1]
     back = unpermute(permute(x, d), d, 4)
     assert torch.allclose(back, 2 * x)
-    capped = plan_dispatch(indices, 4, capacity_factor=0.5)  # capacity ceil(0.5 * 8 / 4) = 1 per expert
+    capped = sort_by_expert(indices, 4, capacity_factor=0.5)  # capacity ceil(0.5 * 8 / 4) = 1 per expert
     assert capped.counts.tolist() == [1, 1, 1, 1] and int(capped.keep.sum()) == 4
 
 

@@ -3,9 +3,6 @@ rendered Triton kernel under TRITON_INTERPRET=1), and HuggingFace DeepSeek-V3.2 
 them, forward and backward against HuggingFace's own code."""
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import runtime.attention.indexer as indexer_mod
 import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import swap_sparse_attention
+from helpers import run_kernel_check, stored_kernel, swap_all_sparse
 from runtime.attention.indexer import LightningIndexer
 from runtime.attention.sparse import sparse_attention
 
@@ -108,7 +106,7 @@ def test_sparse_attention_rejects_mismatched_shapes():
         sparse_attention(q[:, :2], k, v, torch.zeros(1, 5, 2, dtype=torch.int32), 1.0)
 
 
-def _indexer(cls, config_cls, **overrides):
+def hf_indexer(cls, config_cls, **overrides):
     cfg = config_cls(hidden_size=32, q_lora_rank=24, qk_rope_head_dim=8, index_n_heads=3, index_head_dim=16,
                      index_topk=6, **overrides)
     torch.manual_seed(0)
@@ -122,7 +120,7 @@ def _indexer(cls, config_cls, **overrides):
 @pytest.mark.parametrize("cls,config_cls,rotary", [(DeepseekV32Indexer, DeepseekV32Config, "half"),
                                                    (GlmMoeDsaIndexer, GlmMoeDsaConfig, "interleaved")])
 def test_chunked_indexer_picks_what_hf_picks(cls, config_cls, rotary, monkeypatch):
-    hf = _indexer(cls, config_cls)
+    hf = hf_indexer(cls, config_cls)
     ours = LightningIndexer.adopt(hf)
     assert ours.rotary == rotary
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in hf.named_parameters()]
@@ -155,7 +153,7 @@ def test_adopt_refuses_an_indexer_it_does_not_reproduce():
             return scores.sum(2).topk(min(self.index_topk, s), dim=-1).indices.int()
 
     with pytest.raises(ValueError, match="rotary"):
-        LightningIndexer.adopt(_indexer(NoRotary, DeepseekV32Config))
+        LightningIndexer.adopt(hf_indexer(NoRotary, DeepseekV32Config))
 
 
 COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -211,22 +209,23 @@ def test_swapped_hf_model_matches_eager(family):
     reference = tiny_model(family)
     adapted = copy.deepcopy(reference)
     before = dict(adapted.named_parameters())
-    swapped = swap_sparse_attention(adapted)
-    assert swapped.attention == [f"model.layers.{i}.self_attn" for i in range(3)] and not swapped.kept
+    swaps = swap_all_sparse(adapted)
+    assert [s.path for s in swaps] == [f"model.layers.{i}.self_attn" for i in range(3)]
+    indexers = [s for s in swaps if s.parts.get("indexer") == "runtime"]
     shared = family == "glm_moe_dsa"
-    assert len(swapped.indexers) == (2 if shared else 3)
+    assert len(indexers) == (2 if shared else 3) and all(s.parts.get("indexer", "runtime") == "runtime" for s in swaps)
     after = dict(adapted.named_parameters())
     assert list(after) == list(before) and all(after[n] is p for n, p in before.items())
-    assert reference.config._attn_implementation == "eager"
-    dsa.reset_sparse_calls()
+    # only the swapped modules changed implementation: the model's own config did not
+    assert reference.config._attn_implementation == adapted.config._attn_implementation == "eager"
     worst = compare(reference, adapted, batch())
-    assert dsa.sparse_calls() == {"indexer": len(swapped.indexers), "sparse": 3, "dense": 0}
+    assert (swaps.calls("indexer"), swaps.calls("sparse"), swaps.calls("dense")) == (len(indexers), 3, 0)
     assert max(worst.values()) < 1e-5, worst
 
 
 @pytest.mark.slow  # building the remote-code model takes most of it
 def test_swapped_flagship_dsa_layer_matches_eager():
-    """The remote-code flagship: KDA layers (left alone) share the config whose attention implementation changes."""
+    """The remote-code flagship: its DSA layer runs on the runtime, its KDA layers (left alone) keep their config."""
     from test_flagship_model import MODEL_DIR, build_tiny
     from transformers import AutoConfig
 
@@ -236,11 +235,10 @@ def test_swapped_flagship_dsa_layer_matches_eager():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     adapted = copy.deepcopy(reference)
-    swapped = swap_sparse_attention(adapted)
-    assert swapped.attention == ["model.layers.3.self_attn"]
-    dsa.reset_sparse_calls()
+    swaps = swap_all_sparse(adapted)
+    assert [s.path for s in swaps] == ["model.layers.3.self_attn"]
     worst = compare(reference, adapted, batch())
-    assert dsa.sparse_calls() == {"indexer": 1, "sparse": 1, "dense": 0}
+    assert (swaps.calls("indexer"), swaps.calls("sparse"), swaps.calls("dense")) == (1, 1, 0)
     assert max(worst.values()) < 1e-5, worst
 
 
@@ -249,7 +247,7 @@ def test_left_padding_matches_hf_sdpa():
     mask) averages every value instead, so this case is compared with sdpa."""
     reference = tiny_model("deepseek_v32", "sdpa")
     adapted = copy.deepcopy(reference)
-    swap_sparse_attention(adapted)
+    swap_all_sparse(adapted)
     inputs = batch(left_padding=True)
     assert rel(adapted(**inputs).logits, reference(**inputs).logits) < 1e-5
     assert max(compare(reference, adapted, inputs).values()) < 1e-5
@@ -271,7 +269,7 @@ def _no_topk_mask(indices, mask, keys_len):
 def test_planted_masking_bugs_fail_the_comparison(bug, monkeypatch):
     reference = tiny_model("deepseek_v32")
     adapted = copy.deepcopy(reference)
-    swap_sparse_attention(adapted)
+    swap_all_sparse(adapted)
     monkeypatch.setattr(dsa, "visible_picks", bug)
     assert compare(reference, adapted, batch())["logits"] > 1e-3
 
@@ -284,10 +282,8 @@ def test_dense_fallback_without_indices_is_sdpa():
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 6, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen), torch.randn(1, 2, 6, 8)
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
-    dsa.reset_sparse_calls()
     out, _ = dsa.dsa_attention(module, q, k, v, mask, scaling=0.3)
     assert torch.equal(out, sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0])
-    assert dsa.sparse_calls()["dense"] == 1
 
 
 def test_visible_picks_reads_bool_additive_and_missing_masks():
@@ -304,21 +300,45 @@ def test_visible_picks_reads_bool_additive_and_missing_masks():
 
 def test_swap_refuses_a_module_without_an_indexer():
     with pytest.raises(ValueError, match="not a DSA attention module"):
-        swap_sparse_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)), paths=["0"])
+        swap_sparse_attention(torch.nn.Linear(2, 2), path="0")
 
 
-def test_rendered_triton_kernel_matches_reference_under_interpreter(tmp_path):
+def test_undo_gives_the_module_back_and_other_models_never_run_the_runtime():
+    """Two models built from one config object: swapping one leaves the other HuggingFace code; undoing the swap
+    restores the module's config, its indexer and its outputs exactly."""
+    from transformers import DeepseekV32ForCausalLM
+
+    reference = tiny_model("deepseek_v32")
+    other = DeepseekV32ForCausalLM(reference.config)  # the same config object
+    other.load_state_dict(reference.state_dict())
+    inputs = batch()
+    with torch.no_grad():
+        want = other(**inputs).logits
+    attention = reference.get_submodule("model.layers.0.self_attn")
+    config, indexer = attention.config, attention.indexer
+    swaps = swap_all_sparse(reference)
+    assert attention.config is not config and attention.indexer is not indexer
+    assert other.model.layers[0].self_attn.config is config
+    with torch.no_grad():
+        assert torch.equal(other(**inputs).logits, want)  # still HuggingFace code, bit for bit
+        reference(**inputs)
+    assert swaps.calls("sparse") == 3
+    swaps.undo()
+    assert attention.config is config and attention.indexer is indexer
+    with torch.no_grad():
+        assert torch.equal(reference(**inputs).logits, want)
+    assert swaps.calls("sparse") == 3  # undone: nothing counted since
+
+
+def test_rendered_triton_kernel_matches_reference_under_interpreter():
     pytest.importorskip("triton")
-    from onboard.codegen import environment
+    from onboard.codegen import render_kernel
 
-    source = environment().get_template("kernels/sparse_attention_triton.py.j2").render(
-        name="tiny", qk_head_dim=24, v_head_dim=12, top_k=8, dtype="fp32")
+    params = dict(name="tiny", qk_head_dim=24, v_head_dim=12, top_k=8, dtype="fp32")
+    source = render_kernel("kernels/sparse_attention_triton.py.j2", **params).text
     assert "TOP_K = 8" in source and 'input_precision="ieee"' in source
-    path = tmp_path / "sparse_attention_triton.py"
-    path.write_text(source)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(HERE / "kernels" / "check_sparse_attention_triton.py"), str(path)],
-                            check=False, capture_output=True, text=True, env=env, timeout=600)
+    result = run_kernel_check("check_sparse_attention_triton.py",
+                              stored_kernel("kernels/sparse_attention_triton.py.j2", **params))
     assert result.returncode == 0, result.stdout + result.stderr
     for line in ("loaded and registered", "dv H=4 Hkv=1", "dsinks H=4 Hkv=1 Dk=8 Dv=20 K=5 sinks: ok",
                  "dispatch: sinks to the triton kernel", "HF DeepSeek-V3.2 logits, triton kernel: ok",

@@ -8,7 +8,7 @@ import copy
 import pytest
 import test_sparse_attention as base
 import torch
-from test_sparse_attention import _indexer, batch, compare, one_thread, rel  # noqa: F401 (one_thread: autouse)
+from test_sparse_attention import hf_indexer, batch, compare, one_thread, rel  # noqa: F401 (one_thread: autouse)
 from transformers import AutoModelForCausalLM, DeepseekV32Config, HYV4Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 from transformers.models.hy_v4.modeling_hy_v4 import (
@@ -21,6 +21,7 @@ import runtime.attention.indexer as indexer_mod
 import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import dsa_attention, swap_sparse_attention
+from helpers import swap_all_sparse
 from runtime.attention.indexer import ROPE_AT, ROTARY, SCALE_AT, LightningIndexer
 from runtime.attention.sparse import sparse_attention
 
@@ -30,7 +31,7 @@ def test_runtime_indexer_picks_what_hyv4_picks(monkeypatch):
     per chunk) on HYV4Indexer, whose variant the probe reads as half-split rotary on the trailing dims, scale on
     the weights."""
     base.test_chunked_indexer_picks_what_hf_picks(HYV4Indexer, HYV4Config, "half", monkeypatch)
-    ours = LightningIndexer.adopt(_indexer(HYV4Indexer, HYV4Config))
+    ours = LightningIndexer.adopt(hf_indexer(HYV4Indexer, HYV4Config))
     assert (ours.rotary, ours.rope_at, ours.scale_at) == ("half", "trailing", "weights")
 
 
@@ -39,7 +40,7 @@ def test_runtime_indexer_picks_what_hyv4_picks(monkeypatch):
                                                      ("half", "leading", "scores"))])
 def test_the_probe_tells_every_variant_apart(cls, config_cls, variant):
     """Of the eight (rotary, rope dims, scale placement) variants exactly one multiplies the operands HF does."""
-    hf = _indexer(cls, config_cls)
+    hf = hf_indexer(cls, config_cls)
     inputs = indexer_mod._probe_inputs(hf)
     want = indexer_mod._products(hf, inputs)
     matching = [v for v in ((r, p, s) for r in ROTARY for p in ROPE_AT for s in SCALE_AT)
@@ -106,10 +107,10 @@ def test_dense_fallback_with_sinks_is_hyv4_eager():
     causal = torch.ones(7, 7, dtype=torch.bool).tril().expand(2, 1, 7, 7).clone()
     causal[1, :, :, 5:] = False
     additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
-    dsa.reset_sparse_calls()
+    swap = swap_sparse_attention(module)
     got, _ = dsa_attention(module, q, k, v, causal, scaling=0.5, s_aux=module.sinks)
     want, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.5)
-    assert dsa.sparse_calls() == {"indexer": 0, "sparse": 0, "dense": 1}
+    assert dict(swap.calls) == {"dense": 1}
     assert rel(got, want) < 1e-6
 
 
@@ -139,15 +140,15 @@ def test_swapped_hyv4_model_matches_eager():
     reference = tiny_model()
     adapted = copy.deepcopy(reference)
     before = dict(adapted.named_parameters())
-    swapped = swap_sparse_attention(adapted)
-    assert swapped.attention == [f"model.layers.{i}.self_attn" for i in range(4)] and not swapped.kept
-    assert swapped.indexers == ["model.layers.0.self_attn.indexer", "model.layers.2.self_attn.indexer"]
+    swaps = swap_all_sparse(adapted)
+    assert [s.path for s in swaps] == [f"model.layers.{i}.self_attn" for i in range(4)]
+    assert [s.path for s in swaps if s.parts.get("indexer") == "runtime"] == ["model.layers.0.self_attn",
+                                                                               "model.layers.2.self_attn"]
     after = dict(adapted.named_parameters())
     assert list(after) == list(before) and all(after[n] is p for n, p in before.items())
-    assert reference.config._attn_implementation == "eager"
-    dsa.reset_sparse_calls()
+    assert reference.config._attn_implementation == adapted.config._attn_implementation == "eager"
     worst = compare(reference, adapted, batch())
-    assert dsa.sparse_calls() == {"indexer": 2, "sparse": 4, "dense": 0}
+    assert (swaps.calls("indexer"), swaps.calls("sparse"), swaps.calls("dense")) == (2, 4, 0)
     assert max(worst.values()) < 1e-4, worst
 
 
@@ -155,7 +156,7 @@ def test_dropping_the_sinks_fails_the_comparison(monkeypatch):
     """The sinks are what the DeepSeek-V3.2 path lacked: attention without them is measurably wrong."""
     reference = tiny_model()
     adapted = copy.deepcopy(reference)
-    swap_sparse_attention(adapted)
+    swap_all_sparse(adapted)
     plain = dsa.sparse_attention
     monkeypatch.setattr(dsa, "sparse_attention", lambda q, k, v, indices, scale, sinks=None: plain(q, k, v, indices,
                                                                                                  scale))
@@ -172,19 +173,17 @@ def bundle(tmp_path_factory, twin_adapter):
 
 
 def _verify(bundle):
-    from onboard.bundle import verify_swaps
+    from onboard.verify import verify
 
-    spec, twin, adapt = bundle
-    return verify_swaps(spec, twin, adapt, seeds=(0,))
+    spec, twin, decision, adapt = bundle
+    return verify(spec, twin, adapt, decision, seeds=(0,))
 
 
 def test_hyv4_bundle_swaps_its_dsa_layers_and_verifies(bundle):
-    from onboard.codegen import attention_kinds
-
-    spec, twin, _ = bundle
-    kinds, kept = attention_kinds(spec, twin)
+    spec, twin, decision, _ = bundle
     dsa_layers = [layer.index for layer in spec.layers if layer.attention.kind == "sparse:dsa"]
-    assert not kept and [(k["mode"], k["indices"]) for k in kinds] == [("sparse", dsa_layers)]
+    assert not decision.kept_attention()
+    assert [(e.takes, e.layers) for e in decision.swapped_attention()] == [("sparse", dsa_layers)]
     assert "shared" in twin.model.config.indexer_types  # the twin keeps a layer that reuses another's picks
     result = _verify(bundle)
     assert result.passed, result.note or [r.grad_failures for r in result.seeds]

@@ -5,10 +5,6 @@ The chunked core is checked against the token-by-token recurrence in fp64 (an al
 nemotron_h and granitemoehybrid modeling modules: output, final state and the gradient of every input.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -294,20 +290,16 @@ def test_ssd_rejects_what_it_cannot_do():
         ssd_chunk_scan(*args, 8, seq_idx=torch.zeros(1, 12, dtype=torch.long))
 
 
-def test_rendered_triton_kernels_match_the_pytorch_path(tmp_path):
+def test_rendered_triton_kernels_match_the_pytorch_path():
     """templates/kernels/scalar_decay_triton.py.j2 rendered small (two key and two value tiles of the state),
     run by Triton's CPU interpreter in its own process (Triton reads TRITON_INTERPRET at import): output, final
     state and every gradient against `chunk_scalar_decay`'s PyTorch path, grouped heads, a padded last chunk."""
     pytest.importorskip("triton")
-    from onboard.codegen import environment
+    from helpers import run_kernel_check, stored_kernel
 
-    source = environment().get_template("kernels/scalar_decay_triton.py.j2").render(
-        name="tiny", head_k=32, head_v=32, chunk=16, block_k=16, block_v=16, dtype="bf16")
-    (tmp_path / "scalar_decay_triton.py").write_text(source)
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(here / "kernels" / "check_scalar_decay_triton.py"), str(tmp_path)],
-                            check=False, capture_output=True, text=True, env=env, timeout=600, cwd=here.parent)
+    key = stored_kernel("kernels/scalar_decay_triton.py.j2", name="tiny", head_k=32, head_v=32, chunk=16, block_k=16,
+                        block_v=16, dtype="bf16")
+    result = run_kernel_check("check_scalar_decay_triton.py", key)
     assert result.returncode == 0, result.stdout + result.stderr
     for line in ("grouped heads dg: ok", "strong decay dg: ok", "bf16 dq: ok", "fallbacks: ok",
                  "registered under the triton backend: ok"):
@@ -331,11 +323,11 @@ def test_swapped_lightning_layer_matches_transformers_in_the_model_dtype(dtype):
     torch.manual_seed(0)
     reference = MiniMaxLightningAttention(config, layer_idx=1).to(dtype)
     swapped = copy.deepcopy(reference)
-    swap_lightning_attention(swapped, chunk_size=4)
+    swap = swap_lightning_attention(swapped, chunk_size=4)
     x = torch.randn(2, 27, 64).to(dtype)
     (out, state), (ref_out, ref_state) = swapped(x, None, None), reference(x, None, None)
     assert out.dtype == ref_out.dtype == dtype and state.dtype == ref_state.dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (out.float() - ref_out.float()).abs().max() <= tol * ref_out.float().abs().max()
     assert (state.float() - ref_state.float()).abs().max() <= tol * ref_state.float().abs().max()
-    assert swapped.runtime_core_calls["lightning"] == 1
+    assert dict(swap.calls) == {"lightning": 1}

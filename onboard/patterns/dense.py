@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onboard.graph import GraphView, op_name, parent
-from onboard.patterns.moe import _find_activation
+from onboard.patterns.moe import find_activation
 
 
 @dataclass
@@ -37,7 +37,7 @@ def match_dense_mlp(view: GraphView, exclude: list[str], hidden: int) -> DenseMa
         nodes = view.under(owner)
         if any(op_name(n) in ("scaled_dot_product_attention", "softmax", "_softmax", "conv1d") for n in nodes):
             continue
-        activation, gated = _find_activation(view, nodes)
+        activation, gated = find_activation(view, nodes)
         if activation is None:
             continue
         match = DenseMatch(owner, max(inner), activation, gated)

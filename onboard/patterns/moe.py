@@ -127,7 +127,7 @@ def _router_linear(view: GraphView, topk, num_experts: int):
     return best
 
 
-def _find_activation(view: GraphView, nodes) -> tuple[str | None, bool | None]:
+def find_activation(view: GraphView, nodes) -> tuple[str | None, bool | None]:
     """The activation of an MLP and whether it is gated: act(x W_gate) multiplied by a second projection
     x W_up before the output projection (a square of the activation, as in relu^2, is not a gate)."""
     acts = [n for n in nodes if op_name(n) in ACTIVATIONS]
@@ -205,7 +205,7 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         k = view.topk_k(final) if topks else len(feeding)
         block = common_prefix([parent(router_weight), group.path])
         router = _read_router(view, router_node, router_weight, final, E, block)
-        activation, gated = _find_activation(view, view.under(group.path))
+        activation, gated = find_activation(view, view.under(group.path))
         if gated is None:
             gated = any("gate" in p for p in group.params)
         shared, shared_gate = _shared(view, block, group.path, parent(router_weight))
@@ -350,7 +350,7 @@ def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:
     """Experts chosen without a learned top-k: a fixed table indexed by token id (DeepSeek-V4's hash
     layers). The learned projection still scores the chosen experts."""
     block = parent(group.path)
-    activation, gated = _find_activation(view, view.under(group.path))
+    activation, gated = find_activation(view, view.under(group.path))
     table, ids, lookup = _routing_table(view, block)
     router = Router(score="static", order="static", path="")
     router_weight, k = "", 0

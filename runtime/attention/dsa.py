@@ -1,57 +1,55 @@
-"""Run HuggingFace's DSA attention (DeepSeek-V3.2, GLM-MoE-DSA and kin) on the runtime, in place.
+"""Run HuggingFace's DSA attention (DeepSeek-V3.2, GLM-MoE-DSA and kin) on the runtime, one module at a time.
 
-    from runtime.attention import swap_sparse_attention, sparse_calls, reset_sparse_calls
+    from runtime.attention import find_sparse_attention, swap_sparse_attention
 
-    swapped = swap_sparse_attention(model)                 # a model or any module holding DSA attention
-    swapped = swap_sparse_attention(model, paths=[...])    # or name the attention modules (the spec's paths)
-    swapped.attention   # attention modules whose softmax now runs over the picked keys only
-    swapped.indexers    # indexers now scored chunk by chunk (runtime.attention.indexer.LightningIndexer)
-    swapped.kept        # {indexer path: why it stays HuggingFace code}
-    sparse_calls()      # {"indexer": n, "sparse": n, "dense": n} since reset_sparse_calls()
+    paths = find_sparse_attention(model)                   # DSA attention modules below a model (or any module)
+    swap = swap_sparse_attention(model.get_submodule(p), path=p)   # a runtime.swap.Swap
+    swap.parts    # {"indexer": "runtime"}, or {"indexer": why it stays HuggingFace code}
+    swap.calls    # {"sparse": n, "dense": n, "indexer": n}: attentions over picked keys, over all keys, indexer runs
+    swap.undo()
 
 HuggingFace's DSA attention asks its indexer for each query's top-k keys, then, under eager / sdpa, scatters them
 into a dense (B, 1, S, T) mask and attends to every key; under any other registered attention implementation it
-passes them on as `indices=`. The swap uses that door: it registers `ATTENTION` in transformers'
-ALL_ATTENTION_FUNCTIONS (`dsa_attention`) and ALL_MASK_ATTENTION_FUNCTIONS (sdpa's boolean mask, 1 byte per
-query-key pair, built once per forward and shared by all layers), and makes it the `_attn_implementation` of the
-config those attention modules read (an object the whole model shares: its mask builder and every layer see the
-change, so swap the copy meant to run on the runtime, never the reference). No module, parameter or buffer
-changes except the indexers, replaced by runtime modules that adopt the same projection modules (same names, same
-parameter objects); an indexer the runtime does not reproduce on a probe input stays HuggingFace code (`kept`).
+passes them on as `indices=`. The swap uses that door for this one module: it gives the module its own copy of
+its config whose `_attn_implementation` is `ATTENTION` (`dsa_attention`, registered once with transformers'
+attention interface). The model's config, its mask builder and every other module keep what they had, so a
+model (or another model built from the same config object) that was not swapped never runs this code. The
+indexer is replaced by a runtime module that adopts the same projection modules (same names, same parameter
+objects); an indexer the runtime does not reproduce on a probe input stays HuggingFace code (`parts`).
 
 `dsa_attention` turns the picks the mask hides (future keys, padding, the spare picks of a query that sees fewer
-than k keys) into -1 and runs `runtime.attention.sparse.sparse_attention`; a call without indices (a layer of the
-same config that has none) falls back to transformers' sdpa. Attention sinks come as transformers passes them,
-`s_aux=` (one logit per head: gpt-oss, HunYuan-V4), and join the sparse softmax; sdpa has no sink term, so a call
-with sinks and no indices attends to every visible key through the sparse attention instead. A query that sees
-no key at all (a left-padding position) gets zeros, as under sdpa (HuggingFace's default); eager's finfo.min mask
+than k keys) into -1 and runs `runtime.attention.sparse.sparse_attention`; a call without indices (a module whose
+indexer is None) falls back to transformers' sdpa. Attention sinks come as transformers passes them, `s_aux=`
+(one logit per head: gpt-oss, HunYuan-V4), and join the sparse softmax; sdpa has no sink term, so a call with
+sinks and no indices attends to every visible key through the sparse attention instead. A query that sees no key
+at all (a left-padding position) gets zeros, as under sdpa (HuggingFace's default); eager's finfo.min mask
 averages every value there.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+import copy
+import weakref
 
 import torch
 from torch import nn
 
-from runtime.adapt import replace_module
 from runtime.attention.indexer import LightningIndexer
 from runtime.attention.sparse import sparse_attention
+from runtime.swap import Swap
 
 ATTENTION = "onboard_dsa"
-_CALLS: Counter = Counter()
+KIND = "sparse_attention"
 PICK_CHUNK_BYTES = 16 * 2**20
+# swapped attention module -> its handle's call counter, so the attention function (which transformers calls
+# with the module) counts on the right handle; weak: a module that goes away takes its entry with it
+_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def sparse_calls() -> dict[str, int]:
-    """How often the runtime's indexer, sparse attention and dense fallback ran since `reset_sparse_calls()`."""
-    return {key: _CALLS[key] for key in ("indexer", "sparse", "dense")}
-
-
-def reset_sparse_calls() -> None:
-    _CALLS.clear()
+def _count(module: nn.Module, what: str) -> None:
+    counter = _COUNTERS.get(module)
+    if counter is not None:
+        counter[what] += 1
 
 
 def visible_picks(indices: torch.Tensor, mask: torch.Tensor | None, keys_len: int) -> torch.Tensor:
@@ -87,7 +85,7 @@ def dsa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if dense and sinks is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        _CALLS["dense"] += 1
+        _count(module, "dense")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dense:  # every key a pick; the mask hides what the query may not see
@@ -97,57 +95,47 @@ def dsa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ValueError("sparse attention has no attention dropout; set the config's attention_dropout to 0")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = sparse_attention(query, key, value, visible_picks(indices, attention_mask, key.shape[2]), scale, sinks)
-    _CALLS["dense" if dense else "sparse"] += 1
+    _count(module, "dense" if dense else "sparse")
     return out.transpose(1, 2), None
 
 
 def register() -> None:
-    """Make `ATTENTION` a name transformers knows, for attention and for mask creation (idempotent)."""
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    """Make `ATTENTION` a name transformers' attention interface knows (idempotent)."""
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTENTION, dsa_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-@dataclass
-class SparseSwap:
-    attention: list[str] = field(default_factory=list)
-    indexers: list[str] = field(default_factory=list)
-    kept: dict[str, str] = field(default_factory=dict)
-
-
-def _count_indexer(module, args, output):
-    _CALLS["indexer"] += 1
-
-
-def _dsa_modules(root: nn.Module) -> list[str]:
-    # the attribute DSA attention modules keep their indexer under (None on layers that reuse another's picks)
+def find_sparse_attention(root: nn.Module) -> list[str]:
+    """Paths (below `root`) of the DSA attention modules: modules with a config and an indexer attribute (None on
+    layers that reuse another layer's picks)."""
     return [name for name, m in root.named_modules()
             if hasattr(m, "indexer") and hasattr(m, "config") and (m.indexer is None or isinstance(m.indexer, nn.Module))]
 
 
-def swap_sparse_attention(root: nn.Module, paths: list[str] | None = None) -> SparseSwap:
-    """Route the DSA attention modules under `root` (all of them, or those at `paths`) through the runtime."""
+def swap_sparse_attention(attention: nn.Module, *, path: str = "") -> Swap:
+    """Route one DSA attention module through the runtime (see the module docstring). Raises ValueError,
+    changing nothing, when the module has no config or indexer."""
+    config = getattr(attention, "config", None)
+    if config is None or not hasattr(attention, "indexer"):
+        raise ValueError(f"{path or type(attention).__name__} is not a DSA attention module (no config or indexer)")
     register()
-    swapped = SparseSwap()
-    for path in _dsa_modules(root) if paths is None else paths:
-        attention = root.get_submodule(path) if path else root
-        config = getattr(attention, "config", None)
-        if config is None or not hasattr(attention, "indexer"):
-            raise ValueError(f"{path or type(root).__name__} is not a DSA attention module (no config or indexer)")
-        config._attn_implementation = ATTENTION
-        swapped.attention.append(path)
-        indexer = attention.indexer
-        where = f"{path}.indexer" if path else "indexer"
-        if indexer is None or isinstance(indexer, LightningIndexer):
-            continue
+    swap = Swap(KIND, path)
+    own = copy.copy(config)  # this module's alone: the model's config keeps its implementation
+    own._attn_implementation = ATTENTION
+    swap.set(attention, "config", own)
+    indexer = attention.indexer
+    if indexer is not None and not isinstance(indexer, LightningIndexer):
         try:
             ours = LightningIndexer.adopt(indexer)
         except ValueError as err:
-            swapped.kept[where] = str(err)
-            continue
-        ours.register_forward_hook(_count_indexer)
-        replace_module(root, where, ours)
-        swapped.indexers.append(where)
-    return swapped
+            swap.parts["indexer"] = str(err)
+        else:
+            swap.set(attention, "indexer", ours)
+            hook = ours.register_forward_pre_hook(lambda *_: swap.count("indexer"))
+            swap.on_undo(hook.remove)
+            swap.parts["indexer"] = "runtime"
+    _COUNTERS[attention] = swap.calls
+    module = weakref.ref(attention)
+    swap.on_undo(lambda: module() is not None and _COUNTERS.pop(module(), None))
+    return swap

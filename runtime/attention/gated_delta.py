@@ -145,7 +145,7 @@ def _scan_backward(p_do, q_do, w, k_end, decay, dfinal, n_seq, n):
     return ds[1:].transpose(0, 1), dv_new.transpose(0, 1).flatten(0, 1), ds[0]
 
 
-def _chunk_core(q, k, v, g, beta, s0, chunk: int, block: int | None = None):
+def chunk_core(q, k, v, g, beta, s0, chunk: int, block: int | None = None):
     """The op that backend dispatch swaps (the contract of ChunkGatedDelta.forward). `block` is accepted for
     older callers and unused: rendered kernels fix their sub-block size when rendered."""
     return ChunkGatedDelta.apply(q, k, v, g, beta, s0, chunk)
@@ -186,7 +186,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     q, k, v, gate = (heads_first(x) for x in (q, k, value.to(q.dtype), gate))
     b = F.pad(beta.to(q.dtype).transpose(1, 2), (0, pad)).reshape(batch * heads, length + pad)
     s0 = None if initial_state is None else initial_state.to(q.dtype).reshape(batch * heads, kd, vd)
-    core = registry.lookup("linear_attention.chunk_gated_delta", _chunk_core)
+    core = registry.lookup("linear_attention.chunk_gated_delta", chunk_core)
     o, final = core(q.contiguous(), k.contiguous(), v.contiguous(), gate.contiguous(), b.contiguous(), s0,
                     chunk_size)
     o = o.view(batch, heads, length + pad, vd)[:, :, :length].transpose(1, 2).to(query.dtype)

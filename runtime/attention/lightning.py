@@ -1,6 +1,6 @@
 """Run a lightning-attention block (MiniMax-Text-01 / M1 style) on the runtime's chunked scalar-decay core.
 
-    swap_lightning_attention(module, *, chunk_size=None, probe=True) -> dict
+    swap = swap_lightning_attention(module, *, chunk_size=None, probe=True)   # a runtime.swap.Swap
 
 Lightning attention is linear attention with a fixed exponential decay per head and no delta rule:
 S_t = exp(-slope) S_{t-1} + k_t v_t^T, o_t = q_t S_t. transformers writes the block scan inline in the module's
@@ -14,26 +14,21 @@ rebind as `swap_linear_core` does. Instead the runtime reads the block as a whol
 That reading is a hypothesis about the module's parts (names of its projections and buffers), so with `probe`
 (default) the swapped forward is run once against the module's own forward on a random input spanning several of
 its blocks, and refused (ValueError, module unchanged) unless both agree. The module stays the same object with
-the same parameters; its class is replaced by a subclass whose forward runs the runtime's scan and falls back to
-the HuggingFace forward whenever a cache is passed (the single-token decode path stays HuggingFace code).
-Calls are counted in `swap.CALLS["lightning"]` and `module.runtime_core_calls`.
+the same parameters and class; it gets a forward of its own (`runtime.swap.override_forward`) that runs the
+runtime's scan and falls back to the class's forward whenever a cache is passed (the single-token decode path
+stays HuggingFace code). Calls are counted on the handle, as `swap.calls["lightning"]`.
 """
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
+from runtime.attention.probes import close
 from runtime.attention.scalar_decay import chunk_scalar_decay
-from runtime.attention.swap import (  # one process-wide count for every linear-attention kind
-    CALLS,
-    _close,
-)
+from runtime.swap import Swap
 
 CHUNK = 64  # the scan's chunk length unless overridden, whatever the module's block_size: fastest on CPU (bench)
 PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate")
-_SUBCLASSES: dict[type, type] = {}
 
 
 def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -54,20 +49,6 @@ def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch
     return module.out_proj(out), state
 
 
-def _swapped_class(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
-            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or args:
-                return cls.forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-            CALLS["lightning"] += 1
-            self.runtime_core_calls["lightning"] += 1
-            return lightning_forward(self, hidden_states, attention_mask, chunk_size=self._runtime_chunk or CHUNK)
-
-        _SUBCLASSES[cls] = type(f"Runtime{cls.__name__}", (cls,), {"forward": forward, "_runtime_base": cls,
-                                                                  "__module__": __name__})
-    return _SUBCLASSES[cls]
-
-
 def _probe(module) -> str | None:
     """Why the runtime's reading of `module` differs from its own forward, or None when they agree."""
     block = int(getattr(module, "block_size", 16))
@@ -83,26 +64,31 @@ def _probe(module) -> str | None:
         return f"its forward does not run as a lightning block on a probe ({type(exc).__name__}: {exc})"
     # a reading of the wrong parts is off by O(1); a bf16 / fp16 model agrees only to its rounding
     tol = 1e-4 if param.dtype in (torch.float32, torch.float64) else 3e-2
-    if not isinstance(theirs, tuple) or not _close(ours[0].float(), theirs[0].float(), tol):
+    if not isinstance(theirs, tuple) or not close(ours[0].float(), theirs[0].float(), tol):
         return "its output differs from the runtime's lightning scan on a probe"
     return None
 
 
-def swap_lightning_attention(module: torch.nn.Module, *, chunk_size: int | None = None,
-                             probe: bool = True) -> dict[str, str]:
+def swap_lightning_attention(module: torch.nn.Module, *, chunk_size: int | None = None, probe: bool = True,
+                             path: str = "") -> Swap:
     """Make `module` run the runtime's chunked scalar-decay scan (see the module docstring).
     Raises ValueError, leaving the module unchanged, when it lacks the parts of a lightning block or the probe
     finds that the runtime's reading computes something else."""
-    if getattr(type(module), "_runtime_base", None) is not None:
-        return dict(module._runtime_kinds)
     missing = [name for name in PARTS if not hasattr(module, name)]
     if missing or not hasattr(module, "num_attention_heads"):
         raise ValueError(f"{type(module).__name__} has no {', '.join(missing) or 'num_attention_heads'}: not a "
                          f"lightning-attention block the runtime reads")
     if probe and (why := _probe(module)):
         raise ValueError(f"{type(module).__name__}: {why}; not swapped")
-    module.runtime_core_calls = collections.Counter()
-    module._runtime_kinds = {"forward": "lightning"}
-    module._runtime_chunk = chunk_size
-    module.__class__ = _swapped_class(type(module))
-    return dict(module._runtime_kinds)
+    swap = Swap("linear_core", path)
+    swap.parts = {"forward": "lightning"}
+    chunk = chunk_size or CHUNK
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or args:
+            return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        swap.count("lightning")
+        return lightning_forward(self, hidden_states, attention_mask, chunk_size=chunk)
+
+    swap.set_forward(module, forward)
+    return swap

@@ -145,13 +145,13 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     here for shapes it was not rendered for); packed sequences (`reset`) always take the PyTorch path."""
     _check(q, k, v, g)
     if reset is None:
-        o, final = registry.lookup(OP, _chunk_core)(q, k, v, g, initial_state, chunk_size)
+        o, final = registry.lookup(OP, chunk_core)(q, k, v, g, initial_state, chunk_size)
     else:
-        o, final = _chunk_core(q, k, v, g, initial_state, chunk_size, reset)
+        o, final = chunk_core(q, k, v, g, initial_state, chunk_size, reset)
     return o, final if output_final_state else None
 
 
-def _chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
+def chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
                 chunk: int, reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op that backend dispatch swaps (OP): `chunk_scalar_decay`'s inputs as given (shapes checked), the
     chunk length; returns (o, final state) in the compute dtype, the final state always."""

@@ -30,7 +30,7 @@ import inspect
 
 import torch
 
-from runtime.attention.sparse_chunks import plan
+from runtime.attention.sparse_chunks import chunk_walker
 from runtime.kernels import registry
 
 
@@ -52,7 +52,7 @@ class SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, scale: float, sinks=None):
         batch, heads, seq, _ = q.shape
-        chunks = plan(q, k, v, indices, scale)
+        chunks = chunk_walker(q, k, v, indices, scale)
         out = q.new_empty(batch, seq, heads, v.shape[-1])  # returned as a (B, H, S, Dv) view: HF transposes it back
         lse = torch.empty(batch, seq, heads, dtype=chunks.dk.dtype, device=q.device)
         for start in range(0, seq, chunks.step):
@@ -69,7 +69,7 @@ class SparseAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, indices, out, lse, sinks = ctx.saved_tensors
         seq = q.shape[2]
-        chunks = plan(q, k, v, indices, ctx.scale)
+        chunks = chunk_walker(q, k, v, indices, ctx.scale)
         grad_out = grad_out.transpose(1, 2).to(lse.dtype)  # (B, S, H, Dv) like `out`
         delta = (grad_out * out.to(lse.dtype)).sum(-1)
         dq = torch.empty_like(q, dtype=lse.dtype)

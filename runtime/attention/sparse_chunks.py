@@ -152,7 +152,7 @@ class MaskedKeys:
         return self.dk, self.dv
 
 
-def plan(q, k, v, indices, scale):
+def chunk_walker(q, k, v, indices, scale):
     """The chunk walker for these shapes: GEMM over all keys while the context is short against K."""
     dense = k.shape[2] <= DENSE_RATIO * max(indices.shape[-1], 1)
     return (MaskedKeys if dense else PickedKeys)(q, k, v, indices, scale)

@@ -1,6 +1,6 @@
 """Memory policies: activation swap to host, per-layer recompute."""
 
-from runtime.memory.recompute import apply_recompute, decoder_layers
+from runtime.memory.recompute import apply_recompute
 from runtime.memory.swap import ActivationSwap, FileStore, PinnedHostStore
 
-__all__ = ["ActivationSwap", "FileStore", "PinnedHostStore", "apply_recompute", "decoder_layers"]
+__all__ = ["ActivationSwap", "FileStore", "PinnedHostStore", "apply_recompute"]

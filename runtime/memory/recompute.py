@@ -5,7 +5,7 @@ keyword arguments, and restores the RNG state so dropout draws the same masks). 
 wrapped in place, so parameter names, state dicts and checkpoints do not change.
 
 Policies (`runtime.plan.RECOMPUTE`):
-- "full": every decoder layer (the ModuleList that holds most of the model's parameters).
+- "full": every decoder layer (`runtime.model_tree.decoder_layers`).
 - "selective": the runtime MoE blocks only; routing, permuted tokens and grouped-matmul intermediates
   are the bulk of an MoE layer's activations, while attention and norms keep theirs.
 """
@@ -17,18 +17,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The layer stack: the ModuleList holding the most parameters (per-layer expert lists hold fewer)."""
-    best, best_count = None, 0
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            count = sum(p.numel() for p in module.parameters())
-            if count > best_count:
-                best, best_count = module, count
-    if best is None:
-        raise ValueError(f"{type(model).__name__} has no ModuleList of layers to recompute")
-    return best
+from runtime.model_tree import decoder_layers
 
 
 def _checkpointed(forward, *args, **kwargs):

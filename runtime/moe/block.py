@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels import registry
-from runtime.moe.dispatch import Dispatch, permute, plan_dispatch, unpermute
+from runtime.moe.dispatch import Dispatch, permute, sort_by_expert, unpermute
 from runtime.moe.gating import is_silu, swiglu
 from runtime.moe.grouped import grouped_mm
 from runtime.moe.router import RouterSpec, Routing, route
@@ -180,7 +180,7 @@ class MoEBlock(nn.Module):
         if self.table is not None:
             fixed = self.table[kwargs[self.token_input].reshape(-1)].long()
         routing = route(logits, self.spec, self.router_bias, fixed)
-        d = plan_dispatch(routing.indices, self.num_experts, self.capacity_factor)
+        d = sort_by_expert(routing.indices, self.num_experts, self.capacity_factor)
         tokens = registry.lookup("moe.permute", permute)(x, d)
         weights = routing.weights.reshape(-1).index_select(0, d.order)  # in sorted order
         if self.weight_on_input:  # e.g. Llama 4: scale the token before the expert, sum outputs unweighted

@@ -16,7 +16,7 @@ class Dispatch:
     top_k: int
 
 
-def plan_dispatch(indices: torch.Tensor, num_experts: int, capacity_factor: float | None = None) -> Dispatch:
+def sort_by_expert(indices: torch.Tensor, num_experts: int, capacity_factor: float | None = None) -> Dispatch:
     """Sort assignments by expert (stable, so tokens keep their order inside an expert). Ids at or past
     `num_experts` (zero-compute experts) are left out of the computation, like capacity-dropped ones."""
     flat = indices.reshape(-1)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from runtime.kernels import registry
-from runtime.moe.dispatch import permute, plan_dispatch, unpermute
+from runtime.moe.dispatch import permute, sort_by_expert, unpermute
 
 
 class RoutedExperts(nn.Module):
@@ -34,7 +34,7 @@ class RoutedExperts(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         indices = top_k_index.reshape(x.shape[0], -1)
-        d = plan_dispatch(indices, self.experts.num_experts)
+        d = sort_by_expert(indices, self.experts.num_experts)
         tokens = registry.lookup("moe.permute", permute)(x, d)
         weights = top_k_weights.reshape(-1).index_select(0, d.order)
         out = self.experts(tokens, d, scale=weights)

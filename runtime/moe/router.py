@@ -38,14 +38,19 @@ class Routing:
         return torch.bincount(self.indices.flatten(), minlength=num_experts)
 
 
+_SCORE_FNS = {
+    "softmax": lambda x: torch.softmax(x, dim=-1, dtype=torch.float32),
+    "sigmoid": lambda x: torch.sigmoid(x.float()),
+    "sqrtsoftplus": lambda x: torch.sqrt(torch.nn.functional.softplus(x.float())),  # DeepSeek-V4
+}
+SCORES = tuple(_SCORE_FNS)  # the score functions the runtime routes with
+ORDERS = ("score_then_topk", "topk_then_score", "static")  # score all then pick, pick then score, given ids
+
+
 def _score(x: torch.Tensor, fn: str) -> torch.Tensor:
-    if fn == "softmax":
-        return torch.softmax(x, dim=-1, dtype=torch.float32)
-    if fn == "sigmoid":
-        return torch.sigmoid(x.float())
-    if fn == "sqrtsoftplus":  # DeepSeek-V4
-        return torch.sqrt(torch.nn.functional.softplus(x.float()))
-    raise ValueError(f"unknown router score function {fn!r}")
+    if fn not in _SCORE_FNS:
+        raise ValueError(f"unknown router score function {fn!r}")
+    return _SCORE_FNS[fn](x)
 
 
 def _group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:

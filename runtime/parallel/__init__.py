@@ -24,11 +24,12 @@ the mean of the per-rank losses. Expert parameters under EP hold only the local 
 and expert meshes; each block's `expert_parallel.comm` times what the exchanges did not hide.
 """
 
-from runtime.parallel.api import decoder_layers, moe_blocks, parallelize
+from runtime.model_tree import moe_blocks
+from runtime.parallel.api import parallelize
 from runtime.parallel.expert import ExpertParallel, shard_experts
 from runtime.parallel.grads import clip_grad_norm_, grad_norm
 from runtime.parallel.mesh import ParallelMesh, build_mesh
 from runtime.parallel.state import gather_experts, load_full_state
 
-__all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "clip_grad_norm_", "decoder_layers", "gather_experts",
+__all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "clip_grad_norm_", "gather_experts",
            "grad_norm", "load_full_state", "moe_blocks", "parallelize", "shard_experts"]

@@ -6,22 +6,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from runtime.moe.block import GroupedExperts, ModuleExperts, MoEBlock
+from runtime.model_tree import decoder_layers, moe_blocks
+from runtime.moe.block import GroupedExperts, ModuleExperts
 from runtime.parallel.expert import ExpertParallel, shard_experts
 from runtime.parallel.mesh import ParallelMesh
 from runtime.plan import Plan
-
-
-def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoEBlock)]
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer stack: the ModuleList holding the most parameters."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        raise ValueError(f"{type(model).__name__} has no layer stack (nn.ModuleList) to shard layer by layer")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
 def _experts_outside_blocks(model: nn.Module) -> list[str]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from runtime.parallel.api import moe_blocks
+from runtime.model_tree import moe_blocks
 from runtime.parallel.mesh import ParallelMesh
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from runtime.parallel.api import moe_blocks
+from runtime.model_tree import moe_blocks
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

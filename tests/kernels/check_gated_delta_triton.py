@@ -1,19 +1,18 @@
 """Rendered Triton gated-delta kernels against the token-by-token reference, forward and backward.
 
 Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_linear_attention.py
-does. Argument: the folder the module was rendered into, loaded the way adapters load it
-(runtime.kernels.loader). Exits non-zero with the failing check on stderr.
+does. Argument: the kernel store key of the rendered module, loaded the way adapters load it
+(runtime.kernels.store). Exits non-zero with the failing check on stderr.
 """
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from runtime.attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.kernels import registry
-from runtime.kernels.loader import load_rendered
+from runtime.kernels.store import load_kernels
 
 OP = "linear_attention.chunk_gated_delta"
 
@@ -47,10 +46,10 @@ def run(fn, inputs, **kw):
     return [o, final, *torch.autograd.grad(loss, inputs)]
 
 
-def main(folder: str) -> None:
-    loaded = load_rendered(Path(folder))
-    if not any(name.startswith("gated_delta") for name in loaded):
-        sys.exit(f"the loader did not load the rendered module: {loaded}")
+def main(key: str) -> None:
+    loaded = load_kernels([key])
+    if key not in loaded:
+        sys.exit(f"the store did not load the rendered module: {loaded}")
     registry.use("triton")
     try:
         op = registry.lookup(OP, None)

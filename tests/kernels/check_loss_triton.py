@@ -2,24 +2,14 @@
 through the registry against full logits. Run with TRITON_INTERPRET=1 (tests/test_loss.py does); exits
 non-zero with the failing check on stderr."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import registry
+from runtime.kernels import registry, store
 from runtime.loss import LogitTransform, lm_head_loss
 from runtime.loss.blocks import cross_entropy_rows_
-
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location("rendered_loss_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rendered_loss_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def close(a, b, what, tol=1e-5):
@@ -29,8 +19,8 @@ def close(a, b, what, tol=1e-5):
     print(f"{what}: ok ({err:.1e})")
 
 
-def main(path: str) -> None:
-    k = load(Path(path))
+def main(key: str) -> None:
+    k = store.load(key)
     torch.manual_seed(0)
     rows, vocab = 5, k.VOCAB
     labels = torch.randint(0, vocab, (rows,))

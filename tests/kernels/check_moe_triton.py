@@ -4,23 +4,13 @@ Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): test
 Exits non-zero with the failing check on stderr.
 """
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
-from runtime.kernels import registry
-from runtime.moe.dispatch import permute, plan_dispatch, unpermute
+from runtime.kernels import registry, store
+from runtime.moe.dispatch import permute, sort_by_expert, unpermute
 from runtime.moe.grouped import grouped_mm
-
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location("rendered_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rendered_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def close(a, b, what, tol=1e-5):
@@ -30,14 +20,14 @@ def close(a, b, what, tol=1e-5):
     print(f"{what}: ok ({err:.1e})")
 
 
-def main(path: str) -> None:
-    k = load(Path(path))
+def main(key: str) -> None:
+    k = store.load(key)
     torch.manual_seed(0)
     tokens, experts, hidden, ffn, top_k = 37, 6, k.HIDDEN, 24, k.TOP_K
     indices = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
     indices[:, 0] = torch.where(indices[:, 0] == 5, 0, indices[:, 0])  # leave an expert empty sometimes
     for capacity in (None, 0.6):
-        d = plan_dispatch(indices, experts, capacity)
+        d = sort_by_expert(indices, experts, capacity)
         x = torch.randn(tokens, hidden, requires_grad=True)
         x2 = x.detach().clone().requires_grad_()
         got, ref = k.permute(x, d), permute(x2, d)
@@ -54,7 +44,7 @@ def main(path: str) -> None:
         got.backward(g)
         ref.backward(g)
         close(y.grad, y2.grad, f"unpermute backward (capacity {capacity})")
-    d = plan_dispatch(indices, experts)
+    d = sort_by_expert(indices, experts)
     for out_in in (False, True):
         shape = (experts, ffn, hidden) if out_in else (experts, hidden, ffn)
         w = (torch.randn(shape) * 0.2).requires_grad_()

@@ -1,12 +1,11 @@
 """Rendered Triton scalar-decay kernels against `chunk_scalar_decay`'s PyTorch path, forward and backward.
 
 Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_ssm.py does. Argument:
-the folder the module was rendered into, loaded the way adapters load it (runtime.kernels.loader). Exits
+the kernel store key of the rendered module, loaded the way adapters load it (runtime.kernels.store). Exits
 non-zero with the failing check on stderr.
 """
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,7 @@ from check_gated_delta_triton import close  # this script's folder is on its pat
 
 from runtime.attention.scalar_decay import OP, chunk_scalar_decay
 from runtime.kernels import registry
-from runtime.kernels.loader import load_rendered
+from runtime.kernels.store import load_kernels
 
 
 def problem(k, seed, decay=1.0):
@@ -54,10 +53,10 @@ def compare(k, inputs, kind, with_state=True, grad_tol=1e-4):
         close(a, b, f"{kind} {name}", 1e-4 if name in ("output", "final state") else grad_tol)
 
 
-def main(folder: str) -> None:
-    loaded = load_rendered(Path(folder))
-    if not any(name.startswith("scalar_decay") for name in loaded):
-        sys.exit(f"the loader did not load the rendered module: {loaded}")
+def main(key: str) -> None:
+    loaded = load_kernels([key])
+    if key not in loaded:
+        sys.exit(f"the store did not load the rendered module: {loaded}")
     try:
         registry.use("triton")
         op = registry.lookup(OP, None)

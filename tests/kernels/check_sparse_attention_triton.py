@@ -1,4 +1,4 @@
-"""Rendered Triton DSA sparse attention, loaded by runtime.kernels.loader as a bundle's kernels are, against the
+"""Rendered Triton DSA sparse attention, loaded from the kernel store as a bundle's kernels are, against the
 PyTorch reference, forward and backward, without and with per-head attention sinks (the sinks' gradient too);
 then tiny HF DeepSeek-V3.2 and HunYuan-V4 (whose attention has sinks) models with the kernel selected against
 HuggingFace eager.
@@ -9,18 +9,13 @@ Exits non-zero with the failing check on stderr.
 
 import copy
 import sys
-from pathlib import Path
 
 import torch
 
-from runtime.attention.dsa import (
-    reset_sparse_calls,
-    sparse_calls,
-    swap_sparse_attention,
-)
+from runtime.attention.dsa import find_sparse_attention, swap_sparse_attention
 from runtime.attention.sparse import sparse_attention, sparse_attention_reference
 from runtime.kernels import registry
-from runtime.kernels.loader import load_rendered
+from runtime.kernels.store import load_kernels
 
 
 def close(a, b, what, tol=1e-5):
@@ -128,14 +123,14 @@ def check_hf_model(what, hf, layers, kernel):
     """`hf` swapped onto the runtime (the kernel selected) against itself in eager: logits and every gradient,
     the sinks' included where the attention has them; each of the `layers` sparse layers ran the kernel."""
     ours = copy.deepcopy(hf)
-    swap_sparse_attention(ours)
+    swaps = [swap_sparse_attention(ours.get_submodule(p), path=p) for p in find_sparse_attention(ours)]
     ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     ref = hf(input_ids=ids, labels=ids)
     ref.loss.backward()
-    reset_sparse_calls()
     out = ours(input_ids=ids, labels=ids)
-    if sparse_calls()["sparse"] != layers or kernel_nodes(out.loss, kernel.__module__) != layers:
-        sys.exit(f"{what}: the kernel did not run in each of {layers} sparse layers: {sparse_calls()}, "
+    sparse = sum(s.calls["sparse"] for s in swaps)
+    if sparse != layers or kernel_nodes(out.loss, kernel.__module__) != layers:
+        sys.exit(f"{what}: the kernel did not run in each of {layers} sparse layers: {sparse} sparse calls, "
                  f"{kernel_nodes(out.loss, kernel.__module__)} kernel calls")
     out.loss.backward()
     close(out.logits, ref.logits, f"HF {what} logits, triton kernel")
@@ -175,11 +170,11 @@ def hunyuan_v4():
     return model
 
 
-def main(path: str) -> None:
+def main(key: str) -> None:
     torch.set_num_threads(1)
-    loaded = load_rendered(Path(path).parent)
-    if Path(path).name not in loaded:
-        sys.exit(f"the loader did not load {path}: {loaded}")
+    loaded = load_kernels([key])
+    if key not in loaded:
+        sys.exit(f"the store did not load {key}: {loaded}")
     registry.use("triton")
     kernel = registry.lookup("attention.sparse", sparse_attention_reference)
     if kernel is sparse_attention_reference or registry.backend_of("attention.sparse", sparse_attention) != "triton":

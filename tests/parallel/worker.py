@@ -35,9 +35,9 @@ _PRISTINE: dict = {}
 
 def load_model(folder: str):
     """The adapted twin a bundle folder describes: the catalogue model's twin with the saved weights, put
-    through the bundle's adapter.py (as `onboard.bundle.load_adapter` loads it). A fresh copy per call."""
+    through the bundle's adapter.py (as `onboard.bundle_files.load_adapter` loads it). A fresh copy per call."""
     if folder not in _PRISTINE:
-        from onboard.bundle import load_adapter
+        from onboard.bundle_files import load_adapter
         from onboard.source import resolve
         from onboard.twin import build_twin
 

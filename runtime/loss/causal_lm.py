@@ -2,10 +2,12 @@
 
 transformers' causal-LM heads all follow one shape: decoder → last hidden state → LM head (on the positions
 `logits_to_keep` selects) → `loss_function(logits, labels)` → plus the router auxiliary loss times its
-coefficient when router logits are requested. `swap_causal_lm_loss` keeps that forward, asks it for no
-logits at all (an empty `logits_to_keep`), takes the decoder's last hidden state and computes the loss with
-`runtime.loss.lm_head_loss` on the head's own parameters. Without labels the model is untouched (generation
-and evaluation get their logits as before).
+coefficient when router logits are requested. `swap_causal_lm_loss` gives the model a forward of its own
+(`runtime.swap.override_forward`: the class and every other model stay as they are) that keeps that forward,
+asks it for no logits at all (an empty `logits_to_keep`), takes the decoder's last hidden state and computes
+the loss with `runtime.loss.lm_head_loss` on the head's own parameters. Without labels it is the class's
+forward (generation and evaluation get their logits as before). The handle counts runtime loss calls as
+`swap.calls["loss"]`.
 
 This is a reading of the model, not a certainty: a model that transforms the hidden state or the logits
 in ways not given here (`softcap`, `logit_scale`) computes a different loss, which verification catches.
@@ -17,38 +19,36 @@ import torch
 from torch import nn
 
 from runtime.loss.head import lm_head_loss
+from runtime.swap import Swap
 
 
 def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, decoder_path: str | None = None,
                         softcap: float | None = None, logit_scale: float = 1.0, aux_loss_coef: float | None = None,
-                        chunk_tokens: int | None = None, chunk_vocab: int | None = None) -> nn.Module:
-    """Swap the loss in place (the model's class becomes a subclass with a new `forward`; parameters,
-    names and state dict are unchanged). `decoder_path` names the module whose output is the last hidden
-    state (default: `model.get_decoder()`); `aux_loss_coef` the weight of the router auxiliary loss in the
-    training loss (default: the model's `*aux_loss_coef` attribute or config field).
-    `model.onboard_loss_calls` counts the runtime loss calls."""
+                        chunk_tokens: int | None = None, chunk_vocab: int | None = None) -> Swap:
+    """Swap the loss of this one model (parameters, names and state dict unchanged). `decoder_path` names the
+    module whose output is the last hidden state (default: `model.get_decoder()`); `aux_loss_coef` the weight
+    of the router auxiliary loss in the training loss (default: the model's `*aux_loss_coef` attribute or
+    config field). Raises ValueError, changing nothing, when the head is not one linear projection or there is
+    no decoder module."""
     head = model.get_submodule(head_path)
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
         raise ValueError(f"{head_path} is not a linear LM head (no 2-D weight)")
     decoder = model.get_submodule(decoder_path) if decoder_path else getattr(model, "get_decoder", lambda: None)()
     if decoder is None or decoder is model:
         raise ValueError(f"{type(model).__name__}: no decoder module to read the last hidden state from")
-    base = type(model)
-    if getattr(base, "_onboard_loss_swapped", False):
-        base = base.__mro__[1]
     options = {"head_path": head_path, "decoder_path": decoder_path, "softcap": softcap, "logit_scale": logit_scale,
                "aux_loss_coef": aux_loss_coef if aux_loss_coef is not None else _aux_coef(model),
                "chunk_tokens": chunk_tokens, "chunk_vocab": chunk_vocab}
+    swap = Swap("loss")
 
     def forward(self, *args, labels=None, **kwargs):
         if labels is None:
-            return base.forward(self, *args, **kwargs)
-        return _forward_with_loss(self, base, options, args, labels, kwargs)
+            return type(self).forward(self, *args, **kwargs)
+        swap.count("loss")
+        return _forward_with_loss(self, options, args, labels, kwargs)
 
-    model.__class__ = type(base.__name__, (base,), {"forward": forward, "_onboard_loss_swapped": True,
-                                                   "__module__": base.__module__})
-    model.onboard_loss_calls = 0
-    return model
+    swap.set_forward(model, forward)
+    return swap
 
 
 def _aux_coef(model: nn.Module) -> float:
@@ -69,14 +69,14 @@ def _last_hidden(output):
     return output.last_hidden_state
 
 
-def _forward_with_loss(model, base, options, args, labels, kwargs):
+def _forward_with_loss(model, options, args, labels, kwargs):
     captured = {}
     decoder = model.get_submodule(options["decoder_path"]) if options["decoder_path"] else model.get_decoder()
     hook = decoder.register_forward_hook(
         lambda _module, _inputs, output: captured.__setitem__("hidden", _last_hidden(output)))
     try:
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
-        out = base.forward(model, *args, labels=None, **{**kwargs, "logits_to_keep": no_logits})
+        out = type(model).forward(model, *args, labels=None, **{**kwargs, "logits_to_keep": no_logits})
     finally:
         hook.remove()
     head = model.get_submodule(options["head_path"])
@@ -87,6 +87,5 @@ def _forward_with_loss(model, base, options, args, labels, kwargs):
     aux = getattr(out, "aux_loss", None)
     if aux is not None:  # the model adds its router load-balancing loss to the training loss
         loss = loss + options["aux_loss_coef"] * aux.to(loss.device)
-    model.onboard_loss_calls += 1
     out.loss = loss
     return out

@@ -1,0 +1,56 @@
+"""What a bundle holds, and reading it back: its files, its spec, source and decision, its adapter module."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import uuid
+from pathlib import Path
+
+from onboard.errors import OnboardError, one_line
+
+# what `onboard adapt` writes (kernels themselves go to the runtime's kernel store; kernels.json names them)
+FILES = ("spec.json", "source.json", "decision.json", "adapter.py", "kernels.json", "verification.json",
+         "REVIEW.md", "plan.json", "train.sh")
+REQUIRED = ("spec.json", "adapter.py", "source.json")
+
+
+def read_bundle(bundle) -> tuple[Path, dict, dict]:
+    """The bundle directory, its spec and its source record; one-line errors for anything missing."""
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        raise OnboardError(f"{bundle}: no such bundle directory (write one with `onboard adapt MODEL --out DIR`)")
+    missing = [f for f in REQUIRED if not (bundle / f).is_file()]
+    if missing:
+        raise OnboardError(f"{bundle} is not a bundle: missing {', '.join(missing)}")
+    try:
+        spec = json.loads((bundle / "spec.json").read_text())
+        origin = json.loads((bundle / "source.json").read_text())
+        origin["ref"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
+    return bundle, spec, origin
+
+
+def read_decision(bundle: Path):
+    """The bundle's adapt decision (decision.json)."""
+    from onboard.decision import Decision
+
+    path = Path(bundle) / "decision.json"
+    if not path.is_file():
+        raise OnboardError(f"{bundle} has no decision.json (written by an older onboard): adapt the model again")
+    try:
+        return Decision.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OnboardError(f"{path}: unreadable decision ({one_line(exc)})") from None
+
+
+def load_adapter(directory: Path):
+    """Import a bundle's adapter.py as a module of its own."""
+    name = f"onboard_adapter_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, Path(directory) / "adapter.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

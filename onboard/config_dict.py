@@ -1,0 +1,71 @@
+"""Nested config dicts (a HuggingFace config's `to_dict()`): fields by dotted path, the layer count, and the
+per-layer lists that follow it when a model is cut to its first layers."""
+
+from __future__ import annotations
+
+
+def walk(d: dict, prefix: str = ""):
+    """(dotted path, key, value) of every leaf, depth first."""
+    for key, value in d.items():
+        key = str(key)
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from walk(value, path + ".")
+        else:
+            yield path, key, value
+
+
+def get(d: dict, path: str):
+    """The value at a dotted path."""
+    for part in path.split("."):
+        d = d[part]
+    return d
+
+
+def put(d: dict, path: str, value) -> None:
+    """Set the value at a dotted path (its parents exist)."""
+    parts = path.split(".")
+    for part in parts[:-1]:
+        d = d[part]
+    d[parts[-1]] = value
+
+
+def is_size(value) -> bool:
+    """A positive whole number (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def is_index_list(key: str, value) -> bool:
+    """Lists of layer indices (``moe_layers``, ``kda_layers``), as opposed to one value per layer."""
+    return (
+        "layer" in key and isinstance(value, list) and len(value) > 0
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and all(a < b for a, b in zip(value, value[1:]))
+    )
+
+
+def per_layer_lists(cfg: dict, num_layers: int) -> list[str]:
+    """Paths of the lists that hold one value per layer."""
+    return [
+        path for path, key, value in walk(cfg)
+        if isinstance(value, list) and len(value) == num_layers and not is_index_list(key, value)
+    ]
+
+
+def truncate_layers(cfg: dict, layers_key: str, full_layers: int, keep: int) -> None:
+    """Cut the config to its first `keep` layers: the layer count, per-layer lists and layer-index lists."""
+    for path, key, value in list(walk(cfg)):
+        if is_index_list(key, value):
+            one_based = max(value) == full_layers
+            put(cfg, path, [v for v in value if v < keep or (one_based and v == keep)])
+        elif isinstance(value, list) and len(value) == full_layers:
+            put(cfg, path, value[:keep])
+    put(cfg, layers_key, keep)
+
+
+def layers_key(cfg: dict) -> str | None:
+    """The path of the layer count (num_hidden_layers and its other names), or None."""
+    for path, key, value in walk(cfg):
+        if key in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") and is_size(value):
+            return path
+    return None

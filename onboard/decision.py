@@ -1,0 +1,432 @@
+"""The adapt decision: for each part of a model the runtime could take over, which runtime piece takes it,
+with which parameters, or why it stays HuggingFace code.
+
+    decision = decide(spec, twin)          # the only place that looks at the twin's modules; trial swaps once
+    decision.refuse("moe:mlp", why)        # verification rejected a reading: that part falls back
+    decision.to_json() / Decision.from_json(text)   # saved in the bundle as decision.json
+
+Rendering (adapter, kernels, REVIEW.md), verification, `onboard verify` and the review read this one object;
+none of them looks at the model again to decide anything.
+
+Targets name what a refusal covers, `part:path` with the path below a decoder layer:
+- `moe:<block>`: the runtime's whole MoE block (`runtime.moe.MoEBlock`) for every layer with that block;
+  the layers fall back to the experts alone where they can, else stay HuggingFace code;
+- `experts:<experts>`: the experts alone (`runtime.moe.RoutedExperts`) behind the model's own router;
+- `attention:<module>`: a linear-attention / state-space core or DSA sparse attention;
+- `loss`: the training loss from the decoder's last hidden state (`runtime.loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from dataclasses import dataclass, field
+
+from onboard.errors import one_line
+from onboard.report import describe_mlp, describe_router, ranges
+from onboard.spec import MLP, Layer, ModelSpec
+from onboard.twin import Twin
+from runtime.moe.router import ORDERS, SCORES
+
+SCHEMA_VERSION = 1
+
+# what takes a part: the runtime piece, as the adapter and REVIEW.md name it
+BLOCK, EXPERTS, LINEAR, SPARSE = "block", "experts", "linear", "sparse"
+
+
+@dataclass
+class Experts:
+    """How the runtime builds its experts around the model's own weight stacks (paths below the layer)."""
+    path: str
+    layout: str  # "fused" (3-D stacks) | "modules" (one sub-MLP per expert)
+    weights: dict[str, str]  # role (gate_up, gate, up, down, *_bias) -> tensor path
+    activation: str  # code: the experts' own act_fn, an ACTIVATIONS entry, or None (gate_fn applies it)
+    gate_fn: str | None  # code: the experts' own gating function, when it is not act(gate) * up
+    gated: bool
+    transposed: bool
+    interleaved: bool
+
+
+@dataclass
+class Routing:
+    """How the runtime routes like the model; sizes that differ between model and twin are config reads."""
+    weight: str | None
+    module: str | None  # the router module below the block (what router-logit losses observe)
+    bias: str | None  # selection-only expert bias
+    linear_bias: str | None
+    score: str
+    order: str
+    renormalize: bool
+    top_k: str  # code: a config field or a literal
+    group_limited: bool
+    n_group: str
+    topk_group: str
+    group_score_top: int | None
+    scaling: float | None
+    table: str | None  # static routing: expert ids by token id
+    token_input: str | None
+
+
+@dataclass
+class MoEEntry:
+    """MoE layers that need the same construction code."""
+    layers: list[int]
+    block: str  # the MoE block below the decoder layer
+    num_experts: int
+    summary: str
+    why_not_block: str | None  # None: the runtime can take the block whole
+    why_not_experts: str | None  # None: the runtime can take the experts alone, keeping the model's routing
+    experts: Experts | None = None
+    routing: Routing | None = None
+    shared: list[str] = field(default_factory=list)  # shared experts inside the block
+    shared_gate_weight: str | None = None
+    outputs: int = 1
+    weight_on_input: bool = False
+    post_norm: str | None = None
+    output_bias: str | None = None
+    zero_experts: int = 0
+    refused_block: str | None = None  # why verification rejected the whole-block reading
+    refused_experts: str | None = None
+
+    @property
+    def takes(self) -> str | None:
+        """BLOCK, EXPERTS or None (the block stays HuggingFace code)."""
+        if self.why_not_block is None and self.refused_block is None:
+            return BLOCK
+        if self.why_not_experts is None and self.refused_experts is None:
+            return EXPERTS
+        return None
+
+    @property
+    def why(self) -> str | None:
+        """Why the block is not taken whole (None when it is)."""
+        return None if self.takes == BLOCK else self.refused_block or self.why_not_block
+
+    @property
+    def path(self) -> str | None:
+        """The module the adapter replaces, below the decoder layer."""
+        return {BLOCK: self.block, EXPERTS: self.experts and self.experts.path}.get(self.takes)
+
+    @property
+    def reused(self) -> list[str]:
+        """Tensors and modules of the model the runtime piece holds in place."""
+        routing = self.routing if self.takes == BLOCK else None
+        names = [*(self.experts.weights.values() if self.experts else ()),
+                 *((routing.weight, routing.bias, routing.linear_bias) if routing else ()),
+                 *((self.output_bias, self.shared_gate_weight, *self.shared) if self.takes == BLOCK else ())]
+        return sorted({n for n in names if n})
+
+
+@dataclass
+class AttentionEntry:
+    """Attention layers of one kind at one path."""
+    layers: list[int]
+    path: str
+    kind: str  # the spec's attention kind
+    takes: str | None  # LINEAR, SPARSE, or None
+    cores: list[str] = field(default_factory=list)  # runtime cores a linear swap runs
+    why: str | None = None  # why it stays HuggingFace code (None for softmax attention: nothing to take)
+
+    @property
+    def target(self) -> str:
+        return f"attention:{self.path}"
+
+
+@dataclass
+class LossEntry:
+    takes: bool
+    head: str | None = None
+    decoder: str | None = None  # the module whose output is the last hidden state
+    softcap: float | None = None
+    scale: float | None = None
+    why: str | None = None
+
+
+@dataclass
+class Decision:
+    moe: list[MoEEntry]
+    attention: list[AttentionEntry]
+    loss: LossEntry
+    refused: dict[str, str] = field(default_factory=dict)  # target -> why verification rejected it
+    schema_version: int = SCHEMA_VERSION
+
+    # -- refinement ---------------------------------------------------------------------------------
+    def refuse(self, target: str, why: str) -> None:
+        """Verification rejected the reading behind `target`: that part falls back (see the module docstring)."""
+        part, _, path = target.partition(":")
+        hit = False
+        if part == "moe":
+            for entry in self.moe:
+                if entry.block == path and entry.takes == BLOCK:
+                    entry.refused_block, hit = why, True
+        elif part == "experts":
+            for entry in self.moe:
+                if entry.takes == EXPERTS and entry.experts.path == path:
+                    entry.refused_experts, hit = why, True
+        elif part == "attention":
+            for entry in self.attention:
+                if entry.path == path and entry.takes:
+                    entry.takes, entry.cores, entry.why, hit = None, [], why, True
+        elif target == "loss" and self.loss.takes:
+            self.loss = LossEntry(False, why=why)
+            hit = True
+        if not hit:
+            raise ValueError(f"nothing in this decision is taken at {target!r}")
+        self.refused[target] = why
+
+    def hypotheses(self) -> list[dict[str, str]]:
+        """Readings verification has to confirm, in the order to drop them when a bundle fails: extra routing
+        slots taken as identity experts; then the loss from the last hidden state. {target: what}."""
+        zero = {f"moe:{e.block}": (f"the router scores {e.num_experts + e.zero_experts} slots for {e.num_experts} "
+                                   f"experts; taking the extra {e.zero_experts} as identity (zero) experts")
+                for e in self.moe if e.zero_experts and e.takes == BLOCK}
+        loss = {"loss": "computing the loss from the decoder's last hidden state through the LM head"} \
+            if self.loss.takes else {}
+        return [h for h in (zero, loss) if h]
+
+    # -- views --------------------------------------------------------------------------------------
+    def swapped_moe(self) -> list[MoEEntry]:
+        return [e for e in self.moe if e.takes]
+
+    def kept_moe(self) -> dict[int, str]:
+        """{layer: why its MoE block stays HuggingFace code}."""
+        return {i: e.why for e in self.moe if not e.takes for i in e.layers}
+
+    def swapped_attention(self) -> list[AttentionEntry]:
+        return [e for e in self.attention if e.takes]
+
+    def kept_attention(self) -> dict[int, str]:
+        """{layer: why its linear / sparse attention stays HuggingFace code}."""
+        return {i: f"{e.kind}: {e.why}" for e in self.attention if not e.takes and e.why for i in e.layers}
+
+    def expected(self, depth: int) -> dict[str, int]:
+        """Swaps an adapter must make in a model of `depth` decoder layers, by handle kind."""
+        out = {"moe_block": 0, "experts": 0, "linear_core": 0, "sparse_attention": 0, "loss": int(self.loss.takes)}
+        for e in self.swapped_moe():
+            out["moe_block" if e.takes == BLOCK else "experts"] += sum(1 for i in e.layers if i < depth)
+        for e in self.swapped_attention():
+            out["linear_core" if e.takes == LINEAR else "sparse_attention"] += sum(1 for i in e.layers if i < depth)
+        return out
+
+    # -- JSON ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        for raw, entry in zip(data["moe"], self.moe):
+            raw["takes"], raw["why"] = entry.takes, entry.why  # derived, written for readers of the file
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Decision:
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"decision schema version {data.get('schema_version')} is not {SCHEMA_VERSION}")
+        moe = []
+        for raw in data["moe"]:
+            raw = {k: v for k, v in raw.items() if k not in ("takes", "why")}
+            experts, routing = raw.pop("experts"), raw.pop("routing")
+            moe.append(MoEEntry(**raw, experts=Experts(**experts) if experts else None,
+                                routing=Routing(**routing) if routing else None))
+        return cls(moe=moe, attention=[AttentionEntry(**a) for a in data["attention"]],
+                   loss=LossEntry(**data["loss"]), refused=dict(data.get("refused", {})),
+                   schema_version=data["schema_version"])
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        return cls.from_dict(json.loads(text))
+
+
+# ------------------------------------------------------------------------------------------------------
+# deciding
+
+
+def decide(spec: ModelSpec, twin: Twin) -> Decision:
+    """What the adapter swaps, from the spec and (for what only the modules tell) the twin's modules."""
+    return Decision(moe=_moe_entries(spec, twin), attention=_attention_entries(spec, twin),
+                    loss=_loss_entry(spec, twin))
+
+
+def why_not_block(mlp: MLP) -> str | None:
+    """Why the runtime cannot take a matched MoE block whole (None when it can)."""
+    if mlp.kind != "moe":
+        return "not an MoE block"
+    r = mlp.router
+    if r is None or r.score == "static" or (r.order == "static" and not r.table):
+        return "experts chosen without a learned router, and no token-id table found to reproduce the choice"
+    if r.score not in SCORES:
+        return f"router score function {r.score!r} is not in the runtime yet"
+    if r.order not in ORDERS:
+        return f"experts chosen by {r.order.replace('_', ' ')} (a sparse mixer): not in the runtime yet"
+    if not r.direct:
+        return "the router is more than one projection of the tokens (a small network): not in the runtime yet"
+    if not mlp.path:
+        return "the MoE block is the whole decoder layer; nothing to swap it into"
+    if mlp.expert_layout == "fused" and not _roles_known(mlp):
+        return "the expert weight stacks could not be told apart"
+    return None
+
+
+def _roles_known(mlp: MLP) -> bool:
+    roles = set(mlp.expert_weights)
+    return {"gate_up", "down"} <= roles or {"gate", "up", "down"} <= roles
+
+
+def why_not_experts(layer: Layer, twin: Twin) -> str | None:
+    """Why the runtime cannot take a block's experts alone behind the model's own router (None when it can):
+    a fused weight stack with known roles behind transformers' experts interface
+    `experts(hidden_states, top_k_index, top_k_weights)`."""
+    mlp = layer.mlp
+    if mlp.kind != "moe" or mlp.expert_layout != "fused" or not mlp.experts_path:
+        return "the experts are not one fused weight stack"
+    if not _roles_known(mlp):
+        return "the expert weight stacks could not be told apart"
+    module = twin.layer_module(layer.twin_layer, mlp.experts_path)
+    if module is None:
+        return "the experts module is not in the tiny twin"
+    required = [p for p in inspect.signature(module.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) != 3:
+        return "the experts module is not called as experts(hidden_states, top_k_index, top_k_weights)"
+    return None
+
+
+# MLP fields that make two MoE layers need different construction code
+_BUILD_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
+                 "expert_weights", "expert_interleaved", "expert_transposed", "weight_on_input", "outputs",
+                 "top_k", "router", "post_norm", "output_bias", "zero_experts")
+
+
+def _moe_entries(spec: ModelSpec, twin: Twin) -> list[MoEEntry]:
+    groups: dict[str, list[Layer]] = {}
+    reasons: dict[str, tuple] = {}
+    for layer in spec.layers:
+        if layer.mlp.kind != "moe":
+            continue
+        why = (why_not_block(layer.mlp), why_not_experts(layer, twin))
+        raw = dataclasses.asdict(layer.mlp)
+        key = json.dumps({"why": why, **{f: raw[f] for f in _BUILD_FIELDS}}, sort_keys=True)
+        groups.setdefault(key, []).append(layer)
+        reasons[key] = why
+    return [_moe_entry(layers, *reasons[key], twin) for key, layers in groups.items()]
+
+
+def _moe_entry(layers: list[Layer], block_why: str | None, experts_why: str | None, twin: Twin) -> MoEEntry:
+    first = layers[0]
+    mlp = first.mlp
+    entry = MoEEntry(layers=[layer.index for layer in layers], block=mlp.path, num_experts=mlp.num_experts or 0,
+                     summary=describe_mlp(mlp) + "; " + describe_router(mlp),
+                     why_not_block=block_why, why_not_experts=experts_why)
+    if block_why is not None and experts_why is not None:
+        return entry
+    entry.experts = _experts(mlp, twin, first.twin_layer)
+    if block_why is None:
+        entry.routing = _routing(mlp)
+        # shared experts outside the block (an MLP beside it in the layer) keep running where they are
+        entry.shared = [p for p in (mlp.shared_path or "").split(",") if p and p.startswith(mlp.path + ".")]
+        entry.shared_gate_weight, entry.outputs = mlp.shared_gate_weight, mlp.outputs
+        entry.weight_on_input, entry.post_norm = mlp.weight_on_input, mlp.post_norm
+        entry.output_bias, entry.zero_experts = mlp.output_bias, mlp.zero_experts
+    return entry
+
+
+def _experts(mlp: MLP, twin: Twin, twin_layer: int) -> Experts:
+    """The experts' construction, with code for their activation (the experts' own act_fn where they have
+    one) and for a gating function of their own (transformers' default one is plain act(gate) * up)."""
+    module = twin.layer_module(twin_layer, mlp.experts_path)
+    own = f"layer.get_submodule({json.dumps(mlp.experts_path)})"
+    has_act = callable(getattr(module, "act_fn", None))
+    activation = f"{own}.act_fn" if has_act else f"ACTIVATIONS[{json.dumps(mlp.activation)}]"
+    gate = getattr(type(module), "_apply_gate", None)
+    gate_fn = f"{own}._apply_gate" if gate is not None and gate.__module__ != "transformers.integrations.moe" else None
+    if gate_fn and not has_act:
+        activation = "None"  # the model's gating function applies its own activation
+    return Experts(path=mlp.experts_path, layout=mlp.expert_layout, weights=dict(mlp.expert_weights),
+                   activation=activation, gate_fn=gate_fn, gated=bool(mlp.gated),
+                   transposed=mlp.expert_transposed, interleaved=mlp.expert_interleaved)
+
+
+def _routing(mlp: MLP) -> Routing:
+    r = mlp.router
+    fields = r.config_fields
+
+    def from_config(meaning, value) -> str:
+        return f"config.{fields[meaning]}" if meaning in fields else repr(value)
+
+    # the router as the block holds it (its outermost module below the block): what transformers observes
+    below = (r.weight or "")[len(mlp.path) + 1:].split(".")
+    return Routing(weight=r.weight, module=f"{mlp.path}.{below[0]}" if len(below) > 1 and not r.table else None,
+                   bias=r.bias, linear_bias=r.linear_bias, score=r.score, order=r.order, renormalize=r.renormalize,
+                   top_k=from_config("top_k", mlp.top_k), group_limited=r.group_limited,
+                   n_group=from_config("n_group", r.n_group), topk_group=from_config("topk_group", r.topk_group),
+                   group_score_top=r.group_score_top, scaling=r.scaling, table=r.table, token_input=r.token_input)
+
+
+def _loss_entry(spec: ModelSpec, twin: Twin) -> LossEntry:
+    """How the adapter computes the training loss without full logits (or why it does not)."""
+    head = spec.head or {}
+    if head.get("loss") != "cross_entropy":
+        return LossEntry(False, why="no cross-entropy loss found after the LM head")
+    path = head.get("path")
+    module = twin.module(path) if path else None
+    if module is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
+        return LossEntry(False, why="the LM head is not one linear projection")
+    if "." not in twin.layers_path:
+        return LossEntry(False, why="the decoder layers sit on the model itself: no decoder module returns the "
+                                    "last hidden state")
+    softcap = head.get("logit_softcap")
+    if softcap is True:
+        return LossEntry(False, why="the logits are soft-capped by a value the graph does not show")
+    decoder = twin.layers_path.rpartition(".")[0]  # the module holding the layer stack returns the last hidden state
+    return LossEntry(True, head=path, decoder=decoder or None, softcap=softcap, scale=head.get("logit_scale"))
+
+
+def _attention_entries(spec: ModelSpec, twin: Twin) -> list[AttentionEntry]:
+    """Attention layers grouped by what the runtime does with them. Whether the runtime takes a linear or
+    sparse attention module is decided by swapping it in the twin and undoing the swap: a family whose
+    functions only look right stays as it is. Once per distinct twin layer."""
+    trials: dict[tuple, tuple] = {}
+    groups: dict[tuple, list[int]] = {}
+    for layer in spec.layers:
+        attn = layer.attention
+        key = (layer.twin_layer, attn.path, attn.kind)
+        if key not in trials:
+            trials[key] = _trial_swap(twin, layer)
+        takes, cores, why = trials[key]
+        groups.setdefault((attn.path, attn.kind, takes, tuple(cores), why), []).append(layer.index)
+    return [AttentionEntry(layers=indices, path=path, kind=kind, takes=takes, cores=list(cores), why=why)
+            for (path, kind, takes, cores, why), indices in groups.items()]
+
+
+def _trial_swap(twin: Twin, layer: Layer) -> tuple[str | None, list[str], str | None]:
+    """(what takes the layer's attention, the cores it runs, why nothing does)."""
+    from runtime.attention import swap_linear_core, swap_sparse_attention
+
+    kind = layer.attention.kind
+    if kind.startswith(("linear:", "ssm:", "conv")):
+        takes, swap = LINEAR, swap_linear_core
+    elif kind == "sparse:dsa":
+        takes, swap = SPARSE, swap_sparse_attention
+    else:
+        return None, [], None  # softmax-family attention: transformers' own sdpa / flash paths serve it
+    module = twin.layer_module(layer.twin_layer, layer.attention.path)
+    if module is None:
+        return None, [], "the attention module is not in the tiny twin"
+    try:
+        handle = swap(module)
+    except ValueError as exc:
+        return None, [], one_line(exc)
+    handle.undo()
+    if takes == SPARSE:
+        kept = handle.parts.get("indexer", "runtime")
+        return (SPARSE, [], None) if kept == "runtime" else (None, [], kept)
+    return LINEAR, sorted(set(handle.parts.values())), None
+
+
+def by_reason(reasons: dict[int, str]) -> list[tuple[str, str]]:
+    """{layer: why} as [(layer ranges, why)], one entry per distinct reason, in layer order."""
+    grouped: dict[str, list[int]] = {}
+    for index, why in sorted(reasons.items()):
+        grouped.setdefault(why, []).append(index)
+    return [(ranges(indices), why) for why, indices in grouped.items()]

@@ -1,0 +1,185 @@
+"""The one way the runtime changes a model: swap one target, get back a handle that undoes it and counts.
+
+    handle = replace_module(root, "model.layers.3.mlp", block, kind="moe_block")
+    handle = override_forward(module, forward, kind="lightning")
+    handle = set_attributes(module, {"config": config_copy}, kind="sparse_attention")
+    handle.calls        # Counter: how often the runtime code behind this swap ran, by what ran
+    handle.replaced     # what replace_module took out (None for other swaps)
+    handle.undo()       # everything it changed, back as it was
+    swaps = Swaps([...])            # what one adapter did
+    swaps.of("moe_block")           # its handles of one kind
+    swaps.calls("sparse")           # calls counted under one name, summed over its handles
+
+Every swap sets attributes on objects of the target (a module's child, a module's own `forward` or `config`)
+and remembers what each held, so undoing is exact and nothing outside the target changes: no module
+globals, no classes, no process-wide registries that another model would read. Two models in one process
+never see each other's swaps.
+
+A deep copy of a swapped model is swapped too (its modules carry the same attributes), but its calls are
+counted in the original's handles: adapt the copy itself when its counts matter.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from collections.abc import Callable
+
+from torch import nn
+
+_ABSENT = object()
+_REGISTRIES = ("_modules", "_parameters", "_buffers")
+
+
+def _held(owner: object, name: str):
+    """What `owner` itself holds under `name` (a child module, a parameter or buffer, or an instance
+    attribute), or _ABSENT; never what its class provides."""
+    for registry in _REGISTRIES:
+        held = owner.__dict__.get(registry)
+        if held is not None and name in held:
+            return held[name]
+    return owner.__dict__.get(name, _ABSENT)
+
+
+class Swap:
+    """One target of a model changed by the runtime: what changed, how to undo it, how often it ran."""
+
+    def __init__(self, kind: str, path: str = ""):
+        self.kind = kind
+        self.path = path
+        self.calls: collections.Counter = collections.Counter()
+        self.replaced: nn.Module | None = None
+        self.parts: dict[str, str] = {}  # what the swap took over inside its target, when it says
+        self._changes: list[tuple[object, str, object]] = []  # (owner, name, what it held before)
+        self._cleanups: list[Callable[[], None]] = []
+        self.undone = False
+
+    def set(self, owner: object, name: str, value) -> None:
+        """Set `owner.name = value`, remembering what it held for `undo`."""
+        self._changes.append((owner, name, _held(owner, name)))
+        setattr(owner, name, value)
+
+    def set_forward(self, module: nn.Module, forward: Callable) -> None:
+        """Make this one module run `forward(self, *args, **kwargs)` instead of its class's forward. One
+        module takes one such forward: a second is refused (ValueError) until the first is undone."""
+        if "forward" in module.__dict__:
+            raise ValueError(f"{type(module).__name__} already runs a forward of its own (swapped before?); "
+                             f"undo that swap first")
+        self.set(module, "forward", types.MethodType(forward, module))
+
+    def count(self, what: str | None = None, n: int = 1) -> None:
+        self.calls[what or self.kind] += n
+
+    def on_undo(self, cleanup: Callable[[], None]) -> None:
+        self._cleanups.append(cleanup)
+
+    def undo(self) -> None:
+        """Put back everything this swap changed, last change first (idempotent)."""
+        if self.undone:
+            return
+        for cleanup in reversed(self._cleanups):
+            cleanup()
+        for owner, name, before in reversed(self._changes):
+            if before is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self.undone = True
+
+    def __repr__(self) -> str:
+        return f"Swap({self.kind!r}, {self.path!r}, calls={dict(self.calls)})"
+
+
+class Swaps(list):
+    """The handles of one adaptation, in the order they were made."""
+
+    def of(self, *kinds: str) -> list[Swap]:
+        return [s for s in self if s.kind in kinds]
+
+    def calls(self, what: str) -> int:
+        return sum(s.calls[what] for s in self)
+
+    def undo(self) -> None:
+        for swap in reversed(self):
+            swap.undo()
+
+
+def set_attributes(owner: object, values: dict, *, kind: str, path: str = "") -> Swap:
+    """The primitive: set attributes of one object, as one swap."""
+    swap = Swap(kind, path)
+    for name, value in values.items():
+        swap.set(owner, name, value)
+    return swap
+
+
+def _count_calls(swap: Swap, module: nn.Module, what: str) -> None:
+    handle = module.register_forward_pre_hook(lambda *_: swap.count(what))
+    swap.on_undo(handle.remove)
+
+
+def replace_module(root: nn.Module, path: str, new: nn.Module, *, kind: str) -> Swap:
+    """Put `new` where the module at `path` (below `root`) is; its forward calls are counted under `kind`."""
+    owner, _, name = path.rpartition(".")
+    parent = root.get_submodule(owner) if owner else root
+    swap = Swap(kind, path)
+    swap.replaced = parent.get_submodule(name)
+    swap.set(parent, name, new)
+    _count_calls(swap, new, kind)
+    return swap
+
+
+def override_forward(module: nn.Module, forward: Callable, *, kind: str, path: str = "") -> Swap:
+    """Make this one module run `forward(self, *args, **kwargs)` instead of its class's forward. `forward`
+    should reach the module only through `self` (so a deep copy runs on its own tensors) and count its
+    calls on the handle it is given (`swap.count(...)`)."""
+    swap = Swap(kind, path)
+    swap.set_forward(module, forward)
+    return swap
+
+
+def forward_with_globals(cls: type, replacements: dict) -> Callable:
+    """`cls.forward` as a new function whose own global names in `replacements` resolve to other objects.
+
+    The forward's code is unchanged; it runs against a copy of its module's namespace with those names
+    replaced, so only modules given this function (with `override_forward`) see the change. Decorators
+    around the forward (functools.wraps closures, as transformers writes them) are rebuilt around the new
+    function. Raises ValueError when a decorator holds the forward some other way."""
+    chain = [cls.forward]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    inner = chain[-1]
+    if not isinstance(inner, types.FunctionType):
+        raise ValueError(f"{cls.__name__}.forward is not a Python function")
+    new = _copy_function(inner, {**inner.__globals__, **replacements})
+    for wrapper, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        new = _rewrap(wrapper, old, new)
+    return new
+
+
+def _copy_function(fn: types.FunctionType, namespace: dict, closure: tuple | None = None) -> types.FunctionType:
+    out = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__,
+                             fn.__closure__ if closure is None else closure)
+    out.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__ = fn.__qualname__
+    return out
+
+
+def _rewrap(wrapper, old: Callable, new: Callable) -> types.FunctionType:
+    """`wrapper` (a closure over `old`) rebuilt as a closure over `new`."""
+    cells = wrapper.__closure__ if isinstance(wrapper, types.FunctionType) else None
+    if not cells or not any(_holds(cell, old) for cell in cells):
+        raise ValueError(f"the decorator {getattr(wrapper, '__qualname__', wrapper)!r} does not hold the "
+                         f"function it wraps in a closure")
+    closure = tuple(types.CellType(new) if _holds(cell, old) else cell for cell in cells)
+    out = _copy_function(wrapper, wrapper.__globals__, closure)
+    out.__wrapped__ = new
+    return out
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
