@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from predictors.dims import count_params
+from runtime.dims import count_params
 from runtime.plan import Plan
 from runtime.runlog import MODEL_FIELDS, RunLogWriter
 

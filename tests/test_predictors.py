@@ -10,12 +10,13 @@ import pytest
 
 from predictors import learned
 from predictors.costmodel import estimate
-from predictors.dims import Dims
 from predictors.errors import PredictorError
 from predictors.features import load_dataset
 from predictors.hardware import bundled, find, identify
 from predictors.published import DATA_DIR, convert_row
+from runtime.dims import Dims
 from runtime.plan import LoRA, Plan
+from runtime.runlog import read_runs
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 LLAMA8B = {"name": "llama-8b", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
@@ -148,6 +149,20 @@ def test_shipped_conversion_is_current(tmp_path):
         written, left_out = convert_file(SHARED / name, tmp_path / name)
         assert written + len(left_out) == sum(1 for line in (SHARED / name).open() if line.strip())
         assert (tmp_path / name).read_text() == (DATA_DIR / name).read_text(), f"regenerate {name}"
+
+
+def test_shipped_runs_keep_the_mixing_flops_the_bundled_models_were_trained_on():
+    """The shipped runs carry no mixer list; their token mixing must stay priced as when the bundled
+    predictor models were trained (features depend on it): every layer at the first attention's shape,
+    full causal softmax, linear layers with a head_dim x head_dim state."""
+    runs, _ = read_runs(learned.default_training_paths())
+    assert len(runs) == 2089 and not any("mixers" in run.model for run in runs)
+    for run in runs:
+        d, s = Dims.from_record(run.model), run.plan["seq_len"]
+        softmax = d.layers - d.linear_layers - d.sparse_layers
+        linear = d.linear_layers * 2 * d.heads * (2 * d.head_dim ** 2 + 64 * 2 * d.head_dim)
+        assert d.sparse_layers == 0
+        assert d.mixing_flops(s) == softmax * 2 * d.heads * 2 * d.head_dim * ((s + 1) / 2) + linear  # bit for bit
 
 
 # -- data loading --------------------------------------------------------------------------------
