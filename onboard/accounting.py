@@ -5,49 +5,24 @@ Conventions (stated because published figures differ on them):
   plus top_k / num_experts of the routed experts, plus the LM head; the input embedding table is a lookup
   and is left out (this matches the published active counts of DeepSeek-V3, Mixtral and gpt-oss).
 - Training FLOPs per token = 3 x forward (backward costs twice the forward): 2 FLOPs per active
-  matmul parameter, plus the token-mixing terms, averaged over the positions of a causal sequence.
+  matmul parameter, plus the token-mixing terms, averaged over the positions of a causal sequence. The
+  formulas are `runtime.dims` (`Mixer.flops`), the one FLOP model the predictors use too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onboard.spec import Attention, ModelSpec
-
-LINEAR_CHUNK = 64  # chunk length of chunk-parallel linear attention (flash-linear-attention's default)
+from onboard.spec import ModelSpec
+from runtime.dims import Dims
+from runtime.runlog import model_record
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
-def _avg_context(seq_len: int, window: int | None) -> float:
-    """Mean number of keys a causal query sees, with an optional sliding window."""
-    if not window or window >= seq_len:
-        return (seq_len + 1) / 2
-    # positions < window see i+1 keys, the rest see `window`
-    head = window * (window + 1) / 2
-    return (head + (seq_len - window) * window) / seq_len
-
-
-def mixer_flops(attn: Attention, seq_len: int) -> float:
-    """Forward FLOPs per token of the token-mixing part (scores and weighted sums, not projections)."""
-    h = attn.num_heads or 0
-    dk = attn.head_dim or 0
-    dv = attn.v_head_dim or dk
-    kind = attn.kind
-    if kind in ("softmax", "mla", "sliding"):
-        return 2 * h * (dk + dv) * _avg_context(seq_len, attn.window)
-    if kind == "chunked":
-        return 2 * h * (dk + dv) * ((attn.window or seq_len) + 1) / 2
-    if kind == "sparse:dsa":
-        selected = _avg_context(seq_len, attn.index_topk)
-        indexer = 2 * (attn.index_heads or 0) * (attn.index_head_dim or 0) * _avg_context(seq_len, None)
-        return 2 * h * (dk + dv) * selected + indexer
-    if kind.startswith("linear") or kind.startswith("ssm"):
-        d = attn.head_dim or 0
-        dk = attn.state_size or d  # a state-space head's state is (state size x head dim)
-        # state update + readout (2 dk x d products) and the intra-chunk quadratic part
-        return 2 * h * (2 * dk * d + LINEAR_CHUNK * (dk + d))
-    return 0.0
+def dims_of(spec: ModelSpec) -> Dims:
+    """The spec's key dimensions: the record a run log carries (`runtime.runlog.model_record`)."""
+    return Dims.from_record(model_record(spec.to_dict()))
 
 
 @dataclass
@@ -61,12 +36,11 @@ class Costs:
 
 
 def costs(spec: ModelSpec, seq_len: int = 4096) -> Costs:
-    matmul_active = spec.params_active  # already excludes the input embedding
-    mixing = sum(mixer_flops(layer.attention, seq_len) for layer in spec.layers)
-    forward = 2 * matmul_active + mixing
+    d = dims_of(spec)  # the same FLOP model the predictors price run logs with
+    mixing, forward = d.mixing_flops(seq_len), d.forward_flops_per_token(seq_len)
     return Costs(
         seq_len=seq_len, params_total=spec.params_total, params_active=spec.params_active,
-        flops_per_token_forward=forward, flops_per_token_training=3 * forward,
+        flops_per_token_forward=forward, flops_per_token_training=d.training_flops_per_token(seq_len),
         attention_share=mixing / forward if forward else 0.0,
     )
 

@@ -10,15 +10,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from onboard.accounting import dims_of
 from onboard.errors import OnboardError
 from onboard.spec import ModelSpec
 from predictors import learned
-from predictors.dims import Dims
 from predictors.errors import PredictorError
 from predictors.hardware import Hardware, find
 from predictors.planner import Candidate, SearchResult, default_global_batch, search
+from runtime.dims import Dims
 from runtime.plan import LoRA, Plan
-from runtime.runlog import model_record
 
 GB = 1e9
 
@@ -36,10 +36,6 @@ def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False
     from onboard.inspection import inspect_model
 
     return inspect_model(ref, trust_remote_code=trust_remote_code, online=online)[0]
-
-
-def dims_of(spec: ModelSpec) -> Dims:
-    return Dims.from_record(model_record(spec.to_dict()))
 
 
 def hardware(name: str) -> Hardware:

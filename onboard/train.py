@@ -70,33 +70,70 @@ def train_config(bundle, *, layers: int | None = None, width: int = 1) -> dict:
 _FIELD_MEANINGS = {"hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "head_dim": "head_dim",
                   "ffn": "ffn", "vocab": "vocab", "experts": "experts", "top_k": "top_k",
                   "expert_ffn": "expert_ffn", "shared_experts": "n_shared"}
+# a mixer's size -> the meaning (onboard.twin.MEANINGS) of the config field that holds it; linear attention
+# and state-space mixers keep their head counts and head sizes in fields of their own, looked at first
+_MIXER_MEANINGS = {"heads": "heads", "head_dim": "head_dim", "v_head_dim": "v_head_dim", "window": "window",
+                   "index_topk": "index_topk", "index_heads": "index_heads", "index_head_dim": "index_head_dim",
+                   "state_size": "ssm_state"}
+_FAMILY_MEANINGS = {"linear:": {"heads": ("linear_v_heads", "linear_heads", "linear_k_heads"),
+                                "head_dim": ("linear_head_dim",)},
+                    "ssm:": {"heads": ("ssm_heads",), "head_dim": ("ssm_head_dim",)}}
 
 
-def _record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) -> dict:
+def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) -> dict:
     """The run log's model fields for what is really trained: the spec's full-scale numbers, each taken
     from the config field that holds it at full scale (`full`) and read back from the trained config."""
+    import dataclasses
     import hashlib
 
     from onboard.config_dict import get, walk
     from onboard.twin import meaning_of
+    from runtime.dims import grouped, mixers_of
     from runtime.moe.block import MoEBlock
-    from runtime.runlog import model_record
+    from runtime.runlog import mixer_fields, model_record
 
     record = model_record(spec)
+    full_hidden = record["hidden"] or 0
     sizes = [(path, key, value) for path, key, value in walk(full) if meaning_of(key) and isinstance(value, int)]
+
+    def trained(value, meanings) -> tuple[bool, object]:
+        """(whether a full-scale field holds `value`, the trained config's value of the likeliest one: the
+        first of `meanings`, then any other)."""
+        rank = {meaning: i for i, meaning in enumerate(meanings)}
+        holders = [(rank.get(meaning_of(key), len(rank)), path) for path, key, v in sizes if v == value]
+        return bool(holders), get(cfg, min(holders)[1]) if holders else None
+
     for name, meaning in _FIELD_MEANINGS.items():
         value = record.get(name)
-        holders = [(meaning_of(key) != meaning, path) for path, key, v in sizes if v == value]
-        trained = get(cfg, min(holders)[1]) if holders else None
-        if isinstance(trained, int) and not isinstance(trained, bool):
-            record[name] = trained
-        elif name == "head_dim" and value and record.get("heads") and not holders:  # implied: hidden / heads
+        held, got = trained(value, (meaning,))
+        if isinstance(got, int) and not isinstance(got, bool):
+            record[name] = got
+        elif name == "head_dim" and value and record.get("heads") and not held:  # implied: hidden / heads
             record[name] = record["hidden"] // record["heads"]
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if blocks:
         record["experts"], record["top_k"] = blocks[0].spec.num_experts, blocks[0].spec.top_k
     record["layers"] = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in cfg),
                             record["layers"])
+
+    def scaled(mixer):
+        family = next((m for prefix, m in _FAMILY_MEANINGS.items() if mixer.kind.startswith(prefix)), {})
+        changes = {}
+        for name, meaning in _MIXER_MEANINGS.items():
+            value = getattr(mixer, name)
+            if not value:
+                continue
+            held, got = trained(value, (*family.get(name, ()), meaning))
+            if isinstance(got, int) and not isinstance(got, bool):
+                changes[name] = got
+            elif name == "head_dim" and not held and mixer.heads and value == full_hidden // mixer.heads:
+                changes[name] = record["hidden"] // changes.get("heads", mixer.heads)  # implied: hidden / heads
+        return dataclasses.replace(mixer, **changes)
+
+    # the twin and --layers N both train a prefix of the full model's layers; shapes that differed at full
+    # scale may coincide once shrunk, hence grouped again
+    kept = mixers_of(layer.get("attention", {}) for layer in spec.get("layers", [])[:record["layers"]])
+    record.update(mixer_fields(grouped(scaled(m) for m in kept)))
     record["moe_layers"] = len(blocks)
     record["name"] = f"{spec.get('name')} (trained config)"
     total = sum(p.numel() for p in model.parameters())
@@ -124,7 +161,7 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
         raise OnboardError(f"{bundle}: the training config is invalid: {one_line(exc)}") from None
     model = source.build(model_config, experts_implementation="grouped_mm")
     load_adapter(bundle).adapt(model)
-    return model, _record(spec, source.config.to_dict(), cfg, model)
+    return model, trained_record(spec, source.config.to_dict(), cfg, model)
 
 
 def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,

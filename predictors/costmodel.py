@@ -1,8 +1,8 @@
 """Analytical cost of one training step: compute, memory per device, communication and overlap.
 
-Inputs are a model's key dimensions (`Dims`), a `runtime.plan.Plan` and a `Hardware`. The figures are
-first-order (bytes over bandwidth, FLOPs over a fixed fraction of peak); the learned predictor corrects
-them from measured runs, and its features are the parts computed here.
+Inputs are a model's key dimensions (`runtime.dims.Dims`), a `runtime.plan.Plan` and a `Hardware`. The
+figures are first-order (bytes over bandwidth, FLOPs over a fixed fraction of peak); the learned predictor
+corrects them from measured runs, and its features are the parts computed here.
 
 Device mesh order follows torchtitan: pp (outermost), dp_replicate, dp_shard, cp, tp (innermost), so a
 group's members lie `stride` devices apart and it stays on scale-up links when size * stride fits in the
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from predictors.dims import Dims
 from predictors.hardware import Hardware
+from runtime.dims import Dims
 from runtime.plan import Plan
 
 # Fraction of peak a large matmul-bound step reaches; the learned part corrects it per regime.
@@ -129,7 +129,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     n_lora, n_lora_active = lora_params(d, plan)
 
     # -- compute ------------------------------------------------------------------------------
-    fwd = 2 * d.params_active + d.mixing_flops(s)
+    fwd = d.forward_flops_per_token(s)
     # frozen base weights need no weight gradients: backward costs one forward instead of two
     train = (2 if lora else 3) * fwd + 6 * n_lora_active
     extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from predictors.costmodel import Estimate, estimate
-from predictors.dims import Dims
 from predictors.errors import PredictorError
 from predictors.hardware import Hardware, identify
+from runtime.dims import Dims
 from runtime.plan import Plan
 from runtime.runlog import Skipped, read_runs
 
@@ -32,7 +32,7 @@ FEATURES = (
 
 def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate) -> list[float]:
     total = est.step_time_s
-    fwd = 2 * d.params_active + d.mixing_flops(plan.seq_len)
+    fwd = d.forward_flops_per_token(plan.seq_len)
     values = {
         "log_cost_step": math.log(total),
         "log_compute_per_micro": math.log(max(est.compute_s / plan.grad_accum, 1e-9)),

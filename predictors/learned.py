@@ -28,10 +28,10 @@ from sklearn.ensemble import HistGradientBoostingRegressor
 from threadpoolctl import threadpool_limits
 
 from predictors.costmodel import Estimate, estimate
-from predictors.dims import Dims
 from predictors.errors import PredictorError
 from predictors.features import FEATURES, Dataset, features, load_dataset
 from predictors.hardware import Hardware
+from runtime.dims import Dims
 from runtime.plan import Plan
 
 MODELS_DIR = Path(__file__).parent / "models"

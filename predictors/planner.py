@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from predictors.costmodel import Estimate, estimate, fits
-from predictors.dims import Dims
 from predictors.features import features
 from predictors.hardware import Hardware
+from runtime.dims import Dims
 from runtime.plan import LoRA, Plan
 
 LOSS_CHUNK = 8192  # tokens per loss chunk: the logits of a chunk stay small next to a layer's activations

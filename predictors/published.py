@@ -1,10 +1,15 @@
-"""Published training runs (../shared/data) converted into the runtime's run-log format.
+"""Published training runs (predictors/sources/) converted into the runtime's run-log format.
 
-One header and one step line per published row, `source` naming the paper or benchmark, so the
-predictor reads one format only and CI (which has no ../shared) trains on the converted files shipped
-in predictors/data/. Regenerate them with:
+The rows as gathered from papers and benchmark tables are in predictors/sources/ (its README.md says where
+they come from; hardware.md holds the sources of the hardware/*.yaml figures). They stay out of
+predictors/data/ because run-log readers take every *.jsonl under a directory they are given. Each row
+becomes one header and one step line, `source` naming the paper or benchmark, so the predictor reads one
+format only; the converted files ship in predictors/data/ and are what it trains on. After changing the
+rows or this conversion, regenerate them with
 
-    python -m predictors.published ../shared/data
+    python -m predictors.published [SOURCE_DIR]
+
+(SOURCE_DIR defaults to predictors/sources/); a test checks the shipped files are current.
 
 Step time, in order of preference, from what a row reports:
   1. `step_time_s` as measured;
@@ -21,11 +26,12 @@ import json
 import sys
 from pathlib import Path
 
-from predictors.dims import count_params
+from runtime.dims import count_params
 from runtime.plan import Plan
 from runtime.runlog import MODEL_FIELDS, RunLogWriter
 
 DATA_DIR = Path(__file__).parent / "data"
+SOURCE_DIR = Path(__file__).parent / "sources"  # the rows as published, before conversion
 FILES = ("published_runs.jsonl", "published_runs_vtrain_single_node.jsonl")
 
 # (substring of the source citation, short source name); first match wins
@@ -135,9 +141,9 @@ def convert_file(src: Path, dst: Path) -> tuple[int, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    shared = Path(argv[0] if argv else Path(__file__).parents[2] / "shared" / "data")
+    source = Path(argv[0]) if argv else SOURCE_DIR
     for name in FILES:
-        written, left_out = convert_file(shared / name, DATA_DIR / name)
+        written, left_out = convert_file(source / name, DATA_DIR / name)
         print(f"{name}: {written} runs written, {len(left_out)} left out")
         for reason in left_out:
             print(f"  {reason}")

@@ -7,8 +7,11 @@ One file may hold several runs. Each run starts with a header line and continues
     {"kind": "step", "run_id": ..., "step": 3, "step_time_s": ..., "tokens_per_s": ..., "peak_memory_bytes": ...,
      "loss": ..., "expert_tokens": [[...], ...], "comm_time_s": ...}
 
-`model` holds the key dimensions (MODEL_FIELDS; unknown ones are null) and a digest of the spec they came
-from; `plan` is a `runtime.plan.Plan` dict. Published runs from papers convert into the same format with a
+`model` holds the key dimensions (MODEL_FIELDS; unknown ones are null), a digest of the spec they came
+from and, when the writer knows them, `mixers`: the token mixers grouped by kind and shape
+(`runtime.dims.Mixer` dicts), which price token mixing layer by layer; records without them (older logs,
+published runs) are priced from the linear / sparse layer counts (`runtime.dims.Dims.from_record`).
+`plan` is a `runtime.plan.Plan` dict. Published runs from papers convert into the same format with a
 single step line (`source` names the paper), so the predictor reads one format only.
 
 Reading never crashes on a bad line: `read_runs` returns the runs it could rebuild and, for every line or
@@ -23,6 +26,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from runtime.dims import Mixer, mixers_of
 
 SCHEMA_VERSION = 1
 
@@ -56,13 +61,19 @@ def model_record(spec: dict) -> dict:
         "expert_ffn": first_moe.get("expert_ffn"),
         "shared_experts": first_moe.get("num_shared_experts") if moe else None,
         "moe_layers": len(moe),
-        "linear_attention_layers": sum(1 for a in attn if str(a.get("kind", "")).startswith(("linear:", "ssm:"))),
-        "sparse_attention_layers": sum(1 for a in attn if str(a.get("kind", "")).startswith("sparse:")),
         "params_total": spec.get("params_total"),
         "params_active": spec.get("params_active"),
+        **mixer_fields(mixers_of(attn)),
     }
     record["digest"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return record
+
+
+def mixer_fields(mixers: tuple[Mixer, ...]) -> dict:
+    """A record's mixer list and its linear / sparse layer counts (what readers older than the list use)."""
+    return {"linear_attention_layers": sum(m.layers for m in mixers if m.linear),
+            "sparse_attention_layers": sum(m.layers for m in mixers if m.sparse),
+            "mixers": [m.to_dict() for m in mixers]}
 
 
 class RunLogWriter:
@@ -74,9 +85,11 @@ class RunLogWriter:
         self.run_id = run_id or f"{int(time.time() * 1000):x}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")  # noqa: SIM115 - held for the whole run, closed by close()
+        record = {k: model.get(k) for k in (*MODEL_FIELDS, "digest")}
+        if model.get("mixers") is not None:  # optional: published runs know no per-layer mixers
+            record["mixers"] = model["mixers"]
         self._write({"kind": "run", "schema_version": SCHEMA_VERSION, "run_id": self.run_id, "source": source,
-                     "model": {k: model.get(k) for k in (*MODEL_FIELDS, "digest")}, "plan": plan,
-                     "hardware": hardware, "precision": precision, "meta": meta or {}})
+                     "model": record, "plan": plan, "hardware": hardware, "precision": precision, "meta": meta or {}})
 
     def step(self, step: int, *, step_time_s: float, tokens_per_s: float, peak_memory_bytes: int | None = None,
              loss: float | None = None, expert_tokens: list | None = None, comm_time_s: float | None = None):

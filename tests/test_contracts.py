@@ -65,6 +65,11 @@ def test_run_log_round_trip_and_skips_bad_lines(tmp_path):
         f.write('{"kind": "run", "schema_version": 1, "run_id": "half", "mod')  # a run killed mid-line
     runs, skipped = read_runs([tmp_path])
     assert len(runs) == 1 and len(runs[0].steps) == 4
+    assert runs[0].model["mixers"] == [
+        {"kind": "softmax", "layers": 1, "heads": 2, "head_dim": 4, "v_head_dim": None, "window": None,
+         "index_topk": None, "index_heads": None, "index_head_dim": None, "state_size": None},
+        {"kind": "linear:kda", "layers": 1, "heads": None, "head_dim": None, "v_head_dim": None, "window": None,
+         "index_topk": None, "index_heads": None, "index_head_dim": None, "state_size": None}]
     assert runs[0].step_time_s() == pytest.approx(1.1)  # warm-up step left out
     reasons = " | ".join(s.reason for s in skipped)
     assert len(skipped) == 5, reasons

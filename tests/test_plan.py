@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from cli import main
+from onboard.accounting import dims_of
 from onboard.errors import OnboardError
-from onboard.plan import dims_of, plan_model, predict_plan
+from onboard.plan import plan_model, predict_plan
 from predictors.published import DATA_DIR
 from runtime.plan import Plan
 
@@ -58,6 +59,7 @@ def test_dims_come_from_the_spec(deepseek):
     d = dims_of(deepseek)
     assert d.params_total == deepseek.params_total and d.params_active == deepseek.params_active
     assert d.experts == 256 and d.top_k == 8 and d.moe_layers == 58
+    assert [(m.kind, m.layers, m.heads, m.head_dim, m.v_head_dim) for m in d.mixers] == [("mla", 61, 128, 192, 128)]
 
 
 def test_plan_and_predict_verbs_round_trip(tmp_path, deepseek, capsys):

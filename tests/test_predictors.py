@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from predictors import learned
+from predictors import learned, published
 from predictors.costmodel import estimate
-from predictors.dims import Dims
 from predictors.errors import PredictorError
 from predictors.features import load_dataset
 from predictors.hardware import bundled, find, identify
-from predictors.published import DATA_DIR, convert_row
+from predictors.published import DATA_DIR, FILES, SOURCE_DIR, convert_file, convert_row
+from runtime.dims import Dims
 from runtime.plan import LoRA, Plan
+from runtime.runlog import read_runs
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 LLAMA8B = {"name": "llama-8b", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
 MOE = {"name": "moe", "layers": 8, "hidden": 2048, "heads": 16, "kv_heads": 4, "ffn": 8192, "vocab": 32000,
        "experts": 64, "top_k": 4, "expert_ffn": 1024, "shared_experts": 1, "moe_layers": 8}
@@ -140,14 +140,34 @@ def test_step_time_derivations():
         convert_row({**NARAYANAN, "num_gpus": 64})
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not in this checkout")
 def test_shipped_conversion_is_current(tmp_path):
-    from predictors.published import FILES, convert_file
-
+    """The converted runs in predictors/data/ are what the shipped source rows convert to, byte for byte."""
     for name in FILES:
-        written, left_out = convert_file(SHARED / name, tmp_path / name)
-        assert written + len(left_out) == sum(1 for line in (SHARED / name).open() if line.strip())
-        assert (tmp_path / name).read_text() == (DATA_DIR / name).read_text(), f"regenerate {name}"
+        written, left_out = convert_file(SOURCE_DIR / name, tmp_path / name)
+        assert written + len(left_out) == sum(1 for line in (SOURCE_DIR / name).open() if line.strip())
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes(), f"regenerate {name}"
+
+
+def test_regenerating_defaults_to_the_shipped_sources(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(published, "DATA_DIR", tmp_path)
+    assert published.main([]) == 0
+    for name in FILES:
+        assert (tmp_path / name).read_bytes() == (DATA_DIR / name).read_bytes()
+    assert "530 runs written, 0 left out" in capsys.readouterr().out
+
+
+def test_shipped_runs_keep_the_mixing_flops_the_bundled_models_were_trained_on():
+    """The shipped runs carry no mixer list; their token mixing must stay priced as when the bundled
+    predictor models were trained (features depend on it): every layer at the first attention's shape,
+    full causal softmax, linear layers with a head_dim x head_dim state."""
+    runs, _ = read_runs(learned.default_training_paths())
+    assert len(runs) == 2089 and not any("mixers" in run.model for run in runs)
+    for run in runs:
+        d, s = Dims.from_record(run.model), run.plan["seq_len"]
+        softmax = d.layers - d.linear_layers - d.sparse_layers
+        linear = d.linear_layers * 2 * d.heads * (2 * d.head_dim ** 2 + 64 * 2 * d.head_dim)
+        assert d.sparse_layers == 0
+        assert d.mixing_flops(s) == softmax * 2 * d.heads * 2 * d.head_dim * ((s + 1) / 2) + linear  # bit for bit
 
 
 # -- data loading --------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from cli import main
-from onboard.train import build_model, train_config
+from onboard.train import build_model, train_config, trained_record
 from runtime.plan import Plan
 from runtime.runlog import read_runs
 from runtime.train import TrainConfig, train
@@ -58,6 +59,8 @@ def test_loss_falls_and_the_run_log_has_every_field(factory, tmp_path):
     assert not skipped and len(runs) == 1
     run = runs[0]
     assert run.model["hidden"] == 64 and run.model["layers"] == 2 and run.model["experts"] == 8
+    (mixer,) = run.model["mixers"]  # the trained model's, not the full-scale model's
+    assert (mixer["layers"], mixer["heads"], mixer["head_dim"]) == (2, run.model["heads"], run.model["head_dim"])
     assert run.plan["micro_batch"] == 4 and run.header["precision"] == "fp32"
     assert [s["step"] for s in run.steps] == list(range(30))
     for s in run.steps:
@@ -66,6 +69,30 @@ def test_loss_falls_and_the_run_log_has_every_field(factory, tmp_path):
         # every token goes to top-2 of the 8 experts, in each of the 2 MoE layers
         assert [sum(layer) for layer in s["expert_tokens"]] == [4 * 32 * 2] * 2
     assert [s["loss"] for s in run.steps] == losses
+
+
+def test_run_log_mixers_are_those_of_the_trained_prefix_at_trained_size():
+    """A hybrid's trained config keeps its first layers at twin size; the logged mixers must say so, or the
+    predictor would price a 3-layer twin's token mixing as the full model's."""
+    def layer(kind, **attention):
+        return {"attention": {"kind": kind, **attention}, "mlp": {"kind": "dense", "ffn": 8192}}
+
+    linear = {"num_heads": 32, "head_dim": 128}
+    softmax = {"num_heads": 16, "num_kv_heads": 2, "head_dim": 256}
+    spec = {"name": "hybrid", "num_layers": 5, "hidden_size": 2048, "vocab_size": 1000,
+            "layers": [layer("linear:gated_deltanet", **linear), layer("linear:gated_deltanet", **linear),
+                       layer("softmax", **softmax), layer("sliding", **softmax, window=4096),
+                       layer("linear:gated_deltanet", **linear)]}
+    full = {"hidden_size": 2048, "num_hidden_layers": 5, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 256, "linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "sliding_window": 4096, "intermediate_size": 8192, "vocab_size": 1000}
+    twin = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "linear_num_value_heads": 6, "linear_num_key_heads": 3, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "sliding_window": 8, "intermediate_size": 128, "vocab_size": 512}
+    record = trained_record(spec, full, twin, torch.nn.Linear(2, 2))
+    assert [(m["kind"], m["layers"], m["heads"], m["head_dim"], m["window"]) for m in record["mixers"]] == [
+        ("linear:gated_deltanet", 2, 6, 8, None), ("softmax", 1, 4, 16, None), ("sliding", 1, 4, 16, 8)]
+    assert (record["layers"], record["linear_attention_layers"], record["sparse_attention_layers"]) == (4, 2, 0)
 
 
 def test_gradient_accumulation_equals_the_bigger_micro_batch(factory):
