@@ -109,6 +109,11 @@ class MoEEntry:
         return {BLOCK: self.block, EXPERTS: self.experts and self.experts.path}.get(self.takes)
 
     @property
+    def target(self) -> str:
+        """What `Decision.refuse` names to drop what the runtime takes here (the block, else its experts)."""
+        return f"experts:{self.experts.path}" if self.takes == EXPERTS else f"moe:{self.block}"
+
+    @property
     def reused(self) -> list[str]:
         """Tensors and modules of the model the runtime piece holds in place."""
         routing = self.routing if self.takes == BLOCK else None
@@ -141,6 +146,10 @@ class LossEntry:
     softcap: float | None = None
     scale: float | None = None
     why: str | None = None
+
+    @property
+    def target(self) -> str:
+        return "loss"
 
 
 @dataclass

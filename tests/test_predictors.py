@@ -257,8 +257,15 @@ def test_leave_one_model_out_on_a_small_set(tmp_path):
     scores, data = learned.evaluate([_head(40, tmp_path)])
     assert scores[-1].source == "all" and scores[-1].runs == len(data) == 40
     assert {s.source for s in scores[:-1]} == set(data.sources)
+    assert sum(s.runs for s in scores[:-1]) == len(data)
+    # the cost model's errors, recomputed from the runs themselves, source by source
+    cost_err = np.abs(data.cost_step - data.measured) / data.measured
+    sources = np.array(data.sources)
     for s in scores:
-        assert 0 <= s.learned_median <= s.learned_mean * 10 and np.isfinite(s.cost_mean)
+        mask = np.ones(len(data), bool) if s.source == "all" else sources == s.source
+        assert s.cost_median == pytest.approx(float(np.median(cost_err[mask])))
+        assert s.cost_mean == pytest.approx(float(cost_err[mask].mean()))
+        assert np.isfinite(s.learned_mean) and 0 <= s.learned_median
 
 
 @pytest.mark.slow

@@ -1,7 +1,11 @@
 """The tiny twin keeps the architecture and shrinks the sizes."""
 
+import math
+
+import pytest
 import torch
 
+from onboard.errors import OnboardError
 from onboard.source import resolve
 from onboard.twin import TEST_SEQ_LEN, build_twin, check_runs, meaning_of, shrink_config_dict
 
@@ -47,11 +51,17 @@ def test_hybrid_twin_keeps_one_period_of_layer_kinds():
 
 
 def test_twin_trains_a_step():
+    """A small random twin predicts about uniformly: its first loss is near ln(vocabulary); a twin whose
+    forward yields nan is refused in one line."""
     twin = build_twin(resolve("qwen3-30b-a3b"))
     n_params = sum(p.numel() for p in twin.model.parameters())
     assert n_params < 2_000_000
     loss = check_runs(twin)
-    assert torch.isfinite(torch.tensor(loss))
+    assert abs(loss - math.log(twin.config.vocab_size)) < 0.1
+    with torch.no_grad():
+        twin.model.get_input_embeddings().weight[:] = float("nan")
+    with pytest.raises(OnboardError, match="loss is not finite"):
+        check_runs(twin)
 
 
 def test_shrink_records_every_change():
