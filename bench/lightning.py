@@ -11,16 +11,16 @@ output and of every parameter gradient relative to that tensor's largest value.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
 
 import torch
+from runtime.attention import swap_lightning_attention
 from transformers import AutoConfig
 from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
 
-from runtime.attention import swap_lightning_attention
+import common  # bench/common.py: the benches' shared command line
 
 
 def fwd_bwd(module, x, weights):
@@ -34,14 +34,9 @@ def fwd_bwd(module, x, weights):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--block", type=int, default=256, help="transformers' block_size (MiniMax-Text-01: 256)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    parser = common.parser(__doc__, batch=2, tokens=2048, heads=8, dim=64, repeats=3,
+                           block=(256, "transformers' block_size (MiniMax-Text-01: 256)"),
+                           threads=(None, "torch threads (default: torch's own)"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,17 +10,17 @@ and the largest error of the output and of every input gradient relative to that
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from runtime.attention import chunk_gated_delta_rule
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.qwen3_next import modeling_qwen3_next
 
-from runtime.attention import chunk_gated_delta_rule
+import common  # bench/common.py: the benches' shared command line
 
 
 def inputs(kind: str, batch: int, tokens: int, heads: int, dim: int, seed: int = 0):
@@ -70,14 +70,8 @@ def compare(kind: str, reference, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--chunk", type=int, default=64, help="the runtime's chunk length")
+    parser = common.parser(__doc__, batch=2, tokens=2048, heads=8, dim=64, repeats=3, threads=2,
+                           chunk=(64, "the runtime's chunk length"))
     parser.add_argument("--only", choices=["gdn", "kda"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+import common  # bench/common.py: the benches' shared command line
+
 VARIANTS = ("full logits + HF loss", "token chunks", "vocab chunks")
 
 
@@ -37,9 +39,8 @@ def _rss_kib() -> int:
 
 
 def worker(args) -> None:
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
     from runtime.loss import lm_head_loss
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -87,13 +88,8 @@ def run_variant(variant: str, args, limit_bytes: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: runtime.loss's automatic size")
-    parser.add_argument("--chunk-vocab", type=int, default=16384)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common.parser(__doc__, tokens=8192, hidden=2048, vocab=151936, chunk_vocab=16384, threads=2,
+                           chunk_tokens=(None, "default: runtime.loss's automatic size"))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     parser.add_argument("--limit-gib", type=float, default=None, help="address-space cap per variant process")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -8,17 +8,17 @@ this machine's fp32 matmul peak (also measured in this run). Never passes or fai
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
 
 import torch
+from runtime.moe import MoEBlock, RouterSpec
+from runtime.moe.block import GroupedExperts
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from runtime.moe import MoEBlock, RouterSpec
-from runtime.moe.block import GroupedExperts
+import common  # bench/common.py: the benches' shared command line
 
 
 def timed_round_robin(fns: dict, repeats: int) -> dict[str, float]:
@@ -76,14 +76,8 @@ def step(block, x):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = common.parser(__doc__, tokens=4096, hidden=1024, experts=32, top_k=4, ffn=256, repeats=5,
+                           threads=(torch.get_num_threads(), "torch threads"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -13,7 +13,6 @@ exchanges (what overlap did not hide). Never passes or fails on time.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import socket
@@ -23,12 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
 from runtime.moe import MoEBlock, RouterSpec
 from runtime.moe.block import GroupedExperts
 from runtime.parallel import ExpertParallel, shard_experts
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+import common  # bench/common.py: the benches' shared command line
 
 
 def hf_block(args) -> torch.nn.Module:
@@ -105,15 +105,8 @@ def rank_main(rank: int, args, port: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser = common.parser(__doc__, world=2, tokens=2048, hidden=512, experts=8, top_k=2, ffn=512, repeats=5,
+                           threads=(1, "torch threads per process"))
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,16 +18,16 @@ relative error 1.4e-6 (dC), all others <= 2.8e-7.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+import common  # bench/common.py: the benches' shared command line
 
 NAMES = ["x", "dt", "A", "B", "C", "D", "z", "delta_bias"]
 
@@ -50,9 +50,8 @@ def inputs(batch: int, tokens: int, d_inner: int, d_state: int, seed: int = 0):
 
 
 def worker(args) -> None:
-    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
-
     from runtime.attention.selective_scan import selective_scan
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
     torch.set_num_threads(args.threads)
     fn, repeats = ((mamba_selective_scan, args.reference_repeats) if args.worker == "transformers"
@@ -89,26 +88,14 @@ def worker(args) -> None:
 
 def run(name: str, args, folder: str) -> dict:
     out = os.path.join(folder, f"{name}.pt")
-    command = [sys.executable, __file__, "--worker", name, "--out", out, *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise SystemExit(f"{name} failed (exit {result.returncode}): {result.stderr.strip()[-500:]}")
-    return {**json.loads(lines[-1]), "results": torch.load(out)}
+    result = common.run_child(__file__, ["--worker", name, "--out", out, *sys.argv[1:]], args.threads, name)
+    return {**result, "results": torch.load(out)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--d-inner", type=int, default=1024)
-    parser.add_argument("--d-state", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of the runtime (median)")
-    parser.add_argument("--reference-repeats", type=int, default=1, help="timed runs of transformers (median)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser = common.parser(__doc__, children=("runtime", "transformers"), batch=2, tokens=2048, d_inner=1024,
+                           d_state=16, threads=2, repeats=(3, "timed runs of the runtime (median)"),
+                           reference_repeats=(1, "timed runs of transformers (median)"))
     args = parser.parse_args()
     if args.worker:
         return worker(args)

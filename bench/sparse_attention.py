@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+import common  # bench/common.py: the benches' shared command line
+
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
@@ -99,20 +101,9 @@ def child(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--top-k", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--q-lora", type=int, default=256)
-    parser.add_argument("--kv-lora", type=int, default=128)
-    parser.add_argument("--qk-nope", type=int, default=64)
-    parser.add_argument("--qk-rope", type=int, default=32)
-    parser.add_argument("--v-dim", type=int, default=64)
-    parser.add_argument("--index-heads", type=int, default=4)
-    parser.add_argument("--index-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser = common.parser(__doc__, tokens=8192, top_k=2048, hidden=512, heads=4, q_lora=256, kv_lora=128,
+                           qk_nope=64, qk_rope=32, v_dim=64, index_heads=4, index_dim=64, repeats=3,
+                           threads=(torch.get_num_threads(), "torch threads"))
     parser.add_argument("--variant", choices=["hf", "runtime"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

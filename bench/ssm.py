@@ -21,16 +21,16 @@ runtime 1.07 s vs transformers 3.32 s (0.32x), peak 494 vs 1250 MiB (0.39x); 2 t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+import common  # bench/common.py: the benches' shared command line
 
 SIDES = ("runtime", "transformers")
 NAMES = ("hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")
@@ -56,9 +56,8 @@ def inputs(args, seed: int = 0) -> dict:
 
 
 def worker(args) -> None:
-    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
-
     import runtime.attention.ssd as ssd
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
     torch.set_num_threads(args.threads)
     ssd.CORE_CHUNK = args.core_chunk
@@ -91,13 +90,7 @@ def worker(args) -> None:
 
 
 def run_side(side: str, args, out: str) -> dict:
-    command = [sys.executable, __file__, "--worker", side, "--out", out, *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise SystemExit(f"{side} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
-    return json.loads(lines[-1])
+    return common.run_child(__file__, ["--worker", side, "--out", out, *sys.argv[1:]], args.threads, side)
 
 
 def rel(a, b) -> float:
@@ -105,19 +98,9 @@ def rel(a, b) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--state", type=int, default=128)
-    parser.add_argument("--groups", type=int, default=1)
-    parser.add_argument("--chunk", type=int, default=256, help="the caller's chunk (transformers uses it)")
-    parser.add_argument("--core-chunk", type=int, default=64, help="the runtime core's own chunk length")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser = common.parser(__doc__, children=SIDES, batch=2, tokens=2048, heads=32, head_dim=64, state=128,
+                           groups=1, threads=2, repeats=3, chunk=(256, "the caller's chunk (transformers uses it)"),
+                           core_chunk=(64, "the runtime core's own chunk length"))
     args = parser.parse_args()
     if args.worker:
         return worker(args)

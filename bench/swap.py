@@ -36,7 +36,6 @@ def _rss_bytes() -> int:
 
 def child(args) -> None:
     import torch
-
     from onboard.train import build_model
     from runtime.memory import ActivationSwap, apply_recompute
 

@@ -119,7 +119,6 @@ def main() -> None:
         return
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS (per-run peaks)
     import torch
-
     from onboard.bundle import adapt
     from onboard.source import resolve
     from onboard.train import train_config

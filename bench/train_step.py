@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+import common  # bench/common.py: the benches' shared command line
+
 VOCAB = 32000
 ARCHS = {  # model_type, catalogue entry whose adapter is used, and the ~100M size
     "qwen3-next": ("qwen3_next", "qwen3-next-80b-a3b", dict(
@@ -92,12 +94,8 @@ def run_variant(arch: str, variant: str, bundle: str | None, tokens: int, batch:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-next")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common.parser(__doc__, tokens=2048, batch=1, repeats=2, threads=2)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-next", help="model architecture")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", help=argparse.SUPPRESS)
     args = parser.parse_args()
