@@ -1,0 +1,99 @@
+"""The adapt decision: one typed object, decided once, refined by refusals, saved and read back as JSON."""
+
+import json
+
+import pytest
+
+import runtime.attention as attention
+from onboard.decision import SCHEMA_VERSION, Decision, decide
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory, twin_adapter):
+    spec, twin, decision, _ = twin_adapter(tmp_path_factory.mktemp("qwen3-next"), ref="qwen3-next-80b-a3b")
+    return spec, twin, decision
+
+
+def test_every_part_is_decided_with_its_reason(qwen3_next):
+    spec, _, decision = qwen3_next
+    moe_layers = [layer.index for layer in spec.layers if layer.mlp.kind == "moe"]
+    assert sorted(i for e in decision.moe for i in e.layers) == moe_layers
+    assert all(e.takes == "block" and e.why is None and e.target == "moe:mlp" for e in decision.moe)
+    linear = [layer.index for layer in spec.layers if layer.attention.kind.startswith("linear:")]
+    swapped = decision.swapped_attention()
+    assert [e.takes for e in swapped] == ["linear"] and swapped[0].layers == linear
+    assert swapped[0].cores == ["causal_conv1d", "chunk_gated_delta"]
+    # softmax attention has nothing to take and nothing to explain
+    assert all(e.takes is None and e.why is None for e in decision.attention if e.kind == "softmax")
+    assert decision.loss.takes and decision.loss.head == "lm_head" and decision.loss.decoder == "model"
+
+
+def test_trial_swaps_run_once_per_distinct_twin_layer(qwen3_next, monkeypatch):
+    spec, twin, _ = qwen3_next
+    calls = []
+    real = attention.swap_linear_core
+
+    def counted(module, **kwargs):
+        calls.append(module)
+        return real(module, **kwargs)
+
+    monkeypatch.setattr(attention, "swap_linear_core", counted)
+    decision = decide(spec, twin)
+    twin_layers = {layer.twin_layer for layer in spec.layers if layer.attention.kind.startswith("linear:")}
+    assert len(calls) == len(twin_layers) < sum(len(e.layers) for e in decision.swapped_attention())
+    # each trial was undone: the twin is HuggingFace code again
+    assert not any("forward" in vars(m) for m in twin.model.modules())
+
+
+def test_json_round_trip_and_schema_version(qwen3_next):
+    _, _, decision = qwen3_next
+    text = decision.to_json()
+    back = Decision.from_json(text)
+    assert back == decision and back.to_json() == text
+    data = json.loads(text)
+    assert data["moe"][0]["takes"] == "block"  # derived fields are written for readers of the file
+    with pytest.raises(ValueError, match="schema version"):
+        Decision.from_dict({**data, "schema_version": SCHEMA_VERSION + 1})
+
+
+def test_refusals_fall_back_block_to_experts_to_nothing(qwen3_next):
+    _, _, decided = qwen3_next
+    decision = Decision.from_json(decided.to_json())  # a copy: the fixture is shared
+    entry = decision.moe[0]
+    decision.refuse("moe:mlp", "the block did not verify")
+    assert entry.takes == "experts" and entry.why == "the block did not verify"
+    assert entry.target == "experts:mlp.experts" and entry.path == "mlp.experts"
+    decision.refuse(entry.target, "the experts did not verify either")
+    assert entry.takes is None and decision.kept_moe()[entry.layers[0]] == "the block did not verify"
+    path = decision.swapped_attention()[0].path
+    decision.refuse(f"attention:{path}", "no")
+    assert not decision.swapped_attention() and all("no" in why for why in decision.kept_attention().values())
+    decision.refuse("loss", "the loss did not verify")
+    assert not decision.loss.takes and decision.loss.why == "the loss did not verify"
+    assert set(decision.refused) == {"moe:mlp", "experts:mlp.experts", f"attention:{path}", "loss"}
+    assert Decision.from_json(decision.to_json()) == decision
+    with pytest.raises(ValueError, match="nothing in this decision"):
+        decision.refuse("loss", "twice")
+    with pytest.raises(ValueError, match="nothing in this decision"):
+        decision.refuse("moe:no.such.block", "x")
+
+
+def test_expected_swaps_follow_the_twin_depth(qwen3_next):
+    spec, twin, decision = qwen3_next
+    depth = len(twin.model.get_submodule(twin.layers_path))
+    expected = decision.expected(depth)
+    assert expected["moe_block"] == sum(1 for layer in spec.layers if layer.mlp.kind == "moe" and layer.index < depth)
+    assert expected["linear_core"] == sum(1 for layer in spec.layers
+                                          if layer.attention.kind.startswith("linear:") and layer.index < depth)
+    assert expected["loss"] == 1 and expected["experts"] == expected["sparse_attention"] == 0
+
+
+def test_hypotheses_are_the_readings_verification_must_confirm(twin_adapter, tmp_path):
+    from onboard.families import default_config
+
+    config = default_config("longcat_flash")
+    _, _, decision, _ = twin_adapter(tmp_path, family="longcat_flash")
+    zero, loss = decision.hypotheses()
+    assert list(loss) == ["loss"]
+    assert all(target.startswith("moe:") and "identity (zero) experts" in what for target, what in zero.items())
+    assert str(config.zero_expert_num) in next(iter(zero.values()))
