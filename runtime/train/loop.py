@@ -173,7 +173,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
     start = resumed["step"] if resumed else 0
     source = _data_source(cfg, plan, vocab)
-    offload = ActivationOffload(plan.swap, device=device, offload_dir=cfg.offload_dir)
+    offload = ActivationOffload(plan.offload, device=device, offload_dir=cfg.offload_dir)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and plan.dtype == "bf16" \
         else torch.autocast(device.type, enabled=False)
     writer = None
