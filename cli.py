@@ -121,7 +121,7 @@ def cmd_families(args) -> int:
 
 def _plan_row(c) -> str:
     p = c.plan
-    memory = f"{p.recompute}/{p.swap}" + (f"/chunk{p.loss_chunk}" if p.loss_chunk else "")
+    memory = f"{p.recompute}/{p.offload}" + (f"/chunk{p.loss_chunk}" if p.loss_chunk else "")
     return (f"{p.tp:>3} {p.pp:>3} {p.cp:>3} {p.dp_shard:>5} {p.dp_replicate:>5} {p.ep:>4} {p.micro_batch:>3} "
             f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} {c.tokens_per_s:>12,.0f}"
             + (" *" if c.extrapolates_on else ""))
@@ -158,7 +158,7 @@ def cmd_plan(args) -> int:
             print(f"  - {line}")
         return 4
     print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'fsdp':>5} {'repl':>5} {'ep':>4} {'mb':>3} {'accum':>5}  "
-          f"{'recompute/swap/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12}")
+          f"{'recompute/offload/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12}")
     for c in top:
         print(_plan_row(c))
     if any(c.extrapolates_on for c in top):

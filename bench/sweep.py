@@ -1,5 +1,5 @@
 """Training sweep on this machine: real runs over world size, expert parallelism, micro-batch, sequence
-length, LoRA, activation swap and model size, written as run logs (the throughput predictor's data).
+length, LoRA, activation offload and model size, written as run logs (the throughput predictor's data).
 
 World size 1 runs in this process; each larger world size is one torchrun launch whose ranks run their
 configurations one after another in the same process group (a launch costs more than a short run). Every
@@ -31,9 +31,10 @@ def configurations() -> list[dict]:
     """The sweep: each entry a plan (as a dict), a model and a size. Deterministic order."""
     out = []
 
-    def add(world_plan: dict, model: str, size: str, *, mb: int, seq: int, swap: str = "none", lora: bool = False,
-            recompute: str = "none"):
-        plan = {"micro_batch": mb, "seq_len": seq, "swap": swap, "recompute": recompute, "dtype": "fp32", **world_plan}
+    def add(world_plan: dict, model: str, size: str, *, mb: int, seq: int, offload: str = "none",
+            lora: bool = False, recompute: str = "none"):
+        plan = {"micro_batch": mb, "seq_len": seq, "offload": offload, "recompute": recompute, "dtype": "fp32",
+                **world_plan}
         if lora:
             plan["lora"] = {"rank": 8, "alpha": 16.0, "targets": ["attention", "experts"]}
         out.append({"model": model, "size": size, "plan": plan})
@@ -42,21 +43,21 @@ def configurations() -> list[dict]:
     for model in MODELS:
         for size in ("small", "medium"):
             for mb, seq in ((1, 128), (4, 128), (2, 256)):
-                for swap in ("none", "moe"):
-                    add(one, model, size, mb=mb, seq=seq, swap=swap)
+                for offload in ("none", "moe"):
+                    add(one, model, size, mb=mb, seq=seq, offload=offload)
             add(one, model, size, mb=2, seq=128, lora=True)
-            add(one, model, size, mb=2, seq=128, lora=True, swap="moe")
+            add(one, model, size, mb=2, seq=128, lora=True, offload="moe")
             add(one, model, size, mb=2, seq=128, recompute="full")
     for model in MODELS:
         for mb, seq in ((1, 128), (2, 256)):
-            for swap in ("none", "moe"):
-                add(one, model, "large", mb=mb, seq=seq, swap=swap)
+            for offload in ("none", "moe"):
+                add(one, model, "large", mb=mb, seq=seq, offload=offload)
     for model in MODELS:
         for ep in (1, 2):
             for lora in (False, True):
                 add({"dp_shard": 2, "ep": ep}, model, "small", mb=2, seq=128, lora=lora)
         add({"dp_shard": 2, "ep": 2}, model, "medium", mb=2, seq=128)
-        add({"dp_shard": 2}, model, "medium", mb=1, seq=256, swap="moe")
+        add({"dp_shard": 2}, model, "medium", mb=1, seq=256, offload="moe")
     for ep in (1, 2, 4):
         add({"dp_shard": 4, "ep": ep}, "mixtral-8x7b", "small", mb=1, seq=128)
     add({"dp_shard": 4, "ep": 4}, "mixtral-8x7b", "small", mb=1, seq=128, lora=True)

@@ -81,8 +81,8 @@ def suggest(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None, seq_len: 
     if infeasible:
         c = infeasible[0]
         out.append(f"the leanest plan (tp={c.plan.tp} pp={c.plan.pp} cp={c.plan.cp} ep={c.plan.ep}, "
-                   f"recompute={c.plan.recompute}, swap={c.plan.swap}) needs {c.memory_bytes / GB:.1f} GB per device; "
-                   f"{hw.name} has {hw.memory_gb:g} GB")
+                   f"recompute={c.plan.recompute}, offload={c.plan.offload}) needs {c.memory_bytes / GB:.1f} GB "
+                   f"per device; {hw.name} has {hw.memory_gb:g} GB")
     if lora is None and search(d, devices, hw, lora=LoRA(), seq_len=seq_len).ranked:
         out.append(f"LoRA (--mode lora) fits on {devices} devices")
     for factor in (2, 4, 8, 16, 32, 64):

@@ -24,7 +24,7 @@ MATMUL_EFFICIENCY = 0.55
 DP_OVERLAP = 0.8
 # Share of the All-to-All that hides behind expert compute when the plan overlaps them.
 EP_OVERLAP = 0.5
-SWAP_OVERLAP = 0.7
+OFFLOAD_OVERLAP = 0.7
 # CUDA/NPU context, collective buffers and allocator fragmentation, per device.
 RESERVED_BYTES = 3e9
 # Memory kept free so the allocator does not thrash; a plan must fit in this share of capacity.
@@ -53,7 +53,7 @@ class Estimate:
     pp_s: float
     dp_s: float
     ep_s: float
-    swap_s: float
+    offload_s: float
     exposed_comm_s: float
     step_time_s: float
     tokens_per_step: int
@@ -110,10 +110,10 @@ def _resident_activation(per: dict, plan: Plan) -> tuple[float, float]:
     elif plan.recompute == "full":
         kept = per["residual"] / 2  # only the layer input
     host = 0.0
-    if plan.swap == "moe" and plan.recompute != "full":
+    if plan.offload == "moe" and plan.recompute != "full":
         moved = per["moe"] if plan.recompute == "none" else 0.0
         kept, host = kept - moved, moved
-    elif plan.swap == "all" and plan.recompute != "full":
+    elif plan.offload == "all" and plan.recompute != "full":
         host = kept - per["residual"] / 2
         kept = per["residual"] / 2
     return kept, host
@@ -202,22 +202,22 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
         ep_s = (d.moe_layers * stage_share / plan.pp * m * passes * _ring(plan.ep) * routed
                 / (hw.link_gbs(plan.ep * plan.tp) * 1e9))
 
-    swap_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
+    offload_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
 
     # -- overlap ------------------------------------------------------------------------------
     exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - DP_OVERLAP * busy)
                + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
-    swap_exposed = max(0.0, swap_s - SWAP_OVERLAP * busy)
+    offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * busy)
     traffic = tokens_step / world * per["layer"] * layers_stage * ELEMENTWISE_PASSES
     trained_local = n_lora / (plan.tp * fsdp * plan.pp) if lora else local
     traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
     memory_s = traffic / (hw.memory_bw_gbs * 1e9)
     overhead_s = layers_stage * m * hw.layer_overhead_ms / 1e3
-    step = busy + bubble_s + exposed + swap_exposed + memory_s + overhead_s
+    step = busy + bubble_s + exposed + offload_exposed + memory_s + overhead_s
     return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
                     overhead_s=overhead_s,
-                    tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, swap_s=swap_s,
-                    exposed_comm_s=exposed + swap_exposed, step_time_s=step, tokens_per_step=tokens_step,
+                    tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
+                    exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=tokens_step,
                     memory=memory)
 
 

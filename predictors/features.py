@@ -25,9 +25,12 @@ RECOMPUTE_LEVEL = {"none": 0, "selective": 1, "full": 2}
 FEATURES = (
     "log_cost_step", "log_compute_per_micro", "log_tokens_per_device_micro", "log_hidden", "log_layers_stage",
     "frac_recompute", "frac_bubble", "frac_memory", "frac_tp", "frac_cp", "frac_pp", "frac_dp", "frac_ep",
-    "frac_swap", "log2_tp", "log2_pp", "log2_cp", "log2_ep", "fsdp", "log2_world", "recompute", "fp8",
+    "frac_offload", "log2_tp", "log2_pp", "log2_cp", "log2_ep", "fsdp", "log2_world", "recompute", "fp8",
     "attention_share", "log_seq_len", "log_vocab_over_hidden", "grad_accum_log2",
 )
+# A feature's old name -> its name now. Only the name changed (not its value or place in the vector), so
+# the models trained before the rename, whose metadata lists the old name, still load and predict as before.
+RENAMED = {"frac_swap": "frac_offload"}
 
 
 def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate) -> list[float]:
@@ -42,7 +45,7 @@ def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate) -
         "frac_recompute": est.recompute_s / total, "frac_bubble": est.bubble_s / total,
         "frac_memory": est.memory_s / total, "frac_tp": est.tp_s / total, "frac_cp": est.cp_s / total,
         "frac_pp": est.pp_s / total, "frac_dp": est.dp_s / total, "frac_ep": est.ep_s / total,
-        "frac_swap": est.swap_s / total,
+        "frac_offload": est.offload_s / total,
         "log2_tp": math.log2(plan.tp), "log2_pp": math.log2(plan.pp), "log2_cp": math.log2(plan.cp),
         "log2_ep": math.log2(plan.ep), "fsdp": float(plan.dp_shard > 1), "log2_world": math.log2(plan.world_size),
         "recompute": RECOMPUTE_LEVEL.get(plan.recompute, 0), "fp8": float(precision == "fp8"),

@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 
 from predictors.costmodel import Estimate, estimate
 from predictors.errors import PredictorError
-from predictors.features import FEATURES, Dataset, features, load_dataset
+from predictors.features import FEATURES, RENAMED, Dataset, features, load_dataset
 from predictors.hardware import Hardware
 from runtime.dims import Dims
 from runtime.plan import Plan
@@ -166,6 +166,17 @@ def train(paths=None, out=None) -> Predictor:
     return Predictor(model, meta, target)
 
 
+def _current_names(meta: dict) -> dict:
+    """The metadata with its feature names as this code spells them (older models list renamed ones)."""
+    meta = dict(meta)
+    if isinstance(meta.get("features"), list):
+        meta["features"] = [RENAMED.get(name, name) if isinstance(name, str) else name
+                            for name in meta["features"]]
+    if isinstance(meta.get("feature_range"), dict):
+        meta["feature_range"] = {RENAMED.get(name, name): r for name, r in meta["feature_range"].items()}
+    return meta
+
+
 def latest(directory=MODELS_DIR) -> Path:
     directory = Path(directory)
     version = _next_version(directory) - 1
@@ -189,6 +200,7 @@ def load(path=None) -> Predictor:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PredictorError(f"predictor metadata {sidecar} has format {meta.get('format') if isinstance(meta, dict) else '?'}, "
                              f"this code reads {FORMAT}")
+    meta = _current_names(meta)
     if meta.get("features") != list(FEATURES):
         raise PredictorError(f"predictor {path} was trained on other features; retrain it")
     if not path.is_file():

@@ -1,8 +1,8 @@
 """Parallel-plan search: enumerate legal layouts, keep those that fit in memory, rank by predicted tokens/s.
 
 For each layout (tp, pp, cp, dp_shard / dp_replicate, ep, micro-batch) the memory policies are tried
-from cheapest to most memory-saving (no recompute, loss chunking, selective recompute, MoE swap, full
-recompute, swap everything) and the first that fits is kept, so a layout is never charged for recompute
+from cheapest to most memory-saving (no recompute, loss chunking, selective recompute, MoE offload, full
+recompute, offload everything) and the first that fits is kept, so a layout is never charged for recompute
 it does not need. The cost model prices every layout; the learned predictor ranks the ones that fit in
 one batch.
 """
@@ -21,7 +21,7 @@ from runtime.dims import Dims
 from runtime.plan import LoRA, Plan
 
 LOSS_CHUNK = 8192  # tokens per loss chunk: the logits of a chunk stay small next to a layer's activations
-POLICIES = (  # (recompute, swap, loss chunking)
+POLICIES = (  # (recompute, offload, loss chunking)
     ("none", "none", False), ("none", "none", True), ("selective", "none", True), ("selective", "moe", True),
     ("full", "none", True), ("full", "all", True),
 )
@@ -92,8 +92,8 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
     for layout in layouts(d, devices, hw, seq_len, global_batch):
         result.layouts += 1
         best = None
-        for recompute, swap, chunk in POLICIES:
-            plan = Plan(**layout, seq_len=seq_len, recompute=recompute, swap=swap, lora=lora, dtype=precision,
+        for recompute, offload, chunk in POLICIES:
+            plan = Plan(**layout, seq_len=seq_len, recompute=recompute, offload=offload, lora=lora, dtype=precision,
                         loss_chunk=LOSS_CHUNK if chunk else None)
             est = estimate(d, plan, hw, precision)
             result.estimates += 1

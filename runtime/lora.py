@@ -41,7 +41,7 @@ class LoRALinear(nn.Module):
 class LoRAGroupedExperts(GroupedExperts):
     """GroupedExperts whose stacks each get a per-expert low-rank update, computed as two grouped matmuls.
 
-    An existing GroupedExperts becomes one in place (its class is swapped, as FSDP2 does), so its
+    An existing GroupedExperts becomes one in place (its class is changed, as FSDP2 does), so its
     parameters keep their names and identities."""
 
     STACKS = ("gate_up", "up", "down")

@@ -17,10 +17,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the field `swap` is called `offload`
+# Version 1 differs only in that name, and measured run logs (predictors/data/runlogs/) keep their version-1
+# plans, so both are read. Writing says 2 so that an older runtime refuses a new plan by its version rather
+# than as an unknown field.
+READABLE_VERSIONS = (1, 2)
+RENAMED = {"swap": "offload"}  # a field's old name -> its name now
 
 RECOMPUTE = ("none", "selective", "full")  # selective: attention / MoE internals; full: whole decoder layers
-SWAP = ("none", "moe", "all")  # which matmul / grouped-matmul outputs are saved to host memory
+OFFLOAD = ("none", "moe", "all")  # which matmul / grouped-matmul outputs are saved to host memory
 
 
 @dataclass
@@ -42,7 +47,7 @@ class Plan:
     grad_accum: int = 1
     seq_len: int = 4096
     recompute: str = "none"
-    swap: str = "none"
+    offload: str = "none"
     loss_chunk: int | None = None  # tokens per loss chunk; None: full logits
     lora: LoRA | None = None  # None: full training
     dtype: str = "bf16"
@@ -75,8 +80,8 @@ class Plan:
                 out.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
             out.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-        if self.swap not in SWAP:
-            out.append(f"swap must be one of {', '.join(SWAP)}, got {self.swap!r}")
+        if self.offload not in OFFLOAD:
+            out.append(f"offload must be one of {', '.join(OFFLOAD)}, got {self.offload!r}")
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide the data-parallel ranks dp*cp={self.dp * self.cp}")
         if num_experts is not None and self.ep > 1 and num_experts % self.ep:
@@ -98,14 +103,20 @@ class Plan:
         if not isinstance(d, dict):
             raise ValueError(f"a plan is a JSON object, got {type(d).__name__}")  # noqa: TRY004 - callers catch ValueError
         version = d.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"plan schema version {version} is not supported (this runtime reads {SCHEMA_VERSION})")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known - {"schema_version"})
-        if unknown:
-            raise ValueError(f"unknown plan field(s): {', '.join(unknown)}")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"plan schema version {version} is not supported "
+                             f"(this runtime reads {', '.join(map(str, READABLE_VERSIONS))})")
         values = dict(d)
         values.pop("schema_version", None)
+        for old, new in RENAMED.items():
+            if old in values and new in values:
+                raise ValueError(f"plan has both {new!r} and its old name {old!r}; keep only {new!r}")
+            if old in values:
+                values[new] = values.pop(old)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown plan field(s): {', '.join(unknown)}")
         if values.get("lora") is not None:
             if not isinstance(values["lora"], dict):
                 raise ValueError("plan field lora must be an object or null")

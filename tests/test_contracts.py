@@ -42,6 +42,21 @@ def test_bad_plan_files_give_one_line_errors(tmp_path, text, message):
         Plan.load(path)
 
 
+def test_plans_written_before_the_offload_rename_still_load():
+    """Version-1 plans (the shipped CPU sweep's run logs) call `offload` `swap`: they load, and are written as
+    version 2 with `offload`."""
+    old = {"schema_version": 1, "dp_shard": 2, "swap": "moe"}
+    plan = Plan.from_dict(old)
+    assert plan.offload == "moe" and plan.dp_shard == 2
+    written = plan.to_dict()
+    assert written["offload"] == "moe" and "swap" not in written and written["schema_version"] == 2
+    assert Plan.from_dict(written) == plan
+    assert Plan.from_dict({"swap": "all"}).offload == "all"  # a hand-written plan in the old spelling
+    with pytest.raises(ValueError, match="both 'offload' and its old name 'swap'") as err:
+        Plan.from_dict({"swap": "moe", "offload": "moe"})
+    assert "\n" not in str(err.value)
+
+
 def test_run_log_round_trip_and_skips_bad_lines(tmp_path):
     spec = {"name": "m", "model_type": "x", "num_layers": 2, "hidden_size": 8, "vocab_size": 32,
             "params_total": 100, "params_active": 50,

@@ -1,4 +1,4 @@
-"""Memory policies: activation swap and recompute change where activations live, never the numbers."""
+"""Memory policies: activation offload and recompute change where activations live, never the numbers."""
 
 import copy
 import gc
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from onboard.train import build_model
-from runtime.memory import ActivationSwap, apply_recompute
-from runtime.memory.swap import FileStore, selected
+from runtime.memory import ActivationOffload, apply_recompute
+from runtime.memory.offload import FileStore, selected
 
 
 @pytest.fixture(scope="module")
@@ -30,28 +30,28 @@ def _model(pristine):
 def _loss_and_grads(model, policy="none", recompute="none", store=None):
     apply_recompute(model, recompute)
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    swap = ActivationSwap(policy, store, min_bytes=0)
-    with swap:
+    offload = ActivationOffload(policy, store, min_bytes=0)
+    with offload:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
-    swap.close()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, swap
+    offload.close()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, offload
 
 
 @pytest.mark.parametrize("policy", ["moe", "all"])
-def test_swap_gives_identical_loss_and_gradients(pristine, policy):
+def test_offload_gives_identical_loss_and_gradients(pristine, policy):
     loss, grads, _ = _loss_and_grads(_model(pristine))
-    swapped_loss, swapped_grads, swap = _loss_and_grads(_model(pristine), policy)
-    assert swap.swapped_bytes > 0 and swap.store.bytes_out == swap.swapped_bytes
-    assert torch.equal(loss, swapped_loss)
-    assert grads.keys() == swapped_grads.keys()
+    offloaded_loss, offloaded_grads, offload = _loss_and_grads(_model(pristine), policy)
+    assert offload.offloaded_bytes > 0 and offload.store.bytes_out == offload.offloaded_bytes
+    assert torch.equal(loss, offloaded_loss)
+    assert grads.keys() == offloaded_grads.keys()
     for name in grads:
-        assert torch.equal(grads[name], swapped_grads[name]), name
+        assert torch.equal(grads[name], offloaded_grads[name]), name
 
 
-def test_moe_policy_swaps_only_grouped_matmul_outputs(pristine):
-    moe = _loss_and_grads(_model(pristine), "moe")[2].swapped_bytes
-    every = _loss_and_grads(_model(pristine), "all")[2].swapped_bytes
+def test_moe_policy_offloads_only_grouped_matmul_outputs(pristine):
+    moe = _loss_and_grads(_model(pristine), "moe")[2].offloaded_bytes
+    every = _loss_and_grads(_model(pristine), "all")[2].offloaded_bytes
     assert 0 < moe < every
 
 
@@ -66,7 +66,7 @@ def test_selection_by_producing_op():
     assert not selected(y, "none")
 
 
-def _alive_after_forward(model, swap: bool) -> list[bool]:
+def _alive_after_forward(model, offload: bool) -> list[bool]:
     """Which grouped-matmul outputs saved for backward are still alive once forward has finished."""
     refs = []
     store = FileStore()
@@ -83,7 +83,7 @@ def _alive_after_forward(model, swap: bool) -> list[bool]:
 
     store.put = recording_put
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    context = ActivationSwap("moe", store, min_bytes=0) if swap else torch.autograd.graph.saved_tensors_hooks(
+    context = ActivationOffload("moe", store, min_bytes=0) if offload else torch.autograd.graph.saved_tensors_hooks(
         keep, lambda t: t)
     with context:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -95,11 +95,11 @@ def _alive_after_forward(model, swap: bool) -> list[bool]:
     return alive
 
 
-def test_swapped_activations_leave_memory_until_backward(pristine):
-    """With swap the originals are freed after forward (the store holds the bytes); without, they stay."""
-    swapped = _alive_after_forward(_model(pristine), swap=True)
-    kept = _alive_after_forward(_model(pristine), swap=False)
-    assert swapped and not any(swapped)
+def test_offloaded_activations_leave_memory_until_backward(pristine):
+    """With offload the originals are freed after forward (the store holds the bytes); without, they stay."""
+    offloaded = _alive_after_forward(_model(pristine), offload=True)
+    kept = _alive_after_forward(_model(pristine), offload=False)
+    assert offloaded and not any(offloaded)
     assert kept and all(kept)
 
 
@@ -115,11 +115,11 @@ def test_recompute_gives_identical_gradients_and_keeps_names(pristine, policy):
         assert torch.equal(grads[name], rgrads[name]), name
 
 
-def test_recompute_and_swap_together(pristine):
-    """Recomputed blocks save only their inputs (so nothing inside them is swapped); the rest still is."""
+def test_recompute_and_offload_together(pristine):
+    """Recomputed blocks save only their inputs (so nothing inside them is offloaded); the rest still is."""
     loss, grads, alone = _loss_and_grads(_model(pristine), "all")
-    rloss, rgrads, swap = _loss_and_grads(_model(pristine), "all", "selective")
-    assert 0 < swap.swapped_bytes < alone.swapped_bytes
+    rloss, rgrads, offload = _loss_and_grads(_model(pristine), "all", "selective")
+    assert 0 < offload.offloaded_bytes < alone.offloaded_bytes
     assert torch.equal(loss, rloss)
     for name in grads:
         assert torch.equal(grads[name], rgrads[name]), name
@@ -131,5 +131,5 @@ def test_recompute_wraps_what_the_policy_names(pristine):
     assert apply_recompute(_model(pristine), "none") == 0
     with pytest.raises(ValueError, match="recompute policy"):
         apply_recompute(_model(pristine), "everything")
-    with pytest.raises(ValueError, match="swap policy"):
-        ActivationSwap("disk")
+    with pytest.raises(ValueError, match="offload policy"):
+        ActivationOffload("disk")

@@ -11,7 +11,7 @@ import pytest
 from predictors import learned, published
 from predictors.costmodel import estimate
 from predictors.errors import PredictorError
-from predictors.features import load_dataset
+from predictors.features import FEATURES, load_dataset
 from predictors.hardware import bundled, find, identify
 from predictors.published import DATA_DIR, FILES, SOURCE_DIR, convert_file, convert_row
 from runtime.dims import Dims
@@ -85,8 +85,8 @@ def test_memory_parts_follow_the_plan():
     full = estimate(d, Plan(dp_shard=8, seq_len=4096, recompute="full"), hw).memory
     sel = estimate(d, Plan(dp_shard=8, seq_len=4096, recompute="selective"), hw).memory
     assert full["activations"] < sel["activations"] < base["activations"]
-    swap = estimate(d, Plan(dp_shard=8, seq_len=4096, swap="moe"), hw)
-    assert swap.memory["activations"] < base["activations"] and swap.swap_s > 0
+    offload = estimate(d, Plan(dp_shard=8, seq_len=4096, offload="moe"), hw)
+    assert offload.memory["activations"] < base["activations"] and offload.offload_s > 0
     chunk = estimate(d, Plan(dp_shard=8, seq_len=4096, loss_chunk=512), hw).memory
     assert chunk["logits"] == pytest.approx(base["logits"] / 8)
 
@@ -251,6 +251,29 @@ def test_bundled_default_model_loads_and_predicts():
     # torchtitan measured 2904 tokens/s per GPU for this run; the bundled model saw it in training
     assert plan.tokens_per_step / step / 64 == pytest.approx(2904, rel=0.35)
     assert model.meta["training"]["runs"] >= 1900
+
+
+def test_shipped_run_logs_in_the_old_plan_spelling_load():
+    """The CPU sweep is measured data and is never rewritten: its plans keep `swap` and load as `offload`."""
+    runs, skipped = read_runs([DATA_DIR / "runlogs"])
+    old = [run for run in runs if "swap" in run.plan]
+    assert not skipped and old and {Plan.from_dict(run.plan).offload for run in old} == {"none", "moe"}
+
+
+def test_models_trained_before_the_offload_rename_load_and_predict_the_same():
+    """v1-v4 list the feature frac_offload by its old name, frac_swap: same value, same place, so they load."""
+    old = json.loads((learned.MODELS_DIR / "throughput-v4.json").read_text())
+    assert "frac_swap" in old["features"] and "frac_swap" in old["feature_range"]
+    d, plan, hw = _plan_and_dims()
+    for path in sorted(learned.MODELS_DIR.glob("throughput-v*.joblib")):
+        model = learned.load(path)
+        ranges = model.meta.get("feature_range", {})  # v1 has none
+        assert model.meta["features"] == list(FEATURES) and set(ranges) <= set(FEATURES)
+        assert math.isfinite(model.predict(d, plan, hw)[0])
+    # v5 is v4 retrained on the same runs, rewritten with the plan key `offload`: the same estimator
+    v4, v5 = (learned.load(learned.MODELS_DIR / f"throughput-v{v}.joblib") for v in (4, 5))
+    data = load_dataset(learned.default_training_paths())
+    assert np.array_equal(v4.correction(data.X), v5.correction(data.X))
 
 
 def test_leave_one_model_out_on_a_small_set(tmp_path):

@@ -103,7 +103,7 @@ def test_gradient_accumulation_equals_the_bigger_micro_batch(factory):
 
 def test_memory_policies_leave_the_losses_unchanged(factory):
     plain = _losses(train(factory, _plan(), TrainConfig(steps=3, lr=1e-2, progress=False)))
-    for policy in ({"swap": "moe"}, {"swap": "all", "recompute": "selective"}, {"recompute": "full"}):
+    for policy in ({"offload": "moe"}, {"offload": "all", "recompute": "selective"}, {"recompute": "full"}):
         assert _losses(train(factory, _plan(**policy), TrainConfig(steps=3, lr=1e-2, progress=False))) == plain
 
 

@@ -146,7 +146,7 @@ def _scan_backward(p_do, q_do, w, k_end, decay, dfinal, n_seq, n):
 
 
 def chunk_core(q, k, v, g, beta, s0, chunk: int, block: int | None = None):
-    """The op that backend dispatch swaps (the contract of ChunkGatedDelta.forward). `block` is accepted for
+    """The op that backend dispatch replaces (the contract of ChunkGatedDelta.forward). `block` is accepted for
     older callers and unused: rendered kernels fix their sub-block size when rendered."""
     return ChunkGatedDelta.apply(q, k, v, g, beta, s0, chunk)
 

@@ -153,7 +153,7 @@ def chunk_scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 def chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
                 chunk: int, reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op that backend dispatch swaps (OP): `chunk_scalar_decay`'s inputs as given (shapes checked), the
+    """The op that backend dispatch replaces (OP): `chunk_scalar_decay`'s inputs as given (shapes checked), the
     chunk length; returns (o, final state) in the compute dtype, the final state always."""
     group = v.shape[2] // k.shape[2]
     dtype = compute_dtype(v)

@@ -18,7 +18,7 @@ The reference never builds a query x key tensor: it walks the queries in chunks 
 gathering each query's picked keys, or, while the context is short against K, one GEMM over all keys masked to
 the picks), and keeps only the output and one log-sum-exp per query and head for backward, which recomputes each
 chunk's probabilities. Memory: the (B, S, K) indices, the output, and one bounded chunk.
-Backend dispatch (`runtime.kernels.registry`, op "attention.sparse") may swap in a rendered Triton kernel,
+Backend dispatch (`runtime.kernels.registry`, op "attention.sparse") may run a rendered Triton kernel instead,
 sinks included when the kernel takes a `sinks` argument; a kernel rendered before the template had a sink term
 (an older bundle) still runs attention without sinks, and attention with sinks then runs this reference.
 """

@@ -1,6 +1,6 @@
-"""Memory policies: activation swap to host, per-layer recompute."""
+"""Memory policies: activation offload to host, per-layer recompute."""
 
+from runtime.memory.offload import ActivationOffload, FileStore, PinnedHostStore
 from runtime.memory.recompute import apply_recompute
-from runtime.memory.swap import ActivationSwap, FileStore, PinnedHostStore
 
-__all__ = ["ActivationSwap", "FileStore", "PinnedHostStore", "apply_recompute"]
+__all__ = ["ActivationOffload", "FileStore", "PinnedHostStore", "apply_recompute"]

@@ -1,6 +1,6 @@
 """Recompute: chosen modules keep only their inputs in forward and run again during backward.
 
-Non-reentrant `torch.utils.checkpoint` (it nests with saved-tensor hooks such as activation swap, takes
+Non-reentrant `torch.utils.checkpoint` (it nests with saved-tensor hooks such as activation offload, takes
 keyword arguments, and restores the RNG state so dropout draws the same masks). The module's `forward` is
 wrapped in place, so parameter names, state dicts and checkpoints do not change.
 

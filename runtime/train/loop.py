@@ -1,7 +1,7 @@
 """The training loop: AdamW, gradient clipping and accumulation, memory policies, checkpoints, run logs.
 
 `train(factory, plan, config)` builds the model on every rank (same seed, so the same weights), applies
-the plan's recompute and swap policies, and trains `config.steps` optimizer steps, resuming from the newest
+the plan's recompute and offload policies, and trains `config.steps` optimizer steps, resuming from the newest
 checkpoint in `config.checkpoint_dir` when there is one. Under torchrun (WORLD_SIZE > 1) it joins the
 process group and hands the model to `runtime.parallel` (LoRA, expert parallelism, FSDP2, whose gradient
 reduction overlaps backward). Rank 0 writes the run log and draws the progress bar.
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.memory import ActivationSwap, apply_recompute
+from runtime.memory import ActivationOffload, apply_recompute
 from runtime.plan import Plan
 from runtime.runlog import RunLogWriter
 from runtime.train import checkpoint, data
@@ -47,7 +47,7 @@ class TrainConfig:
     runlog: str | None = None
     run_meta: dict = field(default_factory=dict)
     progress: bool = True
-    swap_dir: str | None = None  # where the CPU swap file lives (default: the system temp dir)
+    offload_dir: str | None = None  # where the CPU offload file lives (default: the system temp dir)
 
 
 @dataclass
@@ -173,7 +173,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
     start = resumed["step"] if resumed else 0
     source = _data_source(cfg, plan, vocab)
-    swap = ActivationSwap(plan.swap, device=device, swap_dir=cfg.swap_dir)
+    offload = ActivationOffload(plan.offload, device=device, offload_dir=cfg.offload_dir)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and plan.dtype == "bf16" \
         else torch.autocast(device.type, enabled=False)
     writer = None
@@ -192,7 +192,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     reset_peak_memory(device)
     try:
         for step in range(start, cfg.steps):
-            results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocast, blocks,
+            results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks,
                                  rank, world, device))
             r = results[-1]
             if writer:
@@ -208,7 +208,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
                                 data_position=data.sequence_index(done, 0, 0, 0, grad_accum=plan.grad_accum,
                                                                   dp=plan.dp, micro_batch=plan.micro_batch))
     finally:
-        swap.close()
+        offload.close()
         if bar:
             bar.close()
         if writer:
@@ -216,7 +216,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     return TrainResult(results, start if resumed else None, writer.run_id if writer else None)
 
 
-def _step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocast, blocks, rank, world, device):
+def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks, rank, world, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, swap, autocas
     for micro in range(plan.grad_accum):
         ids = data.batch(source, step, micro, rank % plan.dp, grad_accum=plan.grad_accum, dp=plan.dp,
                          micro_batch=plan.micro_batch).to(device)
-        with swap, autocast:
+        with offload, autocast:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss / plan.grad_accum
         loss.backward()
         loss_sum += loss.detach().double().cpu()

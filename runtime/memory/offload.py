@@ -1,6 +1,6 @@
-"""Activation swap: chosen saved activations leave the device after forward and come back for backward.
+"""Activation offload: chosen saved activations leave the device after forward and come back for backward.
 
-Autograd keeps every tensor a backward formula needs until that backward runs. `ActivationSwap` installs
+Autograd keeps every tensor a backward formula needs until that backward runs. `ActivationOffload` installs
 `saved_tensors_hooks` that hand the outputs of matmuls (policy "all") or of grouped expert matmuls (policy
 "moe") to a store with an asynchronous copy, and keep only a small handle in the graph. When backward asks
 for one, the store returns the bytes unchanged, and the next few handles in backward order are prefetched
@@ -40,7 +40,7 @@ def producer(t: torch.Tensor) -> str | None:
 
 
 def selected(t: torch.Tensor, policy: str) -> bool:
-    """Whether `policy` swaps this saved tensor: matmul outputs ("all") or grouped expert matmul outputs ("moe")."""
+    """Whether `policy` offloads this saved tensor: matmul outputs ("all") or grouped expert matmul outputs ("moe")."""
     if policy == "none" or t.grad_fn is None or 0 in t.stride() or t.is_sparse:
         return False
     name = producer(t)
@@ -78,10 +78,10 @@ class FileStore:
     ALIGN = 4096
 
     def __init__(self, directory: str | None = None):
-        fd, path = tempfile.mkstemp(prefix="onboard-swap-", dir=directory)
+        fd, path = tempfile.mkstemp(prefix="onboard-offload-", dir=directory)
         os.unlink(path)  # nothing to clean up, even after SIGKILL
         self._fd = fd
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swap-io")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-io")
         self._end = 0
         self._lock = threading.Lock()
         self.bytes_out = 0
@@ -108,7 +108,7 @@ class FileStore:
         while view:
             n = os.preadv(self._fd, [view], offset)
             if n == 0:
-                raise OSError(f"swap file ended early at byte {offset}")
+                raise OSError(f"offload file ended early at byte {offset}")
             view, offset = view[n:], offset + n
         return buf
 
@@ -186,7 +186,7 @@ def default_store(device: torch.device, directory: str | None = None):
 
 
 class _Handle:
-    """What autograd keeps in place of a swapped tensor."""
+    """What autograd keeps in place of an offloaded tensor."""
 
     __slots__ = ("entries", "index", "value")
 
@@ -195,7 +195,7 @@ class _Handle:
         self.value = None  # the tensor once brought back; freed with the handle when backward is done with it
 
 
-class ActivationSwap:
+class ActivationOffload:
     """Context manager for one forward pass; the handles it leaves in the graph serve the later backward.
 
     `prefetch` handles ahead (in backward order, which is the reverse of forward order) are brought back
@@ -204,23 +204,23 @@ class ActivationSwap:
     """
 
     def __init__(self, policy: str, store=None, *, device: torch.device | None = None, prefetch: int = 2,
-                 min_bytes: int = 4096, swap_dir: str | None = None):
+                 min_bytes: int = 4096, offload_dir: str | None = None):
         if policy not in ("none", "moe", "all"):
-            raise ValueError(f"swap policy must be none, moe or all, got {policy!r}")
+            raise ValueError(f"offload policy must be none, moe or all, got {policy!r}")
         self.policy = policy
         self.store = store if store is not None or policy == "none" else default_store(
-            torch.device(device or "cpu"), swap_dir)
+            torch.device(device or "cpu"), offload_dir)
         self.prefetch_depth = prefetch
         self.min_bytes = min_bytes
         self._entries: list = []  # this forward's entries, in forward order
         self._hooks = None
-        self.swapped_bytes = 0
+        self.offloaded_bytes = 0
 
     def _pack(self, t: torch.Tensor):
         if t.numel() * t.element_size() < self.min_bytes or not selected(t, self.policy):
             return t
         entry = self.store.put(t)
-        self.swapped_bytes += entry.nbytes
+        self.offloaded_bytes += entry.nbytes
         self._entries.append(entry)
         return _Handle(self._entries, len(self._entries) - 1)
 

@@ -1,12 +1,12 @@
-"""Activation swap: peak resident memory of one training step with and without it, same numbers.
+"""Activation offload: peak resident memory of one training step with and without it, same numbers.
 
 Each variant runs in its own process (peak RSS is a per-process high-water mark): build the adapted
 model, run forward + backward once on a fixed batch, report the resident set before the step, its peak,
-the loss and a digest of every gradient. On this CPU machine device memory is host memory, so the swap
+the loss and a digest of every gradient. On this CPU machine device memory is host memory, so the offload
 target is a spill file (`runtime.memory.FileStore`): the bytes leave the process for the page cache /
 disk, which is what lowers its resident set. On cuda the same hooks copy to pinned host memory.
 
-    python bench/swap.py [--layers 8] [--width 4] [--seq-len 128] [--micro-batch 32] [--threads 2]
+    python bench/offload.py [--layers 8] [--width 4] [--seq-len 128] [--micro-batch 32] [--threads 2]
 
 The children run with MALLOC_MMAP_THRESHOLD_=65536 (unless set) so that freed tensors really leave the
 resident set; with glibc's adaptive default, freed blocks stay resident and the saving mostly disappears
@@ -37,7 +37,7 @@ def _rss_bytes() -> int:
 def child(args) -> None:
     import torch
     from onboard.train import build_model
-    from runtime.memory import ActivationSwap, apply_recompute
+    from runtime.memory import ActivationOffload, apply_recompute
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -45,10 +45,10 @@ def child(args) -> None:
     apply_recompute(model, args.recompute)
     model.train()
     ids = torch.randint(0, record["vocab"], (args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(1))
-    swap = ActivationSwap(args.variant, min_bytes=64 * 1024)
+    offload = ActivationOffload(args.variant, min_bytes=64 * 1024)
     baseline = _rss_bytes()
     start = time.perf_counter()
-    with swap:
+    with offload:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     seconds = time.perf_counter() - start
@@ -58,9 +58,10 @@ def child(args) -> None:
         if p.grad is not None:
             digest.update(name.encode())
             digest.update(p.grad.contiguous().numpy().tobytes())
-    swap.close()
+    offload.close()
     print(json.dumps({"variant": args.variant, "baseline_rss": baseline, "peak_rss": peak, "seconds": seconds,
-                      "loss": float(loss), "grad_digest": digest.hexdigest(), "swapped_bytes": swap.swapped_bytes}))
+                      "loss": float(loss), "grad_digest": digest.hexdigest(),
+                      "offloaded_bytes": offload.offloaded_bytes}))
 
 
 def main() -> None:
@@ -77,7 +78,7 @@ def main() -> None:
     if args.variant:
         child(args)
         return
-    scratch = tempfile.TemporaryDirectory(prefix="bench-swap-")
+    scratch = tempfile.TemporaryDirectory(prefix="bench-offload-")
     if not args.bundle:
         from onboard.bundle import adapt
         from onboard.source import resolve
@@ -97,13 +98,13 @@ def main() -> None:
     base = results["none"]
     print(f"mixtral-8x7b adapted, trained config: {args.layers} layers, width x{args.width}; "
           f"{args.micro_batch} x {args.seq_len} tokens, fp32, {args.threads} threads, recompute {args.recompute}")
-    print(f"{'swap':<6} {'swapped MiB':>12} {'RSS before MiB':>15} {'peak RSS MiB':>13} {'step peak MiB':>14} "
+    print(f"{'offload':<7} {'offloaded MiB':>14} {'RSS before MiB':>15} {'peak RSS MiB':>13} {'step peak MiB':>14} "
           f"{'peak ratio':>11} {'step ratio':>11} {'seconds':>8}  same numbers")
     for variant, r in results.items():
         step = r["peak_rss"] - r["baseline_rss"]
         base_step = base["peak_rss"] - base["baseline_rss"]
         same = r["loss"] == base["loss"] and r["grad_digest"] == base["grad_digest"]
-        print(f"{variant:<6} {r['swapped_bytes'] / 2**20:>12.1f} {r['baseline_rss'] / 2**20:>15.1f} "
+        print(f"{variant:<7} {r['offloaded_bytes'] / 2**20:>14.1f} {r['baseline_rss'] / 2**20:>15.1f} "
               f"{r['peak_rss'] / 2**20:>13.1f} {step / 2**20:>14.1f} {r['peak_rss'] / base['peak_rss']:>11.3f} "
               f"{step / base_step:>11.3f} {r['seconds']:>8.2f}  {'yes' if same else 'NO'}")
     scratch.cleanup()
