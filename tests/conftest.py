@@ -70,3 +70,14 @@ def twin_adapter():
         return spec, twin, decision, load_adapter(directory).adapt
 
     return adapter
+
+
+WIDE = ("family", "multiprocess", "interpreter")  # marks whose tests leave the fast lane
+
+
+def pytest_collection_modifyitems(items):
+    """Family-wide, multi-process and kernel-interpreter tests are slow: `pytest -m "not slow"` is the fast lane,
+    `pytest` (what CI runs) runs everything."""
+    for item in items:
+        if any(item.get_closest_marker(mark) for mark in WIDE) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

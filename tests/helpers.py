@@ -1,17 +1,34 @@
-"""Helpers shared by the tests: closeness of tensors, and swapping every DSA attention of a model."""
+"""Helpers shared by the tests: the one closeness measure, swapping every DSA attention of a model, and kernels
+rendered into the session's kernel store and checked in a process of their own."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
 from runtime.attention import find_sparse_attention, swap_sparse_attention
 from runtime.swap import Swaps
 
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|: the relative error of `a` against the reference `b` (0 when both are zero)."""
-    a, b = a.detach(), b.detach()
+    """max |a - b| / max |b|: the relative error of `a` against the reference `b`, in fp64 (0 when both are
+    zero)."""
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def check_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-5) -> None:
+    """For scripts run in a process of their own (tests/kernels/): exit with the failing check unless
+    rel(a, b) <= tol; print it otherwise."""
+    err = rel(a, b)
+    if not err <= tol:
+        sys.exit(f"{what}: max |diff| / max |ref| {err:.3g} > {tol}")
+    print(f"{what}: ok ({err:.1e})")
 
 
 def swap_all_sparse(model: torch.nn.Module) -> Swaps:
@@ -34,10 +51,7 @@ def run_kernel_check(script: str, key: str, *, threads: int = 1):
     TRITON_INTERPRET at import)."""
     import os
     import subprocess
-    import sys
-    from pathlib import Path
 
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(threads)}
-    return subprocess.run([sys.executable, str(here / "kernels" / script), key], check=False, capture_output=True,
-                          text=True, env=env, timeout=600, cwd=here.parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(TESTS / "kernels" / script), key], check=False, capture_output=True,
+                          text=True, env=env, timeout=600, cwd=ROOT)

@@ -1,6 +1,6 @@
 """Rendered Triton gated-delta kernels against the token-by-token reference, forward and backward.
 
-Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_linear_attention.py
+Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/runtime/test_linear_attention.py
 does. Argument: the kernel store key of the rendered module, loaded the way adapters load it
 (runtime.kernels.store). Exits non-zero with the failing check on stderr.
 """
@@ -13,16 +13,11 @@ import torch.nn.functional as F
 from runtime.attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from runtime.kernels import registry
 from runtime.kernels.store import load_kernels
+from tests.helpers import check_close
 
 OP = "linear_attention.chunk_gated_delta"
 
 
-def close(a, b, what, tol=1e-4):
-    a, b = a.detach(), b.detach()
-    err = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-    if not err <= tol:
-        sys.exit(f"{what}: max relative diff {err:.3g} > {tol}")
-    print(f"{what}: ok ({err:.1e})")
 
 
 def problem(k, seed):
@@ -68,10 +63,10 @@ def main(key: str) -> None:
         ref = run(recurrent_gated_delta_rule, [x.double() for x in inputs])
         names = ["output", "final state", "dq", "dk", "dv", "dg", "dbeta", "d initial state"]
         for name, a, b in zip(names, got, ref):
-            close(a, b, f"{kind} {name}")
+            check_close(a, b, f"{kind} {name}", 1e-4)
         # a chunk size it was not rendered for falls through to the PyTorch path
         other = run(chunk_gated_delta_rule, inputs, chunk_size=k.CHUNK // 2)
-        close(other[0], ref[0], f"{kind} fallback output")
+        check_close(other[0], ref[0], f"{kind} fallback output", 1e-4)
     finally:
         registry.use(None)
     print("registered under the triton backend: ok")

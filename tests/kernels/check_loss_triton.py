@@ -1,5 +1,5 @@
 """The rendered Triton cross-entropy rows against the PyTorch reference, then the whole token-chunked loss
-through the registry against full logits. Run with TRITON_INTERPRET=1 (tests/test_loss.py does); exits
+through the registry against full logits. Run with TRITON_INTERPRET=1 (tests/runtime/test_loss.py does); exits
 non-zero with the failing check on stderr."""
 
 import sys
@@ -10,13 +10,7 @@ import torch.nn.functional as F
 from runtime.kernels import registry, store
 from runtime.loss import LogitTransform, lm_head_loss
 from runtime.loss.blocks import cross_entropy_rows_
-
-
-def close(a, b, what, tol=1e-5):
-    err = (a - b).abs().max().item()
-    if not err <= tol:
-        sys.exit(f"{what}: max |diff| {err:.3g} > {tol}")
-    print(f"{what}: ok ({err:.1e})")
+from tests.helpers import check_close
 
 
 def main(key: str) -> None:
@@ -31,10 +25,10 @@ def main(key: str) -> None:
             got = k.cross_entropy_rows(z, labels, transform, z_weight, 0.25, want)
             ref = cross_entropy_rows_(z_ref, labels, transform, z_weight, 0.25, want)
             what = f"rows (scale {transform.scale}, cap {transform.softcap}, grad {want})"
-            close(got[0], ref[0], what + " lse")
-            close(got[1], ref[1], what + " label logit")
+            check_close(got[0], ref[0], what + " lse", 1e-5)
+            check_close(got[1], ref[1], what + " label logit", 1e-5)
             if want:
-                close(z, z_ref, what + " gradient")
+                check_close(z, z_ref, what + " gradient", 1e-5)
     k.register()
     registry.use("triton")
     try:
@@ -51,9 +45,9 @@ def main(key: str) -> None:
         keep = target != -100
         ref = F.cross_entropy(logits, target) + 0.05 * torch.logsumexp(logits[keep], -1).square().mean()
         ref.backward()
-        close(loss, ref, "token-chunked loss through the registry")
-        close(hidden.grad, h2.grad, "its hidden gradient")
-        close(weight.grad, w2.grad, "its weight gradient")
+        check_close(loss, ref, "token-chunked loss through the registry", 1e-5)
+        check_close(hidden.grad, h2.grad, "its hidden gradient", 1e-5)
+        check_close(weight.grad, w2.grad, "its weight gradient", 1e-5)
     finally:
         registry.use(None)
     print("registered under the triton backend: ok")

@@ -1,6 +1,6 @@
 """Rendered Triton MoE kernels against the PyTorch reference, forward and backward.
 
-Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_kernels.py does.
+Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/onboard/test_kernels.py does.
 Exits non-zero with the failing check on stderr.
 """
 
@@ -11,13 +11,7 @@ import torch
 from runtime.kernels import registry, store
 from runtime.moe.dispatch import permute, sort_by_expert, unpermute
 from runtime.moe.grouped import grouped_mm
-
-
-def close(a, b, what, tol=1e-5):
-    err = (a - b).abs().max().item()
-    if err > tol:
-        sys.exit(f"{what}: max |diff| {err:.3g} > {tol}")
-    print(f"{what}: ok ({err:.1e})")
+from tests.helpers import check_close
 
 
 def main(key: str) -> None:
@@ -31,19 +25,19 @@ def main(key: str) -> None:
         x = torch.randn(tokens, hidden, requires_grad=True)
         x2 = x.detach().clone().requires_grad_()
         got, ref = k.permute(x, d), permute(x2, d)
-        close(got, ref, f"permute (capacity {capacity})")
+        check_close(got, ref, f"permute (capacity {capacity})", 1e-5)
         g = torch.randn_like(ref)
         got.backward(g)
         ref.backward(g)
-        close(x.grad, x2.grad, f"permute backward (capacity {capacity})")
+        check_close(x.grad, x2.grad, f"permute backward (capacity {capacity})", 1e-5)
         y = torch.randn(d.order.numel(), hidden, requires_grad=True)
         y2 = y.detach().clone().requires_grad_()
         got, ref = k.unpermute(y, d, tokens), unpermute(y2, d, tokens)
-        close(got, ref, f"unpermute (capacity {capacity})")
+        check_close(got, ref, f"unpermute (capacity {capacity})", 1e-5)
         g = torch.randn_like(ref)
         got.backward(g)
         ref.backward(g)
-        close(y.grad, y2.grad, f"unpermute backward (capacity {capacity})")
+        check_close(y.grad, y2.grad, f"unpermute backward (capacity {capacity})", 1e-5)
     d = sort_by_expert(indices, experts)
     for out_in in (False, True):
         shape = (experts, ffn, hidden) if out_in else (experts, hidden, ffn)
@@ -53,12 +47,12 @@ def main(key: str) -> None:
         x2 = x.detach().clone().requires_grad_()
         got = k.grouped_mm(x, w, d.counts, out_in=out_in)
         ref = grouped_mm(x2, w2, d.counts, out_in=out_in)
-        close(got, ref, f"grouped GEMM (out_in={out_in})", 1e-4)
+        check_close(got, ref, f"grouped GEMM (out_in={out_in})", 1e-4)
         g = torch.randn_like(ref)
         got.backward(g)
         ref.backward(g)
-        close(x.grad, x2.grad, f"grouped GEMM dx (out_in={out_in})", 1e-4)
-        close(w.grad, w2.grad, f"grouped GEMM dw (out_in={out_in})", 1e-4)
+        check_close(x.grad, x2.grad, f"grouped GEMM dx (out_in={out_in})", 1e-4)
+        check_close(w.grad, w2.grad, f"grouped GEMM dw (out_in={out_in})", 1e-4)
     k.register()
     registry.use("triton")
     assert registry.lookup("moe.grouped_mm", grouped_mm) is k.grouped_mm

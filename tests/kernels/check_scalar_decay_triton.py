@@ -1,6 +1,6 @@
 """Rendered Triton scalar-decay kernels against `chunk_scalar_decay`'s PyTorch path, forward and backward.
 
-Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_ssm.py does. Argument:
+Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/runtime/test_ssm.py does. Argument:
 the kernel store key of the rendered module, loaded the way adapters load it (runtime.kernels.store). Exits
 non-zero with the failing check on stderr.
 """
@@ -9,11 +9,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from check_gated_delta_triton import close  # this script's folder is on its path
 
 from runtime.attention.scalar_decay import OP, chunk_scalar_decay
 from runtime.kernels import registry
 from runtime.kernels.store import load_kernels
+from tests.helpers import check_close
 
 
 def problem(k, seed, decay=1.0):
@@ -50,7 +50,7 @@ def compare(k, inputs, kind, with_state=True, grad_tol=1e-4):
             continue
         if not torch.isfinite(a).all():
             sys.exit(f"{kind} {name}: not finite")
-        close(a, b, f"{kind} {name}", 1e-4 if name in ("output", "final state") else grad_tol)
+        check_close(a, b, f"{kind} {name}", 1e-4 if name in ("output", "final state") else grad_tol)
 
 
 def main(key: str) -> None:
@@ -99,8 +99,8 @@ def main(key: str) -> None:
             if calls:
                 sys.exit(f"{what}: the Triton kernels ran on inputs they were not rendered for")
             if what != "reset":
-                close(got[0], ref[0], f"{what} fallback output")
-                close(got[5], ref[5], f"{what} fallback dg")
+                check_close(got[0], ref[0], f"{what} fallback output", 1e-4)
+                check_close(got[5], ref[5], f"{what} fallback dg", 1e-4)
         print("fallbacks: ok")
     finally:
         registry.use(None)

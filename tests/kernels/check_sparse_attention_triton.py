@@ -3,7 +3,7 @@ PyTorch reference, forward and backward, without and with per-head attention sin
 then tiny HF DeepSeek-V3.2 and HunYuan-V4 (whose attention has sinks) models with the kernel selected against
 HuggingFace eager.
 
-Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/test_sparse_attention.py does.
+Run in its own process with TRITON_INTERPRET=1 (Triton reads it at import): tests/runtime/test_sparse_attention.py does.
 Exits non-zero with the failing check on stderr.
 """
 
@@ -16,13 +16,7 @@ from runtime.attention.dsa import find_sparse_attention, swap_sparse_attention
 from runtime.attention.sparse import sparse_attention, sparse_attention_reference
 from runtime.kernels import registry
 from runtime.kernels.store import load_kernels
-
-
-def close(a, b, what, tol=1e-5):
-    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-    if err > tol:
-        sys.exit(f"{what}: max |diff| / max |ref| {err:.3g} > {tol}")
-    print(f"{what}: ok ({err:.1e})")
+from tests.helpers import check_close
 
 
 def picks(batch, seq, keys_len, top_k, gen):
@@ -69,11 +63,11 @@ def compare(kernel, tensors, idx, sinks, grad, what):
     ins = [t.detach().clone().requires_grad_() for t in leaves]
     got = kernel(*ours[:3], idx, 0.3, *ours[3:])
     ref = sparse_attention_reference(*ins[:3], idx, 0.3, *ins[3:])
-    close(got, ref, f"forward {what}")
+    check_close(got, ref, f"forward {what}", 1e-5)
     got.backward(grad)
     ref.backward(grad)
     for name, a, b in zip(("q", "k", "v", "sinks"), ours, ins):
-        close(a.grad, b.grad, f"d{name} {what}")
+        check_close(a.grad, b.grad, f"d{name} {what}", 1e-5)
 
 
 def ran(*args) -> str:
@@ -133,10 +127,10 @@ def check_hf_model(what, hf, layers, kernel):
         sys.exit(f"{what}: the kernel did not run in each of {layers} sparse layers: {sparse} sparse calls, "
                  f"{kernel_nodes(out.loss, kernel.__module__)} kernel calls")
     out.loss.backward()
-    close(out.logits, ref.logits, f"HF {what} logits, triton kernel")
+    check_close(out.logits, ref.logits, f"HF {what} logits, triton kernel")
     for (name, a), b in zip(ours.named_parameters(), hf.parameters()):
         if b.grad is not None:
-            close(a.grad, b.grad, f"grad {name}", 1e-4)
+            check_close(a.grad, b.grad, f"grad {name}", 1e-4)
 
 
 def deepseek_v32():

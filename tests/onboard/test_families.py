@@ -76,6 +76,7 @@ def _family_params():
     return out
 
 
+@pytest.mark.family
 @pytest.mark.parametrize("family", _family_params())
 def test_family_spec_agrees_with_config(family):
     source = from_config(default_config(family), family)
@@ -123,6 +124,7 @@ def test_family_spec_agrees_with_config(family):
         assert spec.layers[0].attention.index_topk == cfg["index_topk"]
 
 
+@pytest.mark.family
 @pytest.mark.parametrize("family", _family_params())
 def test_family_adapts_and_verifies(family, tmp_path):
     """Every family's bundle verifies: swapped MoE blocks match HuggingFace, or nothing is swapped and the

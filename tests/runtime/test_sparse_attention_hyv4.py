@@ -6,9 +6,7 @@ and a generated bundle match HuggingFace's eager attention in outputs and gradie
 import copy
 
 import pytest
-import test_sparse_attention as base
 import torch
-from test_sparse_attention import hf_indexer, batch, compare, one_thread, rel  # noqa: F401 (one_thread: autouse)
 from transformers import AutoModelForCausalLM, DeepseekV32Config, HYV4Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 from transformers.models.hy_v4.modeling_hy_v4 import (
@@ -21,9 +19,16 @@ import runtime.attention.indexer as indexer_mod
 import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import dsa_attention, swap_sparse_attention
-from helpers import swap_all_sparse
 from runtime.attention.indexer import ROPE_AT, ROTARY, SCALE_AT, LightningIndexer
 from runtime.attention.sparse import sparse_attention
+from tests.helpers import rel, swap_all_sparse
+from tests.runtime import test_sparse_attention as base
+from tests.runtime.test_sparse_attention import (  # noqa: F401 (one_thread: autouse)
+    batch,
+    compare,
+    hf_indexer,
+    one_thread,
+)
 
 
 def test_runtime_indexer_picks_what_hyv4_picks(monkeypatch):

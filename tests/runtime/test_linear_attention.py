@@ -23,7 +23,7 @@ from runtime.attention.decay_pairs import decay_pairs, decay_pairs_backward
 from runtime.attention.gated_delta import chunk_core
 from runtime.attention.triangular import unit_lower_inverse
 from runtime.kernels import registry
-from helpers import run_kernel_check, stored_kernel
+from tests.helpers import rel, run_kernel_check, stored_kernel
 
 OP = "linear_attention.chunk_gated_delta"
 
@@ -50,11 +50,6 @@ def _outputs_and_grads(fn, problem, **kw):
     return [o, final, *torch.autograd.grad(loss, inputs)]
 
 
-def _rel(a, b):
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-head gate", "per-channel gate"])
 @pytest.mark.parametrize("case", ["padded", "grouped-values", "no-state", "strong-decay"])
 def test_chunked_core_equals_the_recurrence(per_channel, case):
@@ -66,7 +61,7 @@ def test_chunked_core_equals_the_recurrence(per_channel, case):
     ref = _outputs_and_grads(recurrent_gated_delta_rule, problem)
     for a, b in zip(got, ref):
         assert torch.isfinite(a).all()
-        assert _rel(a, b) < 1e-10
+        assert rel(a, b) < 1e-10
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
@@ -77,21 +72,21 @@ def test_fp32_and_chunk_size_do_not_change_the_result(per_channel):
         got = _outputs_and_grads(chunk_gated_delta_rule, problem, chunk_size=chunk)
         assert got[0].dtype == torch.float32
         for a, b in zip(got, ref):
-            assert _rel(a.double(), b) < 2e-5, chunk
+            assert rel(a.double(), b) < 2e-5, chunk
 
 
 def test_scale_option_and_packed_sequences():
     q, k, v, g, beta, _ = _problem(True, batch=1, length=30)
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, chunk_size=8)
     ref, _ = recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3)
-    assert _rel(o, ref) < 1e-10
+    assert rel(o, ref) < 1e-10
     cu = torch.tensor([0, 7, 19, 30])
     packed, finals = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, cu_seqlens=cu, output_final_state=True)
     for i in range(3):
         s, e = cu[i], cu[i + 1]
         alone, final = recurrent_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
                                                   output_final_state=True)
-        assert _rel(packed[:, s:e], alone) < 1e-10 and _rel(finals[i:i + 1], final) < 1e-10
+        assert rel(packed[:, s:e], alone) < 1e-10 and rel(finals[i:i + 1], final) < 1e-10
 
 
 def test_bad_shapes_are_one_line_errors():
@@ -117,20 +112,20 @@ def test_decay_pairs_against_the_elementwise_definition(per_channel):
     ref = (a[:, :, :, None] * b[None, :, None] * decay).sum(-1)
     lhs = list(a.detach())
     fp32 = decay_pairs([x.float() for x in lhs], b.detach().float(), G.detach().float())
-    assert _rel(torch.stack(fp32).double(), ref) < 1e-5
-    assert _rel(torch.stack(decay_pairs(lhs, b.detach(), G.detach())), ref) < 1e-12
+    assert rel(torch.stack(fp32).double(), ref) < 1e-5
+    assert rel(torch.stack(decay_pairs(lhs, b.detach(), G.detach())), ref) < 1e-12
     dx = torch.randn(ref.shape, generator=gen, dtype=torch.float64) * lower
     ref.backward(dx)
     das, db, dG = decay_pairs_backward(lhs, b.detach(), G.detach(), list(dx))
     for got, want in zip((torch.stack(das), db, dG), (a.grad, b.grad, G.grad)):
-        assert _rel(got, want) < 1e-12
+        assert rel(got, want) < 1e-12
 
 
 @pytest.mark.parametrize("size", [1, 5, 16, 64])
 def test_unit_lower_inverse(size):
     a = torch.randn(3, size, size, dtype=torch.float64) * 0.3
     expected = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + a.tril(-1))
-    assert _rel(unit_lower_inverse(a), expected) < 1e-12
+    assert rel(unit_lower_inverse(a), expected) < 1e-12
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])
@@ -158,6 +153,7 @@ def test_conv_keeps_packed_sequences_apart():
         causal_conv1d(x, w, activation="tanhshrink")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("gate", ["head", "channel"])
 def test_rendered_triton_kernels_match_the_reference(gate):
     """templates/kernels/gated_delta_triton.py.j2 rendered small, run by Triton's CPU interpreter in its own
@@ -210,7 +206,7 @@ def _errors(got, ref):
     scale = max(float(g.abs().max()) for g in ref[1].values())
     diffs = {name: float((got[1][name] - g).abs().max()) for name, g in ref[1].items()}
     per_tensor = max(d / (float(ref[1][name].abs().max()) + 1e-3 * scale) for name, d in diffs.items())
-    return _rel(got[0], ref[0]), max(diffs.values()) / scale, per_tensor
+    return rel(got[0], ref[0]), max(diffs.values()) / scale, per_tensor
 
 
 def _matches(got, ref) -> bool:
@@ -294,7 +290,7 @@ def test_swapped_core_fills_the_cache_like_transformers():
     got = _prefill_then_decode(model, ids)
     assert all(s.calls["chunk_gated_delta"] == 1 for s in swaps)  # the prefill ran the runtime's core
     for a, b in zip(got, ref):
-        assert _rel(a, b) < 1e-5
+        assert rel(a, b) < 1e-5
 
 
 def test_a_swap_changes_one_instance_and_undo_restores_it():

@@ -18,7 +18,7 @@ from onboard.source import resolve
 from onboard.twin import build_twin
 from onboard.verify import verify
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-next-80b-a3b", "gpt-oss-120b", "mixtral-8x7b"])

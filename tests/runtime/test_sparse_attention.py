@@ -15,9 +15,9 @@ import runtime.attention.indexer as indexer_mod
 import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import swap_sparse_attention
-from helpers import run_kernel_check, stored_kernel, swap_all_sparse
 from runtime.attention.indexer import LightningIndexer
 from runtime.attention.sparse import sparse_attention
+from tests.helpers import rel, run_kernel_check, stored_kernel, swap_all_sparse
 
 HERE = Path(__file__).parent
 
@@ -29,10 +29,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def rel(a, b) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def dense_reference(q, k, v, indices, scale):
@@ -226,8 +222,9 @@ def test_swapped_hf_model_matches_eager(family):
 @pytest.mark.slow  # building the remote-code model takes most of it
 def test_swapped_flagship_dsa_layer_matches_eager():
     """The remote-code flagship: its DSA layer runs on the runtime, its KDA layers (left alone) keep their config."""
-    from test_flagship_model import MODEL_DIR, build_tiny
     from transformers import AutoConfig
+
+    from tests.onboard.test_flagship_model import MODEL_DIR, build_tiny
 
     reference = build_tiny(AutoConfig.from_pretrained(MODEL_DIR, trust_remote_code=True), "eager")
     with torch.no_grad():
@@ -330,6 +327,7 @@ def test_undo_gives_the_module_back_and_other_models_never_run_the_runtime():
     assert swaps.calls("sparse") == 3  # undone: nothing counted since
 
 
+@pytest.mark.interpreter
 def test_rendered_triton_kernel_matches_reference_under_interpreter():
     pytest.importorskip("triton")
     from onboard.codegen import render_kernel

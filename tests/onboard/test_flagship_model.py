@@ -13,10 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-
 torch.set_num_threads(2)
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "onboard" / "catalogue" / "onboard-flagship-2.8t"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "onboard" / "catalogue" / "onboard-flagship-2.8t"
 TARGET_PARAMS = 2.8e12
 
 # Tiny model: every width shrunk, same architecture. 4 layers -> [KDA, KDA, KDA, DSA]; layer 0 dense, 1-3 MoE.

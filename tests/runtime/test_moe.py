@@ -7,7 +7,11 @@ import torch.nn.functional as F
 from runtime.moe.block import GroupedExperts, MoEBlock
 from runtime.moe.dispatch import permute, sort_by_expert, unpermute
 from runtime.moe.grouped import grouped_mm
-from runtime.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
+from runtime.moe.losses import (
+    load_balancing_loss,
+    router_z_loss,
+    sequence_balancing_loss,
+)
 from runtime.moe.router import RouterSpec, route, update_expert_bias
 
 

@@ -12,7 +12,7 @@ import pytest
 from onboard.errors import OnboardError
 from onboard.source import CATALOGUE_DIR, resolve
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, env=None):

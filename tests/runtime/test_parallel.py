@@ -20,7 +20,7 @@ from runtime.lora import apply_lora
 from runtime.moe import MoEBlock
 from runtime.plan import LoRA, Plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel" / "worker.py"
 SEQ = 12
 LR = 0.5

@@ -223,14 +223,42 @@ def test_bad_input_is_a_clear_error(change, message):
         lm_head_loss(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
 
 
+@pytest.mark.interpreter
 def test_rendered_triton_rows_match_the_reference():
     """The Triton cross-entropy rows (templates/kernels/loss_triton.py.j2) under the CPU interpreter: against
     the PyTorch rows, then the whole loss with the kernel picked by backend dispatch."""
     pytest.importorskip("triton")
-    from helpers import run_kernel_check, stored_kernel
+    from tests.helpers import run_kernel_check, stored_kernel
 
     # a vocabulary that the block (64) does not divide: the masked tail of each row is exercised
     key = stored_kernel("kernels/loss_triton.py.j2", name="twin", vocab=300, block=64)
     result = run_kernel_check("check_loss_triton.py", key, threads=2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "token-chunked loss through the registry: ok" in result.stdout
+
+
+def test_loss_swap_changes_one_model_and_undo_restores_it():
+    """The loss swap gives this one model a forward of its own: another model of the same class (and config)
+    keeps transformers' loss and logits; the swapped one computes the same loss without logits, counted on its
+    handle; undo gives its class's forward back."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from runtime.loss.causal_lm import swap_causal_lm_loss
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model, other = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config)
+    other.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = other(input_ids=ids, labels=ids)
+    swap = swap_causal_lm_loss(model, "lm_head", decoder_path="model")
+    got = model(input_ids=ids, labels=ids)
+    assert got.logits is None or got.logits.numel() == 0  # the [tokens, vocabulary] logits never existed
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6) and swap.calls["loss"] == 1
+    assert "forward" not in vars(other) and other(input_ids=ids, labels=ids).logits.shape == (2, 12, 96)
+    assert torch.equal(model(input_ids=ids).logits, want.logits)  # without labels: logits as before
+    swap.undo()
+    assert "forward" not in vars(model)
+    again = model(input_ids=ids, labels=ids)
+    assert torch.equal(again.logits, want.logits) and swap.calls["loss"] == 1

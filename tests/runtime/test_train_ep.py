@@ -105,10 +105,10 @@ def _worker(job_path: str) -> None:
 @pytest.mark.parametrize(("world", "ep", "other_ep", "per_module"), [(2, 2, 1, True), (4, 2, 4, True)],
                          ids=["w2-ep2", "w4-ep2-edp2"])
 def test_expert_parallel_resume_continues_exactly(tmp_path, world, ep, other_ep, per_module):
-    from test_parallel import launch
     from torch.distributed.checkpoint import FileSystemReader
 
     from runtime.train.checkpoint import checkpoints
+    from tests.runtime.test_parallel import launch
 
     ck = tmp_path / "ck"
     job = {"world": world, "ep": ep, "other_ep": other_ep, "per_module": per_module, "ck": str(ck),

@@ -21,7 +21,7 @@ from runtime.train import TrainConfig, train
 from runtime.train.checkpoint import checkpoints
 from runtime.train.data import TokenFile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

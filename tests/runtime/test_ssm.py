@@ -14,6 +14,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h
 
 from runtime.attention.scalar_decay import chunk_scalar_decay, recurrent_scalar_decay
 from runtime.attention.ssd import ssd_chunk_scan
+from tests.helpers import rel
 
 F64 = torch.float64
 HF_SCANS = {"nemotron_h": modeling_nemotron_h.mamba2_chunk_scan,
@@ -181,15 +182,11 @@ def _run_scan(fn, inputs, chunk, options, weights):
     return y.detach(), final.detach(), {n: t.grad for n, t in leaves.items()}
 
 
-def _rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _compare(ours, ref, tol=1e-4):
     """Largest error of output, final state and each gradient relative to the reference's largest value, where
     above `tol` (transformers computes in fp32; dA, dD and ddt_bias sum over every token and land near 2e-5)."""
-    errors = {"y": _rel(ours[0], ref[0]), "final": _rel(ours[1], ref[1])}
-    errors.update({f"d{n}": _rel(ours[2][n], g) for n, g in ref[2].items() if g is not None})
+    errors = {"y": rel(ours[0], ref[0]), "final": rel(ours[1], ref[1])}
+    errors.update({f"d{n}": rel(ours[2][n], g) for n, g in ref[2].items() if g is not None})
     return {n: e for n, e in errors.items() if not e < tol}
 
 
@@ -231,7 +228,7 @@ def test_ssd_return_convention_and_dtypes():
     ref = HF_SCANS["nemotron_h"](*args, 8, **kw)
     ours = ssd_chunk_scan(*args, 8, **kw)
     assert isinstance(ours, torch.Tensor) and ours.dtype == ref.dtype == torch.float32
-    assert _rel(ours, ref) < 1e-5
+    assert rel(ours, ref) < 1e-5
     ours, final = ssd_chunk_scan(*args, 8, z=None, return_final_states=True, **kw)
     assert final.shape == (2, 4, 3, 5) and final.dtype == torch.float32 and final.is_contiguous()
 
@@ -275,8 +272,8 @@ def test_ssd_packed_sequences_match_separate_runs(packing):
     for lo, hi in zip(offsets[:-1], offsets[1:]):
         part = [t if t.dim() == 1 else t[:, lo:hi] for t in args]
         per_seq.append(HF_SCANS["nemotron_h"](*part, 8, return_final_states=True, **kw))
-    assert _rel(y, torch.cat([p[0] for p in per_seq], 1)) < 2e-5
-    assert _rel(final, per_seq[-1][1]) < 2e-5
+    assert rel(y, torch.cat([p[0] for p in per_seq], 1)) < 2e-5
+    assert rel(final, per_seq[-1][1]) < 2e-5
 
 
 def test_ssd_rejects_what_it_cannot_do():
@@ -290,12 +287,13 @@ def test_ssd_rejects_what_it_cannot_do():
         ssd_chunk_scan(*args, 8, seq_idx=torch.zeros(1, 12, dtype=torch.long))
 
 
+@pytest.mark.interpreter
 def test_rendered_triton_kernels_match_the_pytorch_path():
     """templates/kernels/scalar_decay_triton.py.j2 rendered small (two key and two value tiles of the state),
     run by Triton's CPU interpreter in its own process (Triton reads TRITON_INTERPRET at import): output, final
     state and every gradient against `chunk_scalar_decay`'s PyTorch path, grouped heads, a padded last chunk."""
     pytest.importorskip("triton")
-    from helpers import run_kernel_check, stored_kernel
+    from tests.helpers import run_kernel_check, stored_kernel
 
     key = stored_kernel("kernels/scalar_decay_triton.py.j2", name="tiny", head_k=32, head_v=32, chunk=16, block_k=16,
                         block_v=16, dtype="bf16")

@@ -9,11 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_kernel_check, stored_kernel
 
-from onboard.codegen import DEFAULT_KERNELS, kernel_key, render_kernel, render_kernels, template_text
+from onboard.codegen import (
+    DEFAULT_KERNELS,
+    kernel_key,
+    render_kernel,
+    render_kernels,
+    template_text,
+)
+from tests.helpers import run_kernel_check, stored_kernel
 
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _names(kernels) -> list[str]:
@@ -79,6 +85,7 @@ def test_the_store_keeps_one_file_per_key_and_refuses_other_text(tmp_path, monke
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [path.name]  # no temporary left
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3"])
 def test_rendered_kernels_match_the_reference(model, twin_adapter, tmp_path):
     spec, _, decision, _ = twin_adapter(tmp_path, ref=model)
@@ -103,11 +110,12 @@ def test_dense_model_renders_only_the_loss_kernel(twin_adapter, tmp_path):
     assert render_kernels(spec, decision) == []
 
 
+@pytest.mark.interpreter
 def test_adapted_twin_verifies_with_triton_kernels(tmp_path):
     """The whole adapter path with the rendered kernels selected by backend dispatch (interpreter); the bundle
     names its kernels by store key, and the store holds them."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
-    result = subprocess.run([sys.executable, str(HERE.parent / "cli.py"), "adapt", "olmoe-1b-7b", "--out",
+    result = subprocess.run([sys.executable, str(ROOT / "cli.py"), "adapt", "olmoe-1b-7b", "--out",
                              str(tmp_path / "b")], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((tmp_path / "b" / "verification.json").read_text())

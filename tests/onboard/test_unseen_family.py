@@ -6,7 +6,7 @@ import pytest
 
 from onboard.inspection import inspect_model
 
-NOVEL = str(Path(__file__).parent / "fixtures" / "novel_moe")
+NOVEL = str(Path(__file__).resolve().parents[1] / "fixtures" / "novel_moe")
 
 
 @pytest.fixture(scope="module")
