@@ -28,6 +28,8 @@ from onboard.report import describe_mlp, describe_router, ranges
 from onboard.spec import MLP, Layer, ModelSpec
 from onboard.twin import Twin
 from runtime.moe.router import ORDERS, SCORES
+from runtime.swap import EXPERTS as EXPERTS_SWAP
+from runtime.swap import LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION
 
 SCHEMA_VERSION = 1
 
@@ -211,11 +213,11 @@ class Decision:
 
     def expected(self, depth: int) -> dict[str, int]:
         """Swaps an adapter must make in a model of `depth` decoder layers, by handle kind."""
-        out = {"moe_block": 0, "experts": 0, "linear_core": 0, "sparse_attention": 0, "loss": int(self.loss.takes)}
+        out = {MOE_BLOCK: 0, EXPERTS_SWAP: 0, LINEAR_CORE: 0, SPARSE_ATTENTION: 0, LOSS: int(self.loss.takes)}
         for e in self.swapped_moe():
-            out["moe_block" if e.takes == BLOCK else "experts"] += sum(1 for i in e.layers if i < depth)
+            out[MOE_BLOCK if e.takes == BLOCK else EXPERTS_SWAP] += sum(1 for i in e.layers if i < depth)
         for e in self.swapped_attention():
-            out["linear_core" if e.takes == LINEAR else "sparse_attention"] += sum(1 for i in e.layers if i < depth)
+            out[LINEAR_CORE if e.takes == LINEAR else SPARSE_ATTENTION] += sum(1 for i in e.layers if i < depth)
         return out
 
     # -- JSON ---------------------------------------------------------------------------------------

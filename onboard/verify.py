@@ -22,7 +22,7 @@ from onboard.errors import one_line
 from onboard.spec import ModelSpec
 from onboard.twin import Twin
 from runtime.model_tree import tensor_at
-from runtime.swap import Swaps
+from runtime.swap import EXPERTS, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION, Swaps
 
 SEEDS = (0, 1, 2)
 # fp32 with a different summation order (grouped GEMM vs per-expert loops): agreement to ~1e-6 relative
@@ -92,7 +92,7 @@ def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
     return [m.register_forward_hook(hook) for m in modules], counter
 
 
-MOE_KINDS = ("moe_block", "experts")
+MOE_KINDS = (MOE_BLOCK, EXPERTS)
 
 
 def verify(spec: ModelSpec, twin: Twin, adapt, decision: Decision, seeds=SEEDS) -> Verification:
@@ -114,8 +114,8 @@ def _attention_calls(swaps: Swaps) -> int:
     """Calls of the runtime's attention: sequence cores of linear-attention / state-space swaps (the causal conv
     beside them does not count: a mixer whose conv ran in the runtime but whose scan did not has not been
     swapped) and sparse attentions over picked keys."""
-    linear = sum(n for s in swaps.of("linear_core") for kind, n in s.calls.items() if kind != "causal_conv1d")
-    return linear + sum(s.calls["sparse"] for s in swaps.of("sparse_attention"))
+    linear = sum(n for s in swaps.of(LINEAR_CORE) for kind, n in s.calls.items() if kind != "causal_conv1d")
+    return linear + sum(s.calls["sparse"] for s in swaps.of(SPARSE_ATTENTION))
 
 
 def _ran(swap) -> bool:
@@ -144,7 +144,7 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
         for h in original_hooks:
             h.remove()
         runtime_calls = sum(swaps.calls(kind) for kind in MOE_KINDS)
-        loss_calls, attention_calls = swaps.calls("loss"), _attention_calls(swaps)
+        loss_calls, attention_calls = swaps.calls(LOSS), _attention_calls(swaps)
         logits_ad = out_ad.logits
         if logits_ad is None or logits_ad.numel() == 0:  # the runtime loss never made logits: ask for them
             with torch.no_grad():
@@ -153,23 +153,23 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
         result.runtime_loss_calls = loss_calls
         result.runtime_attention_calls = attention_calls
         idle = [s.path or s.kind for s in swaps if not _ran(s)]
-        if idle or (wanted["loss"] and not loss_calls) or (wanted["linear_core"] + wanted["sparse_attention"]
-                                                          and not attention_calls):
+        if idle or (wanted[LOSS] and not loss_calls) or (wanted[LINEAR_CORE] + wanted[SPARSE_ATTENTION]
+                                                        and not attention_calls):
             result.passed = False
         results.append(result)
     replaced, expected = sum(made.get(k, 0) for k in MOE_KINDS), sum(wanted[k] for k in MOE_KINDS)
-    aux = _aux_losses(twin, spec, adapt) if replaced or wanted["loss"] else {}
+    aux = _aux_losses(twin, spec, adapt) if replaced or wanted[LOSS] else {}
     counts_match = made == wanted
     passed = bool(results) and all(r.passed for r in results) and counts_match and aux.get("passed", True)
     notes = [f"adapter made {made.get(kind, 0)} {kind} swaps, expected {n}" for kind, n in wanted.items()
              if made.get(kind, 0) != n]
     if not expected and not notes:
-        notes.append("no MoE block the runtime can take over" + ("" if wanted["loss"] else
+        notes.append("no MoE block the runtime can take over" + ("" if wanted[LOSS] else
                                                                   ": the adapter leaves the model as it is"))
-    if wanted["linear_core"] + wanted["sparse_attention"] and results and not all(r.runtime_attention_calls
-                                                                                   for r in results):
+    if wanted[LINEAR_CORE] + wanted[SPARSE_ATTENTION] and results and not all(r.runtime_attention_calls
+                                                                             for r in results):
         notes.append("the runtime attention did not run")
-    if wanted["loss"] and results and not all(r.runtime_loss_calls for r in results):
+    if wanted[LOSS] and results and not all(r.runtime_loss_calls for r in results):
         notes.append("the runtime loss did not run")
     if not aux.get("passed", True):
         notes.append("the router auxiliary loss differs")

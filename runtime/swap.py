@@ -27,6 +27,14 @@ from collections.abc import Callable
 
 from torch import nn
 
+# what a swap takes over, as handles say it (`Swap.kind`) and the adapt decision expects it
+MOE_BLOCK = "moe_block"  # a whole MoE block: runtime.moe.MoEBlock
+EXPERTS = "experts"  # the experts alone behind the model's router: runtime.moe.RoutedExperts
+LINEAR_CORE = "linear_core"  # a linear-attention / state-space module on the runtime's sequence cores
+SPARSE_ATTENTION = "sparse_attention"  # a DSA attention module on the runtime's indexer and sparse attention
+LOSS = "loss"  # the training loss from the last hidden state
+KINDS = (MOE_BLOCK, EXPERTS, LINEAR_CORE, SPARSE_ATTENTION, LOSS)
+
 _ABSENT = object()
 _REGISTRIES = ("_modules", "_parameters", "_buffers")
 
@@ -137,11 +145,23 @@ def override_forward(module: nn.Module, forward: Callable, *, kind: str, path: s
     return swap
 
 
+class _Overlay(dict):
+    """A function's globals: the given names here, every other one read live from its module's namespace."""
+
+    def __init__(self, namespace: dict, replacements: dict):
+        super().__init__(replacements, __builtins__=namespace.get("__builtins__", __builtins__))
+        self.namespace = namespace
+
+    def __missing__(self, name):
+        return self.namespace[name]
+
+
 def forward_with_globals(cls: type, replacements: dict) -> Callable:
     """`cls.forward` as a new function whose own global names in `replacements` resolve to other objects.
 
-    The forward's code is unchanged; it runs against a copy of its module's namespace with those names
-    replaced, so only modules given this function (with `override_forward`) see the change. Decorators
+    The forward's code is unchanged; it runs against an overlay of its module's namespace: the names in
+    `replacements` are the new objects, every other name is read from the module as it is at call time. Only
+    modules given this function (with `override_forward` or `Swap.set_forward`) see the change. Decorators
     around the forward (functools.wraps closures, as transformers writes them) are rebuilt around the new
     function. Raises ValueError when a decorator holds the forward some other way."""
     chain = [cls.forward]
@@ -150,7 +170,7 @@ def forward_with_globals(cls: type, replacements: dict) -> Callable:
     inner = chain[-1]
     if not isinstance(inner, types.FunctionType):
         raise ValueError(f"{cls.__name__}.forward is not a Python function")
-    new = _copy_function(inner, {**inner.__globals__, **replacements})
+    new = _copy_function(inner, _Overlay(inner.__globals__, replacements))
     for wrapper, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
         new = _rewrap(wrapper, old, new)
     return new

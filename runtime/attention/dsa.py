@@ -36,10 +36,9 @@ from torch import nn
 
 from runtime.attention.indexer import LightningIndexer
 from runtime.attention.sparse import sparse_attention
-from runtime.swap import Swap
+from runtime.swap import SPARSE_ATTENTION, Swap
 
 ATTENTION = "onboard_dsa"
-KIND = "sparse_attention"
 PICK_CHUNK_BYTES = 16 * 2**20
 # swapped attention module -> its handle's call counter, so the attention function (which transformers calls
 # with the module) counts on the right handle; weak: a module that goes away takes its entry with it
@@ -120,7 +119,7 @@ def swap_sparse_attention(attention: nn.Module, *, path: str = "") -> Swap:
     if config is None or not hasattr(attention, "indexer"):
         raise ValueError(f"{path or type(attention).__name__} is not a DSA attention module (no config or indexer)")
     register()
-    swap = Swap(KIND, path)
+    swap = Swap(SPARSE_ATTENTION, path)
     own = copy.copy(config)  # this module's alone: the model's config keeps its implementation
     own._attn_implementation = ATTENTION
     swap.set(attention, "config", own)

@@ -25,7 +25,7 @@ import torch
 
 from runtime.attention.probes import close
 from runtime.attention.scalar_decay import chunk_scalar_decay
-from runtime.swap import Swap
+from runtime.swap import LINEAR_CORE, Swap
 
 CHUNK = 64  # the scan's chunk length unless overridden, whatever the module's block_size: fastest on CPU (bench)
 PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate")
@@ -80,7 +80,7 @@ def swap_lightning_attention(module: torch.nn.Module, *, chunk_size: int | None 
                          f"lightning-attention block the runtime reads")
     if probe and (why := _probe(module)):
         raise ValueError(f"{type(module).__name__}: {why}; not swapped")
-    swap = Swap("linear_core", path)
+    swap = Swap(LINEAR_CORE, path)
     swap.parts = {"forward": "lightning"}
     chunk = chunk_size or CHUNK
 

@@ -21,8 +21,8 @@ Glm5Next delta attention, and families never seen. The functions are found by si
 With `probe` (default) each one is also run once on small random inputs against the runtime's version and
 refused (ValueError, nothing changed) unless both agree: a function with the right parameters but another
 meaning never gets replaced. Then this one module gets its own forward (`runtime.swap.override_forward`):
-the class's forward code, run against a copy of its modeling module's namespace in which those names are
-the runtime's functions (`runtime.swap.forward_with_globals`). Nothing else changes: not the class, not the
+the class's forward code, run against an overlay of its modeling module's namespace in which those names
+are the runtime's functions (`runtime.swap.forward_with_globals`; every other name is read from the module). Nothing else changes: not the class, not the
 modeling module, not another instance; parameters, buffers, submodules and their names are untouched. The
 single-token decode functions (recurrent step, conv update) stay HuggingFace code. Only names the forward
 itself looks up are found (not functions reached through helper methods), which is how transformers'
@@ -50,9 +50,8 @@ import torch
 from runtime.attention.conv import causal_conv1d
 from runtime.attention.gated_delta import chunk_gated_delta_rule
 from runtime.attention.probes import agrees
-from runtime.swap import Swap, forward_with_globals
+from runtime.swap import LINEAR_CORE, Swap, forward_with_globals
 
-KIND = "linear_core"  # the kind of every swap this module makes
 _CHUNK_PARAMS = {"g", "beta", "initial_state", "chunk_size"}
 _CONV_PARAMS = {"hidden_states", "weight", "bias", "activation"}
 # Mamba2's chunked SSD scan and Mamba1's selective scan (not their single-token state updates, which take `state`)
@@ -166,7 +165,7 @@ def swap_linear_core(module: torch.nn.Module, *, chunk_size: int | None = None, 
             if not agrees(kind, namespace[name]):
                 raise ValueError(f"{type(module).__module__}.{name} has the parameters of a {kind} but does not "
                                  f"compute the same thing as the runtime's on a probe; not swapped")
-    swap = Swap(KIND, path)
+    swap = Swap(LINEAR_CORE, path)
     swap.parts = dict(found)
     swap.set_forward(module, forward_with_globals(type(module), {
         name: _runtime_function(kind, swap, chunk_size, conv_mixer) for name, kind in found.items()}))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from runtime.loss.head import lm_head_loss
-from runtime.swap import Swap
+from runtime.swap import LOSS, Swap
 
 
 def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, decoder_path: str | None = None,
@@ -39,12 +39,12 @@ def swap_causal_lm_loss(model: nn.Module, head_path: str = "lm_head", *, decoder
     options = {"head_path": head_path, "decoder_path": decoder_path, "softcap": softcap, "logit_scale": logit_scale,
                "aux_loss_coef": aux_loss_coef if aux_loss_coef is not None else _aux_coef(model),
                "chunk_tokens": chunk_tokens, "chunk_vocab": chunk_vocab}
-    swap = Swap("loss")
+    swap = Swap(LOSS)
 
     def forward(self, *args, labels=None, **kwargs):
         if labels is None:
             return type(self).forward(self, *args, **kwargs)
-        swap.count("loss")
+        swap.count(LOSS)
         return _forward_with_loss(self, options, args, labels, kwargs)
 
     swap.set_forward(model, forward)
