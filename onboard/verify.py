@@ -127,6 +127,7 @@ def _ran(swap) -> bool:
 def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
     results = []
     made: dict[str, int] = {}
+    idle: set[str] = set()  # swaps made whose runtime code never ran
     for seed in seeds:
         ref = copy.deepcopy(twin.model)
         _redraw(ref, spec, twin.layers_path, seed)
@@ -152,8 +153,9 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
         result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls, original_calls[0])
         result.runtime_loss_calls = loss_calls
         result.runtime_attention_calls = attention_calls
-        idle = [s.path or s.kind for s in swaps if not _ran(s)]
-        if idle or (wanted[LOSS] and not loss_calls) or (wanted[LINEAR_CORE] + wanted[SPARSE_ATTENTION]
+        never = {s.path or s.kind for s in swaps if not _ran(s)}
+        idle |= never
+        if never or (wanted[LOSS] and not loss_calls) or (wanted[LINEAR_CORE] + wanted[SPARSE_ATTENTION]
                                                         and not attention_calls):
             result.passed = False
         results.append(result)
@@ -163,6 +165,8 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
     passed = bool(results) and all(r.passed for r in results) and counts_match and aux.get("passed", True)
     notes = [f"adapter made {made.get(kind, 0)} {kind} swaps, expected {n}" for kind, n in wanted.items()
              if made.get(kind, 0) != n]
+    if idle:
+        notes.append(f"swapped but never run: {', '.join(sorted(idle)[:5])}{' ...' if len(idle) > 5 else ''}")
     if not expected and not notes:
         notes.append("no MoE block the runtime can take over" + ("" if wanted[LOSS] else
                                                                   ": the adapter leaves the model as it is"))

@@ -291,3 +291,23 @@ def test_missing_parent_folders_of_out_are_created(tmp_path):
     result = _cli("adapt", "olmoe-1b-7b", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert (out / "REVIEW.md").is_file() and (out / "adapter.py").is_file()
+
+
+def test_a_swap_that_never_runs_fails_verification(deepseek, tmp_path):
+    """Verification reads the handles: a swap the adapter reports but that never runs (undone behind its back,
+    so the HuggingFace block runs instead) fails, and the note names it."""
+    from onboard.codegen import render_adapter
+
+    spec, twin, decision = deepseek
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision))
+    adapter = load_adapter(tmp_path)
+
+    def undone_behind_its_back(model, **kwargs):
+        swaps = adapter.adapt(model, **kwargs)
+        swaps.of("moe_block")[0].undo()
+        return swaps
+
+    result = verify(spec, twin, undone_behind_its_back, decision, seeds=(0,))
+    assert not result.passed and "swapped but never run: model.layers." in result.note
+    assert result.seeds[0].original_calls > 0
