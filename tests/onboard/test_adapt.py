@@ -188,6 +188,10 @@ def test_cli_adapt_then_verify(tmp_path):
     assert again.returncode == 0 and "PASSED" in again.stdout
     data = json.loads((out / "verification.json").read_text())
     assert data["passed"] and len(data["seeds"]) == 3
+    # verify reads what adapt decided; a bundle without its decision is refused in one line
+    (out / "decision.json").unlink()
+    refused = _cli("verify", str(out))
+    assert refused.returncode != 0 and "decision.json" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_zero_experts_are_identity_slots(tmp_path):
