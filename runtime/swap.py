@@ -1,8 +1,8 @@
 """The one way the runtime changes a model: swap one target, get back a handle that undoes it and counts.
 
-    handle = replace_module(root, "model.layers.3.mlp", block, kind="moe_block")
-    handle = override_forward(module, forward, kind="lightning")
-    handle = set_attributes(module, {"config": config_copy}, kind="sparse_attention")
+    handle = replace_module(root, "model.layers.3.mlp", block, kind=MOE_BLOCK)
+    handle = Swap(LINEAR_CORE, path); handle.set_forward(module, forward)   # this module's own forward
+    handle.set(module, "config", config_copy)                                 # any attribute of one object
     handle.calls        # Counter: how often the runtime code behind this swap ran, by what ran
     handle.replaced     # what replace_module took out (None for other swaps)
     handle.undo()       # everything it changed, back as it was
@@ -112,14 +112,6 @@ class Swaps(list):
             swap.undo()
 
 
-def set_attributes(owner: object, values: dict, *, kind: str, path: str = "") -> Swap:
-    """The primitive: set attributes of one object, as one swap."""
-    swap = Swap(kind, path)
-    for name, value in values.items():
-        swap.set(owner, name, value)
-    return swap
-
-
 def _count_calls(swap: Swap, module: nn.Module, what: str) -> None:
     handle = module.register_forward_pre_hook(lambda *_: swap.count(what))
     swap.on_undo(handle.remove)
@@ -133,15 +125,6 @@ def replace_module(root: nn.Module, path: str, new: nn.Module, *, kind: str) -> 
     swap.replaced = parent.get_submodule(name)
     swap.set(parent, name, new)
     _count_calls(swap, new, kind)
-    return swap
-
-
-def override_forward(module: nn.Module, forward: Callable, *, kind: str, path: str = "") -> Swap:
-    """Make this one module run `forward(self, *args, **kwargs)` instead of its class's forward. `forward`
-    should reach the module only through `self` (so a deep copy runs on its own tensors) and count its
-    calls on the handle it is given (`swap.count(...)`)."""
-    swap = Swap(kind, path)
-    swap.set_forward(module, forward)
     return swap
 
 
@@ -161,7 +144,7 @@ def forward_with_globals(cls: type, replacements: dict) -> Callable:
 
     The forward's code is unchanged; it runs against an overlay of its module's namespace: the names in
     `replacements` are the new objects, every other name is read from the module as it is at call time. Only
-    modules given this function (with `override_forward` or `Swap.set_forward`) see the change. Decorators
+    modules given this function (with `Swap.set_forward`) see the change. Decorators
     around the forward (functools.wraps closures, as transformers writes them) are rebuilt around the new
     function. Raises ValueError when a decorator holds the forward some other way."""
     chain = [cls.forward]

@@ -14,7 +14,7 @@ rebind as `swap_linear_core` does. Instead the runtime reads the block as a whol
 That reading is a hypothesis about the module's parts (names of its projections and buffers), so with `probe`
 (default) the swapped forward is run once against the module's own forward on a random input spanning several of
 its blocks, and refused (ValueError, module unchanged) unless both agree. The module stays the same object with
-the same parameters and class; it gets a forward of its own (`runtime.swap.override_forward`) that runs the
+the same parameters and class; it gets a forward of its own (`runtime.swap.Swap.set_forward`) that runs the
 runtime's scan and falls back to the class's forward whenever a cache is passed (the single-token decode path
 stays HuggingFace code). Calls are counted on the handle, as `swap.calls["lightning"]`.
 """

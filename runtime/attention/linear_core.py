@@ -20,7 +20,7 @@ Glm5Next delta attention, and families never seen. The functions are found by si
 
 With `probe` (default) each one is also run once on small random inputs against the runtime's version and
 refused (ValueError, nothing changed) unless both agree: a function with the right parameters but another
-meaning never gets replaced. Then this one module gets its own forward (`runtime.swap.override_forward`):
+meaning never gets replaced. Then this one module gets its own forward (`runtime.swap.Swap.set_forward`):
 the class's forward code, run against an overlay of its modeling module's namespace in which those names
 are the runtime's functions (`runtime.swap.forward_with_globals`; every other name is read from the module). Nothing else changes: not the class, not the
 modeling module, not another instance; parameters, buffers, submodules and their names are untouched. The

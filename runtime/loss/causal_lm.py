@@ -3,7 +3,7 @@
 transformers' causal-LM heads all follow one shape: decoder → last hidden state → LM head (on the positions
 `logits_to_keep` selects) → `loss_function(logits, labels)` → plus the router auxiliary loss times its
 coefficient when router logits are requested. `swap_causal_lm_loss` gives the model a forward of its own
-(`runtime.swap.override_forward`: the class and every other model stay as they are) that keeps that forward,
+(`runtime.swap.Swap.set_forward`: the class and every other model stay as they are) that keeps that forward,
 asks it for no logits at all (an empty `logits_to_keep`), takes the decoder's last hidden state and computes
 the loss with `runtime.loss.lm_head_loss` on the head's own parameters. Without labels it is the class's
 forward (generation and evaluation get their logits as before). The handle counts runtime loss calls as
