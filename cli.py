@@ -17,6 +17,22 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
 
 
+def _count(low: int):
+    """An argparse type: a whole number of at least `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _count(1), _count(0)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HuggingFace id, local directory with config.json, or catalogue name")
     p.add_argument("--trust-remote-code", action="store_true", help="run the model's own modeling code")
@@ -62,23 +78,31 @@ def cmd_adapt(args) -> int:
 
     source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
-    spec, verification = adapt(source, out, force=args.force)
+    notes: list[str] = []
+    spec, verification = adapt(source, out, force=args.force, notes=notes)
+    for note in notes:
+        print(f"tidied: {note}")
     return _print_verification(spec, verification, out)
+
+
+RUNS_ADAPTER = "runs the bundle's adapter.py (generated Python: review it, as any code from a pull request)"
 
 
 def cmd_verify(args) -> int:
     from onboard.bundle import verify_bundle
 
-    spec, verification = verify_bundle(args.bundle)
+    print(f"running {os.path.join(args.bundle, 'adapter.py')}: the bundle's generated code", flush=True)
+    spec, verification = verify_bundle(args.bundle, trust_remote_code=args.trust_remote_code)
     return _print_verification(spec, verification, args.bundle)
 
 
 def cmd_train(args) -> int:
     from onboard.train import run
 
+    print(f"running {os.path.join(args.bundle, 'adapter.py')}: the bundle's generated code", flush=True)
     return run(args.bundle, args.plan, steps=args.steps, layers=args.layers, width=args.width,
                checkpoint_dir=args.checkpoint_dir, runlog=args.runlog, data=args.data, lr=args.lr, seed=args.seed,
-               checkpoint_every=args.checkpoint_every)
+               checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code)
 
 
 def cmd_catalogue(args) -> int:
@@ -130,8 +154,12 @@ def _plan_row(c) -> str:
 def cmd_plan(args) -> int:
     import time
 
+    from onboard.outputs import output_file
     from onboard.plan import load_spec, plan_model, plot_frontier, write_plan
 
+    output_file(args.out, force=args.force, what="plan")  # before the search: nothing is lost, no work wasted
+    if args.plot:
+        output_file(args.plot, force=args.force, what="plot")
     spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     start = time.perf_counter()
     report = plan_model(spec, devices=args.devices, hardware_name=args.hardware, mode=args.mode,
@@ -208,14 +236,22 @@ def cmd_predictor(args) -> int:
     return 0
 
 
+PREDICTOR_HELP = ("trained predictor file or directory (default: the bundled newest); .joblib files are Python "
+                  "pickles, and loading one runs code: name only files you trust")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onboard", description="Onboard MoE models onto the training runtime.")
+    parser = argparse.ArgumentParser(prog="onboard", description="Onboard MoE models onto the training runtime.",
+                                     epilog="Exit codes: 0 ok, 1 bad input (one line on stderr), 2 bad arguments, "
+                                            "3 verification failed, 4 no plan fits, 70 internal error.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an internal error (also ONBOARD_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="what a model is made of, at full scale")
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the ModelSpec as JSON")
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOP counts (default 4096)")
+    p.add_argument("--seq-len", type=POSITIVE, default=4096, help="sequence length for FLOP counts (default 4096)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("adapt", help="generate, verify and write the adapter bundle")
@@ -224,62 +260,71 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(func=cmd_adapt)
 
-    p = sub.add_parser("verify", help="re-run a bundle's numerical verification against HuggingFace")
+    p = sub.add_parser("verify", help=f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}")
     p.add_argument("bundle", help="bundle directory written by onboard adapt")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own modeling code (a bundle never switches it on by itself)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("families", help="inspect every MoE / hybrid family the installed transformers ships")
     p.add_argument("--markdown", action="store_true", help="print README's support table")
     p.add_argument("--adapt", action="store_true", help="also adapt and verify each family (bundles in a temp dir)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_families)
 
-    p = sub.add_parser("train", help="train a bundle's adapted model (torchrun for plans over several processes)")
+    p = sub.add_parser("train", help="train a bundle's adapted model (torchrun for plans over several processes); "
+                                     + RUNS_ADAPTER)
     p.add_argument("bundle", help="bundle directory written by onboard adapt")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own modeling code (a bundle never switches it on by itself)")
     p.add_argument("--plan", help="plan JSON (default: the bundle's plan.json)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps in the whole run (default 10)")
-    p.add_argument("--layers", type=int, help="decoder layers to train (default: the tiny twin's)")
-    p.add_argument("--width", type=int, default=1, help="widen the twin's hidden size, heads and MLPs (default 1)")
+    p.add_argument("--steps", type=POSITIVE, default=10, help="optimizer steps in the whole run (default 10)")
+    p.add_argument("--layers", type=POSITIVE, help="decoder layers to train (default: the tiny twin's)")
+    p.add_argument("--width", type=POSITIVE, default=1, help="widen the twin's hidden size, heads and MLPs (default 1)")
     p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16); default: synthetic tokens")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the weights and the synthetic data (default 0)")
     p.add_argument("--checkpoint-dir", help="default: BUNDLE/checkpoints (a rerun resumes from the newest)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (default: at the end)")
+    p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="steps between checkpoints (default: at the end)")
     p.add_argument("--runlog", help="run log JSON lines (default: BUNDLE/runs/train.jsonl)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("catalogue", help="list the bundled model configs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_catalogue)
 
     p = sub.add_parser("plan", help="rank parallel plans by predicted throughput; writes plan.json")
     _add_model_args(p)
-    p.add_argument("--devices", type=int, required=True, help="number of accelerators")
+    p.add_argument("--devices", type=POSITIVE, required=True, help="number of accelerators")
     p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
-    p.add_argument("--mode", choices=("full", "lora"), default="full")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: about 4M tokens)")
-    p.add_argument("--top", type=int, default=10, help="plans to print")
+    p.add_argument("--mode", choices=("full", "lora"), default="full", help="full training or LoRA (default full)")
+    p.add_argument("--seq-len", type=POSITIVE, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global-batch", type=POSITIVE, help="sequences per optimizer step (default: about 4M tokens)")
+    p.add_argument("--top", type=POSITIVE, default=10, help="plans to print (default 10)")
     p.add_argument("--out", default="plan.json", help="where the best plan is written (default plan.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out / --plot file")
     p.add_argument("--plot", help="PNG of the throughput / memory frontier (needs matplotlib)")
-    p.add_argument("--predictor", help="trained predictor file or directory (default: the bundled newest)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--predictor", help=PREDICTOR_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("predict", help="predicted step time, tokens/s and memory of one plan")
     _add_model_args(p)
     p.add_argument("--plan", required=True, help="plan.json")
-    p.add_argument("--hardware", required=True)
-    p.add_argument("--predictor", help="trained predictor file or directory (default: the bundled newest)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
+    p.add_argument("--predictor", help=PREDICTOR_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("predictor", help="train or evaluate the learned throughput predictor")
-    p.add_argument("action", choices=("train", "eval"))
+    p.add_argument("action", choices=("train", "eval"), help="train a new version, or evaluate leave-one-model-out")
     p.add_argument("--logs", nargs="+", help="run-log files or directories (default: what ships in predictors/data)")
     p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites")
     p.set_defaults(func=cmd_predictor)
     return parser
+
+
+INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE: not the user's input, a bug to report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("onboard: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug of ours (or of code we call): one line, and the traceback on request
+        if args.debug or os.environ.get("ONBOARD_DEBUG") == "1":
+            raise
+        from onboard.errors import one_line
+
+        print(f"onboard: internal error: {one_line(exc)} (rerun with --debug for the traceback, and report it)",
+              file=sys.stderr)
+        return INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -4,25 +4,25 @@ Bundle (`onboard.bundle_files.FILES`): spec.json, source.json, decision.json (wh
 the rest stays HuggingFace code), adapter.py, kernels.json (the kernel store keys it loads, with their
 templates and parameters), verification.json, REVIEW.md, plan.json (`plan`, or one process by default) and
 train.sh (its torchrun command). Rendered kernels go to the runtime's kernel store (`runtime.kernels.store`).
-The bundle is written into a fresh directory beside the target and moved into place only when complete; an
-existing bundle is replaced only with `force`, and then only after the new one is complete.
+The bundle is written into a staging directory beside the target and moved into place only when complete
+(`onboard.placement`: what `force` may replace, the check under a lock right before the move, and what a
+killed run left behind).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
-from onboard.bundle_files import load_adapter, read_bundle, read_decision
+from onboard.bundle_files import bundle_source, load_adapter, read_bundle, read_decision
 from onboard.capture import capture
 from onboard.codegen import render_adapter, render_kernels, render_review
 from onboard.decision import Decision, decide
 from onboard.errors import OnboardError
 from onboard.inspection import build_spec
-from onboard.source import ModelSource, resolve
+from onboard.placement import check_target, place, staging_for, tidy
+from onboard.source import ModelSource
 from onboard.spec import ModelSpec
 from onboard.train import write_launcher
 from onboard.twin import Twin, build_twin
@@ -30,30 +30,20 @@ from onboard.verify import Verification, verify
 from runtime.kernels import store
 
 
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise OnboardError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise OnboardError(f"{out} already holds a bundle; pass --force to replace it")
-    parent = out.parent if str(out.parent) else Path(".")
-    try:  # the default --out, bundles/<model>, starts a bundles/ folder on a fresh checkout
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OnboardError(f"cannot create {parent}: {exc.strerror or exc}") from None
-    try:
-        probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".onboard-probe-")
-        probe.close()
-    except OSError as exc:
-        raise OnboardError(f"cannot write to {parent}: {exc.strerror or exc}") from None
-
-
-def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None) -> tuple[ModelSpec, Verification]:
-    out = Path(out)
-    _check_out(out, force)
+def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
+          notes: list[str] | None = None) -> tuple[ModelSpec, Verification]:
+    """Adapt `source` into a bundle at `out` (see onboard.placement for what --force may replace); `notes`
+    collects what was put right of a killed earlier run."""
+    protect = (source.path,) if source.kind in ("local", "hf-cache", "hub") else ()
+    out = check_target(out, force=force, protect=protect)
+    done = tidy(out)
+    if notes is not None:
+        notes.extend(done)
+    out = check_target(out, force=force, protect=protect)  # tidying may have moved a bundle back
     twin = build_twin(source)
     spec = build_spec(source, twin, capture(twin))
     decision = decide(spec, twin)
-    staging = Path(tempfile.mkdtemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.onboard-"))
+    staging = staging_for(out)
     try:
         (staging / "spec.json").write_text(spec.to_json())
         (staging / "source.json").write_text(json.dumps(
@@ -72,7 +62,7 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None) -> 
             verification = _render_and_verify(staging, spec, twin, decision)
         write_verification(staging, spec, twin, decision, verification)
         write_launcher(staging, plan)
-        _move_into_place(staging, out)
+        place(staging, out, force=force, protect=protect)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -105,26 +95,17 @@ def write_verification(directory: Path, spec: ModelSpec, twin: Twin, decision: D
     (directory / "REVIEW.md").write_text(render_review(spec, decision, verification, twin_size))
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old)
-    else:
-        staging.rename(out)
-
-
-def verify_bundle(directory: Path) -> tuple[ModelSpec, Verification]:
+def verify_bundle(directory: Path, *, trust_remote_code: bool = False) -> tuple[ModelSpec, Verification]:
     """Re-run verification of an existing bundle against its own decision (rewrites verification.json and
-    REVIEW.md)."""
+    REVIEW.md). Runs the bundle's adapter.py; the model's own code runs only with `trust_remote_code`, given
+    by the caller, never read from the bundle."""
     directory, _, origin = read_bundle(directory)
     try:
         spec = ModelSpec.from_json((directory / "spec.json").read_text())
     except (ValueError, KeyError, TypeError) as exc:
         raise OnboardError(f"{directory}: unreadable bundle ({exc})") from None
     decision = read_decision(directory)
-    twin = build_twin(resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False)))
+    twin = build_twin(bundle_source(origin, trust_remote_code))
     verification = verify(spec, twin, load_adapter(directory).adapt, decision)
     write_verification(directory, spec, twin, decision, verification)
     return spec, verification

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from onboard.errors import OnboardError, one_line
 
+MARKER = ".onboard-bundle"  # every bundle holds it: what `onboard adapt --force` may replace
 # what `onboard adapt` writes (kernels themselves go to the runtime's kernel store; kernels.json names them)
 FILES = ("spec.json", "source.json", "decision.json", "adapter.py", "kernels.json", "verification.json",
-         "REVIEW.md", "plan.json", "train.sh")
+         "REVIEW.md", "plan.json", "train.sh", MARKER)
 REQUIRED = ("spec.json", "adapter.py", "source.json")
 
 
@@ -27,10 +28,21 @@ def read_bundle(bundle) -> tuple[Path, dict, dict]:
     try:
         spec = json.loads((bundle / "spec.json").read_text())
         origin = json.loads((bundle / "source.json").read_text())
-        origin["ref"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, OSError, RecursionError) as exc:
         raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
+    if not isinstance(spec, dict):
+        raise OnboardError(f"{bundle}/spec.json must hold a JSON object")
+    if not isinstance(origin, dict) or not isinstance(origin.get("ref"), str) or not origin["ref"]:
+        raise OnboardError(f"{bundle}/source.json must hold an object with the model reference in 'ref'")
     return bundle, spec, origin
+
+
+def bundle_source(origin: dict, trust_remote_code: bool):
+    """The model a bundle was made from. Remote code runs only with consent given on this command line: the
+    bundle's own record of it is never enough (a bundle may come from anyone's pull request)."""
+    from onboard.source import resolve
+
+    return resolve(origin["ref"], trust_remote_code=trust_remote_code)
 
 
 def read_decision(bundle: Path):
@@ -47,10 +59,18 @@ def read_decision(bundle: Path):
 
 
 def load_adapter(directory: Path):
-    """Import a bundle's adapter.py as a module of its own."""
+    """Import a bundle's adapter.py as a module of its own (this runs the bundle's code: callers say so).
+    An adapter that does not import, or has no `adapt(model)`, is a one-line OnboardError."""
+    path = Path(directory) / "adapter.py"
     name = f"onboard_adapter_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, Path(directory) / "adapter.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - generated (or edited) code: report it in one line
+        del sys.modules[name]
+        raise OnboardError(f"{path} does not import: {one_line(exc)}") from None
+    if not callable(getattr(module, "adapt", None)):
+        raise OnboardError(f"{path} has no adapt(model) function: not a bundle's adapter")
     return module

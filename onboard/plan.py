@@ -12,13 +12,14 @@ from pathlib import Path
 
 from onboard.accounting import dims_of
 from onboard.errors import OnboardError
+from onboard.outputs import write_atomically
 from onboard.spec import ModelSpec
 from predictors import learned
 from predictors.errors import PredictorError
 from predictors.hardware import Hardware, find
 from predictors.planner import Candidate, SearchResult, default_global_batch, search
 from runtime.dims import Dims
-from runtime.plan import LoRA, Plan
+from runtime.plan import MAX_DEGREE, LoRA, Plan
 
 GB = 1e9
 
@@ -29,10 +30,11 @@ def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False
     if path.suffix == ".json" and path.is_file():
         try:
             data = json.loads(path.read_text())
-            data.pop("costs", None)  # `onboard inspect --json` adds them beside the spec
+            if isinstance(data, dict):
+                data.pop("costs", None)  # `onboard inspect --json` adds them beside the spec
             return ModelSpec.from_dict(data)
-        except (ValueError, KeyError, TypeError) as e:
-            raise OnboardError(f"{path} is not a ModelSpec JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise OnboardError(f"{path} is not a ModelSpec JSON: {' '.join(str(e).split())}") from None
     from onboard.inspection import inspect_model
 
     return inspect_model(ref, trust_remote_code=trust_remote_code, online=online)[0]
@@ -97,8 +99,8 @@ def suggest(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None, seq_len: 
 
 def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str = "full", seq_len: int = 4096,
                global_batch: int | None = None, predictor: str | None = None) -> PlanReport:
-    if devices < 1:
-        raise OnboardError(f"--devices must be at least 1, got {devices}")
+    if not 1 <= devices <= MAX_DEGREE:
+        raise OnboardError(f"--devices must be from 1 to {MAX_DEGREE}, got {devices}")
     if mode not in ("full", "lora"):
         raise OnboardError(f"--mode must be full or lora, got {mode!r}")
     if global_batch is not None and global_batch < 1:
@@ -120,12 +122,8 @@ def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str =
 
 
 def write_plan(plan: Plan, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(plan.to_json())
-    tmp.replace(path)
-    return path
+    """The plan as JSON at `path` (checked beforehand with `outputs.output_file`), written atomically."""
+    return write_atomically(Path(path), plan.to_json())
 
 
 def predict_plan(spec: ModelSpec, plan_path, *, hardware_name: str, predictor: str | None = None) -> dict:

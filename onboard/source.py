@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from onboard.errors import OnboardError, one_line
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue"
+MAX_CONFIG_BYTES = 16 * 2**20  # released configs are kilobytes; megabytes of JSON is not a model description
+MAX_LAYERS = 4096  # released models have at most a few hundred decoder layers
 
 
 @dataclass
@@ -104,18 +107,65 @@ def _read_config_json(path: Path) -> dict:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise OnboardError(f"{path} has no config.json: point MODEL at a model directory")
+    size = cfg_path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise OnboardError(f"{cfg_path} is {size / 2**20:.0f} MiB; a model config is at most "
+                           f"{MAX_CONFIG_BYTES // 2**20} MiB")
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise OnboardError(
             f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise OnboardError(f"{cfg_path} is nested too deeply to be a model config") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise OnboardError(f"cannot read {cfg_path}: {one_line(exc)}") from None
     if not isinstance(raw, dict):
         raise OnboardError(f"{cfg_path} must hold a JSON object, not {type(raw).__name__}")
     if not raw.get("model_type"):
         raise OnboardError(f"{cfg_path} has no model_type: cannot tell which architecture it describes")
+    if not isinstance(raw["model_type"], str):
+        raise OnboardError(f"{cfg_path}: model_type must be a string, got {type(raw['model_type']).__name__}")
     return raw
+
+
+# config fields read as hints to check a config's arithmetic (the names transformers' families use)
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_semantics(config, name: str) -> None:
+    """Refuse, in one line naming the field, a config whose sizes cannot describe a decoder language model:
+    sizes that are not positive, more layers than any model has, query heads that key/value heads do not
+    divide, more experts per token than experts, an encoder or an encoder-decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise OnboardError(f"{name}: '{config.model_type}' is an encoder-decoder model; onboard handles decoder "
+                           f"language models")
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise OnboardError(f"{name}: '{config.model_type}' is an encoder (a masked language model), not a decoder "
+                           f"language model")
+    for attr in _POSITIVE:
+        value = getattr(config, attr, None)
+        if value is not None and _whole(value) and value < 1:
+            raise OnboardError(f"{name}: {attr} is {value}; it must be at least 1")
+    layers = getattr(config, "num_hidden_layers", None)
+    if _whole(layers) and layers > MAX_LAYERS:
+        raise OnboardError(f"{name}: num_hidden_layers is {layers}; onboard takes models of at most {MAX_LAYERS} "
+                           f"layers")
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if _whole(heads) and _whole(kv) and (kv < 1 or heads % kv):
+        raise OnboardError(f"{name}: num_key_value_heads {kv} must divide num_attention_heads {heads}")
+    experts = next((v for f in _EXPERTS if _whole(v := getattr(config, f, None)) and v > 0), None)
+    top_k = next((v for f in _TOP_K if _whole(v := getattr(config, f, None))), None)
+    if experts is not None and top_k is not None and not 1 <= top_k <= experts:
+        raise OnboardError(f"{name}: {top_k} experts per token, and the model has {experts} experts")
 
 
 def _is_native(model_type: str) -> bool:
@@ -144,6 +194,27 @@ def _causal_lm_config(config, name: str, trust_remote_code: bool):
     )
 
 
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _check_auto_map(path: Path, auto_map, name: str) -> None:
+    """Remote code runs only from the model's own folder, the one the user reviewed: every auto_map entry must
+    name `module.Class` with module a file in that folder (transformers' `other/repo--module.Class` form, which
+    loads code from elsewhere, is refused)."""
+    if not isinstance(auto_map, dict):
+        raise OnboardError(f"{name}: config.json's auto_map must be an object, got {type(auto_map).__name__}")
+    for key, value in auto_map.items():
+        for ref in value if isinstance(value, list) else [value]:
+            if ref is None:
+                continue
+            module, _, cls = ref.rpartition(".") if isinstance(ref, str) else ("", "", "")
+            if "--" in str(ref) or not _MODULE.fullmatch(module or "-") or not cls.isidentifier():
+                raise OnboardError(f"{name}: auto_map {key} = {ref!r} names code outside the model's own folder; "
+                                   f"onboard runs only modeling code that sits in {path}")
+            if not (path / (module.replace(".", "/") + ".py")).is_file():
+                raise OnboardError(f"{name}: auto_map {key} names {module}.py, which is not in {path}")
+
+
 def _load_config(path: Path, raw: dict, name: str, trust_remote_code: bool):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -160,6 +231,8 @@ def _load_config(path: Path, raw: dict, name: str, trust_remote_code: bool):
         raise OnboardError(
             f"{name} runs its own modeling code (auto_map in config.json); review it, then pass --trust-remote-code"
         )
+    if not native:
+        _check_auto_map(path, raw.get("auto_map"), name)
     clean = {k: v for k, v in raw.items() if k != "quantization_config"}  # random fp32 twins are never quantised
     try:
         if native:
@@ -205,6 +278,7 @@ def resolve(ref: str, *, trust_remote_code: bool = False, online: bool = False) 
     raw = _read_config_json(path)
     config = _load_config(path, raw, name, trust_remote_code)
     config = _causal_lm_config(config, name, trust_remote_code)
+    check_semantics(config, name)
     return ModelSource(
         ref=ref, kind=kind, name=name, path=path, raw=raw, config=config,
         trust_remote_code=trust_remote_code, published=published,

@@ -133,6 +133,40 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
+        """A spec from its JSON form; ValueError (one line) for anything that is not one."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a spec is a JSON object, got {type(data).__name__}")
+        try:
+            spec = cls._build(data)
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise ValueError(f"not a ModelSpec: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+        problems = spec.problems()
+        if problems:
+            raise ValueError("; ".join(problems[:3]))
+        return spec
+
+    def problems(self) -> list[str]:
+        """Sizes that cannot describe a model, one phrase each (empty when the spec is sound)."""
+        def whole(value, low=1):
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+        out = [f"{name} must be a whole number of at least 1, got {getattr(self, name)!r}"
+               for name in ("vocab_size", "hidden_size", "num_layers") if not whole(getattr(self, name))]
+        out += [f"{name} must be a whole number of at least 0, got {getattr(self, name)!r}"
+                for name in ("params_total", "params_active") if not whole(getattr(self, name), 0)]
+        for layer in self.layers:
+            a, m = layer.attention, layer.mlp
+            sizes = {"attention.num_heads": a.num_heads, "attention.head_dim": a.head_dim,
+                     "mlp.num_experts": m.num_experts, "mlp.top_k": m.top_k, "mlp.ffn": m.ffn,
+                     "mlp.expert_ffn": m.expert_ffn}
+            out += [f"layer {layer.index}: {k} must be a whole number of at least 1 or null, got {v!r}"
+                    for k, v in sizes.items() if v is not None and not whole(v)]
+            if whole(m.num_experts) and whole(m.top_k) and m.top_k > m.num_experts + m.zero_experts:
+                out.append(f"layer {layer.index}: top-{m.top_k} of {m.num_experts} experts")
+        return out
+
+    @classmethod
+    def _build(cls, data: dict) -> "ModelSpec":
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"spec schema version {data.get('schema_version')} is not {SCHEMA_VERSION}")
         data = dict(data)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from onboard.bundle_files import load_adapter, read_bundle
+from onboard.bundle_files import bundle_source, load_adapter, read_bundle
 from onboard.errors import OnboardError, one_line
 from runtime.plan import Plan
 
@@ -38,17 +38,16 @@ def read_plan(path) -> Plan:
     return plan
 
 
-def train_config(bundle, *, layers: int | None = None, width: int = 1) -> dict:
+def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_remote_code: bool = False) -> dict:
     """The config the loop trains: the bundle's tiny twin, or its first `layers` layers at twin width,
     `width` times wider (more heads of the same size, wider MLPs)."""
-    from onboard.source import resolve
     from onboard.config_dict import get, layers_key, put, truncate_layers, walk
     from onboard.twin import build_twin, meaning_of, shrink_config_dict
 
     if width < 1 or (layers is not None and layers < 1):
         raise OnboardError("--layers and --width must be at least 1")
     bundle, _, origin = read_bundle(bundle)
-    source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
+    source = bundle_source(origin, trust_remote_code)
     if layers is None:
         cfg = build_twin(source, run_check=False).config.to_dict()
     else:
@@ -145,16 +144,17 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
     return record
 
 
-def build_model(bundle, layers: int | None = None, width: int = 1, config: str | None = None):
+def build_model(bundle, layers: int | None = None, width: int = 1, config: str | None = None,
+                trust_remote_code: bool = False):
     """Model factory for `runtime.train`: the adapted model and its run-log record.
 
     `config` is a JSON file written by `train_config` (the launcher computes it once for every rank).
     """
-    from onboard.source import resolve
 
     bundle, spec, origin = read_bundle(bundle)
-    cfg = json.loads(Path(config).read_text()) if config else train_config(bundle, layers=layers, width=width)
-    source = resolve(origin["ref"], trust_remote_code=origin.get("trust_remote_code", False))
+    cfg = json.loads(Path(config).read_text()) if config else train_config(
+        bundle, layers=layers, width=width, trust_remote_code=trust_remote_code)
+    source = bundle_source(origin, trust_remote_code)
     try:
         model_config = type(source.config).from_dict(cfg)
     except Exception as exc:  # noqa: BLE001 - config validators we do not own
@@ -175,7 +175,7 @@ def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, wi
 
 def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, width: int = 1,
         checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
-        checkpoint_every: int = 0) -> int:
+        checkpoint_every: int = 0, trust_remote_code: bool = False) -> int:
     """`onboard train`: check the bundle and plan, then train in this process or through torchrun."""
     bundle, _, _ = read_bundle(bundle)
     plan = read_plan(plan_path) if plan_path else (read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file()
@@ -194,7 +194,7 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
                           checkpoint_every=checkpoint_every,
                           runlog=str(runlog))
         try:
-            train(lambda: build_model(bundle, layers, width), plan, cfg)
+            train(lambda: build_model(bundle, layers, width, trust_remote_code=trust_remote_code), plan, cfg)
         except ValueError as exc:  # the runtime's one-line complaints about its inputs
             raise OnboardError(str(exc)) from None
         return 0
@@ -202,7 +202,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         plan_file = Path(scratch) / "plan.json"
         plan_file.write_text(plan.to_json())
         config = Path(scratch) / "config.json"
-        config.write_text(json.dumps(train_config(bundle, layers=layers, width=width), sort_keys=True))
+        config.write_text(json.dumps(train_config(bundle, layers=layers, width=width,
+                                                  trust_remote_code=trust_remote_code), sort_keys=True))
         extra = ["--runlog", str(runlog), "--lr", str(lr), "--seed", str(seed),
                  "--checkpoint-every", str(checkpoint_every)]
         if checkpoint_dir:
@@ -211,7 +212,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             extra += ["--data", str(data)]
         cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
         i = cmd.index("--model-kwargs") + 1
-        cmd[i] = json.dumps({**json.loads(cmd[i]), "config": str(config)}, sort_keys=True)
+        cmd[i] = json.dumps({**json.loads(cmd[i]), "config": str(config), "trust_remote_code": trust_remote_code},
+                            sort_keys=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], env=env)

@@ -7,6 +7,7 @@ direction, which is what a ring collective or an All-to-All is limited by.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -63,25 +64,49 @@ def _key(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "", text.lower())
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _problems(data: dict) -> list[str]:
+    """What is wrong with a hardware spec's fields, one phrase each."""
+    out = []
+    if not isinstance(data["name"], str) or not data["name"].strip():
+        out.append("name must be a non-empty string")
+    peaks = data["peak_tflops"]
+    if not isinstance(peaks, dict) or not peaks:
+        out.append("peak_tflops must map dtype names to TFLOP/s")
+    else:
+        out += [f"peak_tflops.{k} must be a positive number, got {v!r}" for k, v in peaks.items()
+                if not (_number(v) and v > 0)]
+    for name in ("memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbs", "host_gbs"):
+        if name in data and not (_number(data[name]) and data[name] > 0):
+            out.append(f"{name} must be a positive number, got {data[name]!r}")
+    for name, low in (("devices_per_node", 1), ("scale_up_domain", 0)):
+        value = data.get(name, low)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            out.append(f"{name} must be a whole number of at least {low}, got {value!r}")
+    if "layer_overhead_ms" in data and not (_number(data["layer_overhead_ms"]) and data["layer_overhead_ms"] >= 0):
+        out.append(f"layer_overhead_ms must be a number of at least 0, got {data['layer_overhead_ms']!r}")
+    aliases = data.get("aliases") or []
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        out.append("aliases must be a list of names")
+    return out
+
+
 def _from_mapping(data: dict, where: str) -> Hardware:
     if not isinstance(data, dict):
         raise PredictorError(f"{where}: a hardware spec is a YAML mapping")
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise PredictorError(f"{where}: missing field(s) {', '.join(missing)}")
-    if not isinstance(data["peak_tflops"], dict) or not data["peak_tflops"]:
-        raise PredictorError(f"{where}: peak_tflops must map dtype names to TFLOP/s")
+    problems = _problems(data)
+    if problems:
+        raise PredictorError(f"{where}: {'; '.join(problems)}")
     known = {f for f in Hardware.__dataclass_fields__} - {"extra"}
     values = {k: v for k, v in data.items() if k in known}
     values["aliases"] = tuple(values.get("aliases") or ())
-    try:
-        hw = Hardware(**values, extra={k: v for k, v in data.items() if k not in known})
-        for name in ("memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbs", "devices_per_node"):
-            if not float(getattr(hw, name)) > 0:
-                raise PredictorError(f"{where}: {name} must be positive")
-    except (TypeError, ValueError) as e:
-        raise PredictorError(f"{where}: {e}") from None
-    return hw
+    return Hardware(**values, extra={k: v for k, v in data.items() if k not in known})
 
 
 def load_file(path) -> Hardware:
@@ -91,6 +116,8 @@ def load_file(path) -> Hardware:
         raise PredictorError(f"cannot read hardware spec {path}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise PredictorError(f"hardware spec {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise PredictorError(f"hardware spec {path} is not a YAML text: {type(e).__name__}") from None
     return _from_mapping(data, str(path))
 
 

@@ -137,6 +137,8 @@ def train(paths=None, out=None) -> Predictor:
     if len(data) < 10:
         raise PredictorError(f"only {len(data)} usable runs in {', '.join(map(str, paths))}; need at least 10")
     out = Path(out) if out else MODELS_DIR
+    if out.exists() and not out.is_dir() and out.suffix != ".joblib":
+        raise PredictorError(f"{out} is a file: --out takes a new .joblib path or a directory")
     if out.suffix == ".joblib":
         target = out
         if target.exists() or target.with_suffix(".json").exists():

@@ -55,7 +55,9 @@ class SearchResult:
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n in increasing order, in O(sqrt n) steps."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def default_global_batch(devices: int, seq_len: int) -> int:

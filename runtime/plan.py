@@ -26,6 +26,9 @@ RENAMED = {"swap": "offload"}  # a field's old name -> its name now
 
 RECOMPUTE = ("none", "selective", "full")  # selective: attention / MoE internals; full: whole decoder layers
 OFFLOAD = ("none", "moe", "all")  # which matmul / grouped-matmul outputs are saved to host memory
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
+MAX_DEGREE = 2**20  # no layout has more ranks along one axis; larger figures are typos (1e9) or overflow
+MAX_TOKENS = 2**26  # sequence length / loss chunk bound, far above any released context
 
 
 @dataclass
@@ -118,9 +121,10 @@ class Plan:
         if unknown:
             raise ValueError(f"unknown plan field(s): {', '.join(unknown)}")
         if values.get("lora") is not None:
-            if not isinstance(values["lora"], dict):
-                raise ValueError("plan field lora must be an object or null")
-            values["lora"] = LoRA(**values["lora"])
+            values["lora"] = _lora(values["lora"])
+        problems = _field_problems(values)
+        if problems:
+            raise ValueError("; ".join(problems))
         return cls(**values)
 
     @classmethod
@@ -133,3 +137,44 @@ class Plan:
         except json.JSONDecodeError as e:
             raise ValueError(f"plan {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
         return cls.from_dict(d)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field_problems(values: dict) -> list[str]:
+    """What is wrong with the types and ranges of a plan's fields, one phrase each (checked as a plan enters)."""
+    out = []
+    for name in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp", "micro_batch", "grad_accum"):
+        if name in values and not (_whole(values[name]) and 1 <= values[name] <= MAX_DEGREE):
+            out.append(f"{name} must be a whole number from 1 to {MAX_DEGREE}, got {values[name]!r}")
+    for name in ("seq_len", "loss_chunk"):
+        value = values.get(name, 1)
+        if not (value is None and name == "loss_chunk") and not (_whole(value) and 1 <= value <= MAX_TOKENS):
+            out.append(f"{name} must be a whole number of tokens from 1 to {MAX_TOKENS}, got {value!r}")
+    for name, allowed in (("recompute", RECOMPUTE), ("offload", OFFLOAD), ("dtype", DTYPES)):
+        if name in values and values[name] not in allowed:
+            out.append(f"{name} must be one of {', '.join(allowed)}, got {values[name]!r}")
+    if "overlap" in values and not isinstance(values["overlap"], bool):
+        out.append(f"overlap must be true or false, got {values['overlap']!r}")
+    if "predicted" in values and not isinstance(values["predicted"], dict):
+        out.append(f"predicted must be an object, got {values['predicted']!r}")
+    return out
+
+
+def _lora(value) -> LoRA:
+    """A plan's LoRA settings, checked field by field."""
+    if not isinstance(value, dict):
+        raise ValueError(f"plan field lora must be an object or null, got {value!r}")
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(LoRA)})
+    if unknown:
+        raise ValueError(f"unknown LoRA field(s): {', '.join(map(str, unknown))} (known: rank, alpha, targets)")
+    lora = LoRA(**value)
+    if not (_whole(lora.rank) and 1 <= lora.rank <= 65536):
+        raise ValueError(f"LoRA rank must be a whole number from 1 to 65536, got {lora.rank!r}")
+    if isinstance(lora.alpha, bool) or not isinstance(lora.alpha, (int, float)) or not 0 < lora.alpha < 1e6:
+        raise ValueError(f"LoRA alpha must be a positive number, got {lora.alpha!r}")
+    if not isinstance(lora.targets, list) or not lora.targets or not all(isinstance(t, str) for t in lora.targets):
+        raise ValueError(f"LoRA targets must be a non-empty list of names, got {lora.targets!r}")
+    return lora

@@ -122,13 +122,42 @@ def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     return final
 
 
+def incomplete(path: Path) -> str | None:
+    """Why a checkpoint directory cannot be loaded (None when it can): DCP's metadata must read, and every
+    byte range it names must lie inside a file that is there. A truncated file or an emptied directory is
+    found here, before anything is loaded into the model."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a missing or garbled .metadata, whatever DCP raises for it
+        return f"its metadata does not read ({type(exc).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size < size:
+            return f"{name} is truncated ({file.stat().st_size} of {size} bytes)"
+    return None
+
+
 def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-    """Restore the newest complete checkpoint in place; returns its train state (step, data position)
-    or None when there is none."""
-    found = checkpoints(directory)
-    if not found:
-        return None
-    _, path = found[-1]
+    """Restore the newest complete checkpoint in place; returns its train state (step, data position, path,
+    and `skipped`: newer checkpoints it passed over, with why) or None when there is none. Every rank reads
+    the same files and so makes the same choice."""
+    skipped = []
+    for _, candidate in reversed(checkpoints(directory)):
+        why = incomplete(candidate)
+        if why is None:
+            break
+        skipped.append((str(candidate), why))
+    else:
+        return {"step": 0, "data_position": 0, "path": None, "skipped": skipped} if skipped else None
+    path = candidate
     shards = _expert_shards(model)
     layout = {"train": {"ep": 1}}  # checkpoints from before `ep` was recorded held no expert-parallel runs
     dcp.load(layout, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -147,4 +176,4 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved and torch.cuda.is_available():
             torch.cuda.set_rng_state(saved["cuda"])
-    return {**state["train"], "path": path}
+    return {**state["train"], "path": path, "skipped": skipped}

@@ -51,10 +51,14 @@ class TokenFile:
                 raise ValueError(f"token file {path} must be .npy or .bin")
         except OSError as e:
             raise ValueError(f"cannot read token file {path}: {e.strerror or e}") from None
+        except ValueError as e:  # numpy's own complaint about a file that is not an array
+            raise ValueError(f"token file {path} is not a readable array: {' '.join(str(e).split())}") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"token file {path} must hold a 1-D array of integer token ids")
         if len(tokens) < seq_len:
             raise ValueError(f"token file {path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len}")
+        if len(tokens) and int(tokens.min()) < 0:
+            raise ValueError(f"token file {path} holds id {int(tokens.min())}: token ids are never negative")
         if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
             raise ValueError(f"token file {path} holds id {int(tokens.max())}, outside the model's vocabulary "
                              f"of {vocab_size}")

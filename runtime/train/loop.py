@@ -18,9 +18,11 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -142,7 +144,29 @@ def _data_source(cfg: TrainConfig, plan: Plan, vocab: int | None):
     return data.SyntheticTokens(vocab, plan.seq_len, cfg.seed)
 
 
+def check_outputs(cfg: TrainConfig) -> None:
+    """Where the run will write, checked before anything is built: a run never trains to the end only to find
+    it cannot save."""
+    places = (("checkpoint directory", cfg.checkpoint_dir, True), ("offload directory", cfg.offload_dir, True),
+              ("run log", cfg.runlog, False))
+    for what, place, is_dir in places:
+        if not place:
+            continue
+        place = Path(place)
+        if is_dir and place.exists() and not place.is_dir():
+            raise ValueError(f"the {what} {place} is a file")
+        if not is_dir and place.is_dir():
+            raise ValueError(f"the {what} {place} is a directory; give a file")
+        folder = place if is_dir else place.parent
+        existing = next((f for f in (folder, *folder.parents) if f.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"cannot write the {what} under {existing}: it is a file")
+        if existing is not None and not os.access(existing, os.W_OK):
+            raise ValueError(f"cannot write the {what} under {existing}: permission denied")
+
+
 def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan, cfg: TrainConfig) -> TrainResult:
+    check_outputs(cfg)
     problems = plan.problems()
     if problems:
         raise ValueError(f"the plan cannot run: {'; '.join(problems)}")
@@ -171,6 +195,9 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                   foreach=False)
     resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
+    for path, why in (resumed or {}).get("skipped", []):
+        if rank == 0:
+            print(f"resume: skipped {path}: {why}", file=sys.stderr, flush=True)
     start = resumed["step"] if resumed else 0
     source = _data_source(cfg, plan, vocab)
     offload = ActivationOffload(plan.offload, device=device, offload_dir=cfg.offload_dir)
@@ -178,7 +205,8 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
         else torch.autocast(device.type, enabled=False)
     writer = None
     if rank == 0 and cfg.runlog:
-        meta = {**cfg.run_meta, "resumed_from": start if resumed else None, "steps": cfg.steps}
+        meta = {**cfg.run_meta, "resumed_from": start if resumed and resumed["path"] else None, "steps": cfg.steps,
+                "skipped_checkpoints": [why for _, why in (resumed or {}).get("skipped", [])]}
         writer = RunLogWriter(cfg.runlog, model=record, plan=plan.to_dict(), hardware=hardware(device, world),
                               precision="bf16" if device.type == "cuda" and plan.dtype == "bf16" else "fp32",
                               meta=meta)
@@ -213,7 +241,7 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
             bar.close()
         if writer:
             writer.close()
-    return TrainResult(results, start if resumed else None, writer.run_id if writer else None)
+    return TrainResult(results, start if resumed and resumed["path"] else None, writer.run_id if writer else None)
 
 
 def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks, rank, world, device):
