@@ -17,6 +17,13 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the mistake and where help is, not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _count(low: int):
     """An argparse type: a whole number of at least `low`."""
     def parse(text: str) -> int:
@@ -155,11 +162,13 @@ def cmd_plan(args) -> int:
     import time
 
     from onboard.outputs import output_file
-    from onboard.plan import load_spec, plan_model, plot_frontier, write_plan
+    from onboard.plan import hardware, load_spec, plan_model, plot_frontier, write_plan
 
-    output_file(args.out, force=args.force, what="plan")  # before the search: nothing is lost, no work wasted
+    # the quick checks first: no model is inspected for a plan that could not be written or priced
+    output_file(args.out, force=args.force, what="plan")
     if args.plot:
         output_file(args.plot, force=args.force, what="plot")
+    hardware(args.hardware)
     spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     start = time.perf_counter()
     report = plan_model(spec, devices=args.devices, hardware_name=args.hardware, mode=args.mode,
@@ -196,8 +205,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from onboard.plan import load_spec, predict_plan
+    from onboard.plan import hardware, load_plan, load_spec, predict_plan
 
+    load_plan(args.plan), hardware(args.hardware)  # the quick checks first
     spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     out = predict_plan(spec, args.plan, hardware_name=args.hardware, predictor=args.predictor)
     if args.json:
@@ -241,38 +251,41 @@ PREDICTOR_HELP = ("trained predictor file or directory (default: the bundled new
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onboard", description="Onboard MoE models onto the training runtime.",
+    parser = _Parser(prog="onboard", description="Onboard MoE models onto the training runtime.",
                                      epilog="Exit codes: 0 ok, 1 bad input (one line on stderr), 2 bad arguments, "
                                             "3 verification failed, 4 no plan fits, 70 internal error.")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an internal error (also ONBOARD_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("inspect", help="what a model is made of, at full scale")
+    def verb(name, help):  # the verb's help is also its description under `onboard VERB --help`
+        return sub.add_parser(name, help=help, description=help)
+
+    p = verb("inspect", help="what a model is made of, at full scale")
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the ModelSpec as JSON")
     p.add_argument("--seq-len", type=POSITIVE, default=4096, help="sequence length for FLOP counts (default 4096)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("adapt", help="generate, verify and write the adapter bundle")
+    p = verb("adapt", help="generate, verify and write the adapter bundle")
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(func=cmd_adapt)
 
-    p = sub.add_parser("verify", help=f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}")
+    p = verb("verify", help=f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}")
     p.add_argument("bundle", help="bundle directory written by onboard adapt")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own modeling code (a bundle never switches it on by itself)")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("families", help="inspect every MoE / hybrid family the installed transformers ships")
+    p = verb("families", help="inspect every MoE / hybrid family the installed transformers ships")
     p.add_argument("--markdown", action="store_true", help="print README's support table")
     p.add_argument("--adapt", action="store_true", help="also adapt and verify each family (bundles in a temp dir)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_families)
 
-    p = sub.add_parser("train", help="train a bundle's adapted model (torchrun for plans over several processes); "
+    p = verb("train", help="train a bundle's adapted model (torchrun for plans over several processes); "
                                      + RUNS_ADAPTER)
     p.add_argument("bundle", help="bundle directory written by onboard adapt")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -289,11 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runlog", help="run log JSON lines (default: BUNDLE/runs/train.jsonl)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("catalogue", help="list the bundled model configs")
+    p = verb("catalogue", help="list the bundled model configs")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_catalogue)
 
-    p = sub.add_parser("plan", help="rank parallel plans by predicted throughput; writes plan.json")
+    p = verb("plan", help="rank parallel plans by predicted throughput; writes plan.json")
     _add_model_args(p)
     p.add_argument("--devices", type=POSITIVE, required=True, help="number of accelerators")
     p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
@@ -308,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("predict", help="predicted step time, tokens/s and memory of one plan")
+    p = verb("predict", help="predicted step time, tokens/s and memory of one plan")
     _add_model_args(p)
     p.add_argument("--plan", required=True, help="plan.json")
     p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
@@ -316,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("predictor", help="train or evaluate the learned throughput predictor")
+    p = verb("predictor", help="train or evaluate the learned throughput predictor")
     p.add_argument("action", choices=("train", "eval"), help="train a new version, or evaluate leave-one-model-out")
     p.add_argument("--logs", nargs="+", help="run-log files or directories (default: what ships in predictors/data)")
     p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites")

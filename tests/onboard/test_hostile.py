@@ -1,0 +1,355 @@
+"""Hostile and unfamiliar input, one case each, through the command line a user types: no code runs without
+consent given on that command line, nothing the user had is lost or overwritten, and every mistake is one
+line on stderr with a non-zero exit, in bounded time. The remote-code cases use a model folder whose code,
+if it ever runs, leaves a marker file."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onboard.bundle_files import MARKER
+from onboard.placement import is_bundle
+from tests.helpers import ROOT, TESTS
+
+EVIL = TESTS / "fixtures" / "evil_model"
+CATALOGUE = ROOT / "onboard" / "catalogue"
+
+
+def cli(*args, env=None, timeout=300, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, **popen)
+
+
+def refused(result: subprocess.CompletedProcess, *words: str) -> bool:
+    """A one-line error on stderr, no traceback, a non-zero exit, saying each of `words`."""
+    lines = result.stderr.strip().splitlines()
+    return (result.returncode not in (0, 70) and len(lines) == 1 and "Traceback" not in result.stderr
+            and all(w in lines[0] for w in words))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """One adapted bundle (a dense catalogue model: its loss runs in the runtime) the cases copy."""
+    from onboard.bundle import adapt
+    from onboard.source import resolve
+
+    out = tmp_path_factory.mktemp("hostile") / "bundle"
+    adapt(resolve("qwen3-8b"), out)
+    return out
+
+
+@pytest.fixture
+def copy_of(bundle, tmp_path):
+    def make(name="b") -> Path:
+        return Path(shutil.copytree(bundle, tmp_path / name))
+    return make
+
+
+@pytest.fixture
+def marker(tmp_path):
+    path = tmp_path / "REMOTE-CODE-RAN"
+    return path, {"ONBOARD_TEST_MARKER": str(path)}
+
+
+def model_folder(tmp_path, slug="qwen3-8b", name="model") -> Path:
+    return Path(shutil.copytree(CATALOGUE / slug, tmp_path / name))
+
+
+# --- consent ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("verb", ["verify", "train"])
+def test_a_bundle_never_switches_remote_code_on(verb, copy_of, tmp_path, marker):
+    """source.json may name any folder and say trust_remote_code: the model's code still needs the flag."""
+    evil = shutil.copytree(EVIL, tmp_path / "evil")
+    b = copy_of()
+    (b / "source.json").write_text(json.dumps({"ref": str(evil), "kind": "local", "trust_remote_code": True}))
+    path, env = marker
+    result = cli(verb, b, *(["--steps", "1"] if verb == "train" else []), env=env)
+    assert refused(result, "--trust-remote-code") and not path.exists()
+
+
+def test_auto_map_reaching_outside_the_model_folder_is_refused(tmp_path, marker):
+    model = shutil.copytree(EVIL, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"]["AutoConfig"] = f"{tmp_path}/elsewhere--configuration_evil.EvilConfig"
+    (model / "config.json").write_text(json.dumps(config))
+    path, env = marker
+    assert refused(cli("inspect", model, "--trust-remote-code", env=env), "outside the model's own folder")
+    assert not path.exists()
+
+
+def test_remote_code_is_refused_without_the_flag(tmp_path, marker):
+    path, env = marker
+    assert refused(cli("inspect", shutil.copytree(EVIL, tmp_path / "m"), env=env), "--trust-remote-code")
+    assert not path.exists()
+
+
+def test_commands_that_run_a_bundles_code_say_so(copy_of):
+    for verb in ("verify", "train"):
+        assert "adapter.py" in cli(verb, "--help").stdout
+    b = copy_of()
+    (b / "adapter.py").write_text("this is not python\n")
+    result = cli("verify", b)
+    assert f"running {b / 'adapter.py'}" in result.stdout and refused(result, "adapter.py does not import")
+    (b / "adapter.py").write_text("SPEC = {}\n")
+    assert refused(cli("verify", b), "has no adapt(model)")
+    assert "pickles" in cli("plan", "--help").stdout
+
+
+# --- nothing lost -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["the model folder", "its parent"])
+def test_force_never_replaces_the_model_being_adapted(target, tmp_path):
+    model = model_folder(tmp_path)
+    before = (model / "config.json").read_bytes()
+    out = model if target == "the model folder" else tmp_path
+    assert refused(cli("adapt", model, "--out", out, "--force"), "holds the model being adapted")
+    assert (model / "config.json").read_bytes() == before
+
+
+def test_force_replaces_only_a_bundle(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert refused(cli("adapt", "qwen3-8b", "--out", out, "--force"), "not a bundle")
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_a_directory_created_at_out_while_adapt_runs_is_kept(tmp_path, monkeypatch):
+    """The target is checked again, under a lock, right before the new bundle moves into place."""
+    import onboard.bundle
+    from onboard.errors import OnboardError
+    from onboard.source import resolve
+
+    out = tmp_path / "b"
+    real = onboard.bundle.write_launcher
+
+    def meanwhile(directory, plan=None):
+        real(directory, plan)
+        out.mkdir()
+        (out / "made-meanwhile.txt").write_text("keep me")
+
+    monkeypatch.setattr(onboard.bundle, "write_launcher", meanwhile)
+    with pytest.raises(OnboardError, match="already holds files"):
+        onboard.bundle.adapt(resolve("qwen3-8b"), out)
+    assert (out / "made-meanwhile.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no staging folder left behind
+
+
+@pytest.mark.slow
+def test_two_concurrent_adapts_to_one_out_keep_one_bundle(tmp_path):
+    out = tmp_path / "b"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "adapt", "qwen3-8b", "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert sorted(rc for _, _, rc in results) == [0, 1]
+    _, err, _ = next(r for r in results if r[2] == 1)
+    assert "already holds files" in err and len(err.strip().splitlines()) == 1
+    assert is_bundle(out) and (out / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+@pytest.mark.slow
+def test_a_killed_adapt_leaves_nothing_the_next_run_does_not_tidy(tmp_path):
+    out = tmp_path / "b"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "adapt", "qwen3-8b", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".b.onboard-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(tmp_path.glob(".b.onboard-*")) and not out.exists()  # killed while staging
+    result = cli("adapt", "qwen3-8b", "--out", out)
+    assert result.returncode == 0 and "tidied: removed .b.onboard-" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"] and is_bundle(out)
+
+
+def test_a_bundle_moved_aside_by_a_killed_run_is_moved_back(bundle, tmp_path):
+    """Killed between moving the old bundle aside and moving the new one in: the next run puts the old one
+    back (and then, without --force, keeps it)."""
+    aside = shutil.copytree(bundle, tmp_path / ".b.old-1a2b3c4d")
+    staging = tmp_path / ".b.onboard-xyz"
+    staging.mkdir()
+    (staging / ".onboard-staging").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))
+    result = cli("adapt", "qwen3-8b", "--out", tmp_path / "b")
+    assert refused(result, "already holds files") and not aside.exists() and not staging.exists()
+    assert is_bundle(tmp_path / "b")
+
+
+def test_a_staging_folder_of_a_running_adapt_is_left_alone(tmp_path):
+    from onboard.placement import staging_for, tidy
+
+    out = tmp_path / "b"
+    mine = staging_for(out)  # written by this (running) process
+    assert tidy(out) == [] and mine.is_dir()
+
+
+def test_plan_out_never_overwrites_without_force(tmp_path):
+    existing = tmp_path / "config.json"
+    existing.write_text('{"mine": true}')
+    assert refused(cli("plan", "qwen3-8b", "--devices", 8, "--hardware", "H100", "--out", existing), "--force")
+    assert refused(cli("plan", "qwen3-8b", "--devices", 8, "--hardware", "H100", "--out", tmp_path), "directory")
+    assert refused(cli("plan", "qwen3-8b", "--devices", 8, "--hardware", "H100", "--out", existing / "p.json"),
+                   "is a file")
+    assert existing.read_text() == '{"mine": true}'
+    assert cli("plan", "qwen3-8b", "--devices", 8, "--hardware", "H100", "--out", existing, "--force").returncode == 0
+    assert json.loads(existing.read_text())["schema_version"] == 2
+
+
+@pytest.mark.parametrize("place", ["--runlog", "--checkpoint-dir"])
+def test_training_checks_where_it_writes_before_the_first_step(place, copy_of, tmp_path):
+    b = copy_of()
+    wrong = tmp_path / ("a-directory" if place == "--runlog" else "a-file")
+    wrong.mkdir() if place == "--runlog" else wrong.write_text("keep me")
+    start = time.monotonic()
+    result = cli("train", b, "--steps", 1000, place, wrong)
+    assert refused(result, str(wrong)) and time.monotonic() - start < 60
+    assert not (b / "checkpoints").exists() and (place == "--runlog" or wrong.read_text() == "keep me")
+
+
+# --- one line, never a traceback ----------------------------------------------------------------------------
+
+def _config(tmp_path, change: dict | str, slug="mixtral-8x7b") -> Path:
+    model = model_folder(tmp_path, slug)
+    if isinstance(change, str):
+        (model / "config.json").write_text(change)
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **change}))
+    return model
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": ["mixtral"]}, "model_type must be a string"),
+    ({"vocab_size": 0}, "vocab_size is 0"),
+    ("[" * 50_000 + "]" * 50_000, "nested too deeply"),
+    ({"num_experts_per_tok": 16}, "16 experts per token, and the model has 8 experts"),
+    ({"num_key_value_heads": 3}, "must divide num_attention_heads"),
+    ({"hidden_size": -64}, "hidden_size is -64"),
+    ({"num_hidden_layers": 100_000}, "at most 4096 layers"),
+    ({"model_type": "bert"}, "is an encoder"),
+], ids=["model_type list", "vocab 0", "deep nesting", "top-k over experts", "kv heads", "negative hidden",
+        "100000 layers", "encoder"])
+def test_bad_configs_are_one_line(change, words, tmp_path):
+    start = time.monotonic()
+    assert refused(cli("inspect", _config(tmp_path, change), timeout=120), words)
+    assert time.monotonic() - start < 60
+
+
+def test_a_huge_config_is_refused_by_its_size(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    with open(model / "config.json", "w") as f:
+        f.write('{"model_type": "mixtral", "pad": "' + "x" * (17 * 2**20) + '"}')
+    assert refused(cli("inspect", model, timeout=60), "MiB")
+
+
+def test_a_broken_bundle_is_one_line(copy_of):
+    b = copy_of()
+    (b / "source.json").write_text('{"kind": "local"}')
+    assert refused(cli("verify", b), "source.json")
+    (b / "source.json").write_text("{not json")
+    assert refused(cli("verify", b), "unreadable bundle")
+    c = copy_of("c")
+    (c / "verification.json").write_text("{not json")  # rewritten by verify, never read
+    (c / "decision.json").write_text('{"schema_version": 99}')
+    assert refused(cli("verify", c), "decision")
+
+
+@pytest.mark.parametrize("out", [".", "link"])
+def test_adapt_out_at_the_current_directory_or_a_symlink(out, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert refused(cli("adapt", "qwen3-8b", "--out", out, "--force", cwd=tmp_path),
+                   "current directory" if out == "." else "symlink")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"peak_tflops": {"bf16": "fast"}}, "peak_tflops.bf16 must be a positive number"),
+    ({"memory_gb": 0}, "memory_gb must be a positive number"),
+    ({"peak_tflops": None}, "peak_tflops must map"),
+    ({"host_gbs": 0}, "host_gbs must be a positive number"),
+    ({"memory_bw_gbs": -3350}, "memory_bw_gbs must be a positive number"),
+    ({"devices_per_node": 8.5}, "devices_per_node must be a whole number"),
+], ids=["non-number peak", "zero memory", "missing peak", "zero host bandwidth", "negative bandwidth",
+        "fractional devices"])
+def test_bad_hardware_files_are_one_line(change, words, tmp_path):
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "predictors" / "hardware" / "h100.yaml").read_text())
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump({**spec, **change}))
+    assert refused(cli("plan", "qwen3-8b", "--devices", 8, "--hardware", path, "--out", tmp_path / "p.json"), words)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"tp": "2"}, "tp must be a whole number"),
+    ({"lora": {"rank": 8, "dropout": 0.1}}, "unknown LoRA field(s): dropout"),
+    ({"micro_batch": None}, "micro_batch must be a whole number"),
+    ({"dtype": "int3"}, "dtype must be one of"),
+    ({"tp": 10**9}, "tp must be a whole number from 1 to"),
+], ids=["tp as text", "unknown LoRA key", "micro_batch null", "dtype int3", "tp 1e9"])
+def test_bad_plans_are_one_line(change, words, tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"schema_version": 2, **change}))
+    assert refused(cli("predict", "qwen3-8b", "--plan", path, "--hardware", "H100"), words)
+
+
+def test_a_bad_spec_is_one_line(tmp_path):
+    spec = json.loads(cli("inspect", "qwen3-8b", "--json").stdout)
+    spec["hidden_size"] = -64
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    assert refused(cli("plan", path, "--devices", 8, "--hardware", "H100", "--out", tmp_path / "p.json"),
+                   "hidden_size must be a whole number")
+
+
+def test_predictor_train_out_at_an_existing_file_is_one_line(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("keep me")
+    assert refused(cli("predictor", "train", "--out", text), "is a file") and text.read_text() == "keep me"
+
+
+def test_negative_token_ids_are_one_line(copy_of, tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.array([5, -1, 7] * 2000, dtype=np.int64))  # longer than the plan's sequence
+    assert refused(cli("train", copy_of(), "--steps", 1, "--data", tokens), "never negative")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["plan", "qwen3-8b", "--devices", 10**12, "--hardware", "H100"], "--devices must be from 1 to"),
+    (["plan", "qwen3-8b", "--devices", 8, "--hardware", "H100", "--top", -5], "must be at least 1"),
+    (["train", "b", "--checkpoint-every", -1], "must be at least 0"),
+    (["inspect", "qwen3-8b", "--seq-len", "many"], "is not a whole number"),
+], ids=["devices 1e12", "top -5", "checkpoint-every -1", "seq-len not a number"])
+def test_bad_arguments_are_one_line_and_quick(args, words, tmp_path):
+    start = time.monotonic()
+    assert refused(cli(*args, cwd=tmp_path, timeout=60), words) and time.monotonic() - start < 60
+
+
+def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsys):
+    """A bug of ours (here planted) is reported in one line with exit 70; --debug shows its traceback."""
+    import cli as onboard_cli
+    import onboard.source
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted\nbug")
+
+    monkeypatch.setattr(onboard.source, "catalogue_index", broken)
+    assert onboard_cli.main(["catalogue"]) == onboard_cli.INTERNAL_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "internal error: RuntimeError: planted bug" in err and "--debug" in err
+    with pytest.raises(RuntimeError, match="planted"):
+        onboard_cli.main(["--debug", "catalogue"])
