@@ -132,6 +132,28 @@ def test_checkpoints_are_atomic_and_pruned(factory, tmp_path):
     assert again.resumed_from == 4 and again.steps == []
 
 
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(damage, factory, tmp_path, capsys):
+    """A truncated newest checkpoint (a file cut short) or an emptied step folder is passed over: the run resumes
+    from the newest complete one, with the losses of a run never stopped, and names what it skipped."""
+    whole = _losses(train(factory, _plan(), TrainConfig(steps=4, lr=1e-2, progress=False)))
+    ck = tmp_path / "ck"
+    cfg = TrainConfig(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(ck), checkpoint_every=1)
+    train(factory, _plan(), cfg)
+    newest = checkpoints(ck)[-1][1]
+    if damage == "truncated":
+        biggest = max(newest.glob("*.distcp"), key=lambda f: f.stat().st_size)
+        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    else:
+        for f in newest.iterdir():
+            f.unlink()
+    cfg.steps = 4
+    resumed = train(factory, _plan(), cfg)
+    assert resumed.resumed_from == 2 and _losses(resumed) == whole[2:]
+    err = capsys.readouterr().err
+    assert f"resume: skipped {newest}: " in err and ("truncated" in err if damage == "truncated" else "metadata" in err)
+
+
 def test_token_file_windows_and_bad_files(factory, tmp_path):
     tokens = np.arange(1000, dtype=np.int32) % 500
     np.save(tmp_path / "tokens.npy", tokens)
@@ -143,6 +165,9 @@ def test_token_file_windows_and_bad_files(factory, tmp_path):
     np.save(tmp_path / "big.npy", np.array([0, 600] * 40))
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         TokenFile(tmp_path / "big.npy", 32, 512)
+    np.save(tmp_path / "negative.npy", np.array([3, -2] * 40))
+    with pytest.raises(ValueError, match="never negative"):
+        TokenFile(tmp_path / "negative.npy", 32, 512)
     (tmp_path / "tokens.txt").write_text("1 2 3")
     with pytest.raises(ValueError, match=r"must be \.npy or \.bin"):
         TokenFile(tmp_path / "tokens.txt", 32)
