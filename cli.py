@@ -350,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except OnboardError as exc:
-        print(f"onboard: error: {exc}", file=sys.stderr)
+    except OnboardError as exc:  # one line even when a message quotes the user's text
+        print(f"onboard: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("onboard: interrupted", file=sys.stderr)

@@ -119,7 +119,7 @@ class Plan:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown plan field(s): {', '.join(unknown)}")
+            raise ValueError(f"unknown plan field(s): {', '.join(map(repr, unknown))}")
         if values.get("lora") is not None:
             values["lora"] = _lora(values["lora"])
         problems = _field_problems(values)
@@ -169,7 +169,7 @@ def _lora(value) -> LoRA:
         raise ValueError(f"plan field lora must be an object or null, got {value!r}")
     unknown = sorted(set(value) - {f.name for f in dataclasses.fields(LoRA)})
     if unknown:
-        raise ValueError(f"unknown LoRA field(s): {', '.join(map(str, unknown))} (known: rank, alpha, targets)")
+        raise ValueError(f"unknown LoRA field(s): {', '.join(map(repr, unknown))} (known: rank, alpha, targets)")
     lora = LoRA(**value)
     if not (_whole(lora.rank) and 1 <= lora.rank <= 65536):
         raise ValueError(f"LoRA rank must be a whole number from 1 to 65536, got {lora.rank!r}")

@@ -19,6 +19,9 @@ from onboard.bundle_files import MARKER
 from onboard.placement import is_bundle
 from tests.helpers import ROOT, TESTS
 
+# a sweep of `onboard` processes, one per case (a few seconds each): in CI's full run, not the fast lane
+pytestmark = pytest.mark.slow
+
 EVIL = TESTS / "fixtures" / "evil_model"
 CATALOGUE = ROOT / "onboard" / "catalogue"
 
@@ -296,7 +299,7 @@ def test_bad_hardware_files_are_one_line(change, words, tmp_path):
 
 @pytest.mark.parametrize("change, words", [
     ({"tp": "2"}, "tp must be a whole number"),
-    ({"lora": {"rank": 8, "dropout": 0.1}}, "unknown LoRA field(s): dropout"),
+    ({"lora": {"rank": 8, "dropout": 0.1}}, "unknown LoRA field(s): 'dropout'"),
     ({"micro_batch": None}, "micro_batch must be a whole number"),
     ({"dtype": "int3"}, "dtype must be one of"),
     ({"tp": 10**9}, "tp must be a whole number from 1 to"),

@@ -181,7 +181,7 @@ def test_cli_errors_are_one_line(bundle, tmp_path, capsys):
     plan.write_text(json.dumps({"micro_batch": 2, "pipeline": 4}))
     assert main(["train", str(bundle), "--plan", str(plan)]) == 1
     err = capsys.readouterr().err.strip()
-    assert "unknown plan field(s): pipeline" in err and "\n" not in err
+    assert "unknown plan field(s): 'pipeline'" in err and "\n" not in err
     plan.write_text(json.dumps({"ep": 3, "dp_shard": 2}))
     assert main(["train", str(bundle), "--plan", str(plan)]) == 1
     assert "cannot run" in capsys.readouterr().err
