@@ -112,12 +112,14 @@ def _read_config_json(path: Path) -> dict:
         raise OnboardError(f"{cfg_path} is {size / 2**20:.0f} MiB; a model config is at most "
                            f"{MAX_CONFIG_BYTES // 2**20} MiB")
     try:
-        raw = json.loads(cfg_path.read_text())
+        raw = json.loads(cfg_path.read_text(), object_hook=_special_floats)
     except json.JSONDecodeError as exc:
         raise OnboardError(
             f"{cfg_path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except RecursionError:
         raise OnboardError(f"{cfg_path} is nested too deeply to be a model config") from None
+    except ValueError as exc:
+        raise OnboardError(f"{cfg_path}: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise OnboardError(f"cannot read {cfg_path}: {one_line(exc)}") from None
     if not isinstance(raw, dict):
@@ -127,6 +129,16 @@ def _read_config_json(path: Path) -> dict:
     if not isinstance(raw["model_type"], str):
         raise OnboardError(f"{cfg_path}: model_type must be a string, got {type(raw['model_type']).__name__}")
     return raw
+
+
+def _special_floats(obj: dict):
+    """transformers' `save_pretrained` writes inf / nan as {"__float__": "Infinity"}: read them back as it does."""
+    if set(obj) == {"__float__"}:
+        try:
+            return float(obj["__float__"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{obj!r} is not a float transformers wrote") from None
+    return obj
 
 
 # config fields read as hints to check a config's arithmetic (the names transformers' families use)
@@ -233,14 +245,10 @@ def _load_config(path: Path, raw: dict, name: str, trust_remote_code: bool):
         )
     if not native:
         _check_auto_map(path, raw.get("auto_map"), name)
-    clean = {k: v for k, v in raw.items() if k != "quantization_config"}  # random fp32 twins are never quantised
-    try:
-        if native:
-            config = AutoConfig.for_model(**clean)
-        else:
-            config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
+    try:  # transformers' own reading of config.json (its encodings included), offline, from this folder only
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=not native, local_files_only=True)
+        if hasattr(config, "quantization_config"):  # random fp32 twins are never quantised
+            del config.quantization_config
     except Exception as exc:
         raise OnboardError(
             f"{name}: config.json does not describe a valid '{model_type}' model: {one_line(exc)}") from None

@@ -125,3 +125,20 @@ def test_cli_inspect_text_and_catalogue():
     assert "671.03B total" in result.stdout and "group-limited (8 groups, top-4)" in result.stdout
     listing = run_cli("catalogue")
     assert listing.returncode == 0 and "onboard-flagship-2.8t" in listing.stdout
+
+
+def test_configs_written_by_save_pretrained_read_back_as_transformers_reads_them(tmp_path):
+    """transformers writes an infinity as {"__float__": "Infinity"} (Mamba's time_step_limit): it reads back as
+    the float, as transformers' own loading does, and the model resolves."""
+    import math
+
+    from onboard.families import default_config
+    from onboard.source import resolve
+
+    default_config("nemotron_h").save_pretrained(tmp_path)
+    assert '"__float__"' in (tmp_path / "config.json").read_text()
+    source = resolve(str(tmp_path))
+    assert math.isinf(source.config.time_step_limit[1]) and math.isinf(source.raw["time_step_limit"][1])
+    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace('"Infinity"', '"lots"'))
+    with pytest.raises(OnboardError, match="is not a float transformers wrote"):
+        resolve(str(tmp_path))
