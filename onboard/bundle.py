@@ -49,17 +49,7 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
         (staging / "source.json").write_text(json.dumps(
             {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
             indent=2, sort_keys=True) + "\n")
-        verification = _render_and_verify(staging, spec, twin, decision)
-        # readings of the model that verification has to confirm (extra routing slots taken as identity
-        # experts; the loss computed from the decoder's last hidden state): when the bundle fails, refuse
-        # them one group at a time, so those parts fall back, and verify again
-        for hypotheses in decision.hypotheses():
-            if verification.passed:
-                break
-            detail = _failure_detail(verification)
-            for target, what in hypotheses.items():
-                decision.refuse(target, f"{what} did not verify ({detail})")
-            verification = _render_and_verify(staging, spec, twin, decision)
+        verification = _settle(staging, spec, twin, decision)
         write_verification(staging, spec, twin, decision, verification)
         write_launcher(staging, plan)
         place(staging, out, force=force, protect=protect)
@@ -67,6 +57,33 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return spec, verification
+
+
+def _settle(staging: Path, spec: ModelSpec, twin: Twin, decision: Decision) -> Verification:
+    """Render and verify; while the bundle fails, give back what the runtime takes, one target at a time in
+    `decision.suspects()` order (readings only verification can confirm first, then whole MoE blocks, which
+    fall back to their experts alone, experts, attention), recording why. Once it verifies, each refusal but
+    the last is taken back to see whether it was needed, so a part is left as HuggingFace code only when
+    verification says so."""
+    verification = _render_and_verify(staging, spec, twin, decision)
+    refused: list[str] = []
+    while not verification.passed and (suspects := decision.suspects()):
+        target = suspects[0]
+        decision.refuse(target, f"{decision.reading(target)} did not verify ({_failure_detail(verification)})")
+        refused.append(target)
+        verification = _render_and_verify(staging, spec, twin, decision)
+    if not verification.passed:
+        return verification
+    for target in refused[:-1]:  # the last refusal is the one that made it verify
+        why = decision.refused[target]
+        decision.admit(target)
+        trial = _render_and_verify(staging, spec, twin, decision)
+        if trial.passed:
+            verification = trial
+        else:
+            decision.refuse(target, why)
+            verification = _render_and_verify(staging, spec, twin, decision)
+    return verification
 
 
 def _failure_detail(verification: Verification) -> str:

@@ -131,9 +131,19 @@ class AttentionEntry:
     layers: list[int]
     path: str
     kind: str  # the spec's attention kind
-    takes: str | None  # LINEAR, SPARSE, or None
+    reading: str | None  # what the runtime can take (the trial swap's verdict): LINEAR, SPARSE, or None
     cores: list[str] = field(default_factory=list)  # runtime cores a linear swap runs
-    why: str | None = None  # why it stays HuggingFace code (None for softmax attention: nothing to take)
+    why_not: str | None = None  # why the runtime cannot (None for softmax attention: nothing to take)
+    refused: str | None = None  # why verification rejected the reading
+
+    @property
+    def takes(self) -> str | None:
+        return self.reading if self.refused is None else None
+
+    @property
+    def why(self) -> str | None:
+        """Why it stays HuggingFace code (None when the runtime takes it, and for softmax attention)."""
+        return self.refused or self.why_not
 
     @property
     def target(self) -> str:
@@ -142,12 +152,21 @@ class AttentionEntry:
 
 @dataclass
 class LossEntry:
-    takes: bool
+    reading: bool  # the loss can be computed from the decoder's last hidden state
     head: str | None = None
     decoder: str | None = None  # the module whose output is the last hidden state
     softcap: float | None = None
     scale: float | None = None
-    why: str | None = None
+    why_not: str | None = None
+    refused: str | None = None
+
+    @property
+    def takes(self) -> bool:
+        return self.reading and self.refused is None
+
+    @property
+    def why(self) -> str | None:
+        return self.refused or self.why_not
 
     @property
     def target(self) -> str:
@@ -163,38 +182,72 @@ class Decision:
     schema_version: int = SCHEMA_VERSION
 
     # -- refinement ---------------------------------------------------------------------------------
+    def _entries(self, target: str) -> list:
+        """The entries whose current swap `target` names."""
+        part, _, path = target.partition(":")
+        if part == "moe":
+            return [e for e in self.moe if e.block == path and e.takes == BLOCK]
+        if part == "experts":
+            return [e for e in self.moe if e.takes == EXPERTS and e.experts.path == path]
+        if part == "attention":
+            return [e for e in self.attention if e.path == path and e.takes]
+        return [self.loss] if target == "loss" and self.loss.takes else []
+
     def refuse(self, target: str, why: str) -> None:
         """Verification rejected the reading behind `target`: that part falls back (see the module docstring)."""
-        part, _, path = target.partition(":")
-        hit = False
-        if part == "moe":
-            for entry in self.moe:
-                if entry.block == path and entry.takes == BLOCK:
-                    entry.refused_block, hit = why, True
-        elif part == "experts":
-            for entry in self.moe:
-                if entry.takes == EXPERTS and entry.experts.path == path:
-                    entry.refused_experts, hit = why, True
-        elif part == "attention":
-            for entry in self.attention:
-                if entry.path == path and entry.takes:
-                    entry.takes, entry.cores, entry.why, hit = None, [], why, True
-        elif target == "loss" and self.loss.takes:
-            self.loss = LossEntry(False, why=why)
-            hit = True
-        if not hit:
+        entries = self._entries(target)
+        if not entries:
             raise ValueError(f"nothing in this decision is taken at {target!r}")
+        for entry in entries:
+            if target.startswith("moe:"):
+                entry.refused_block = why
+            elif target.startswith("experts:"):
+                entry.refused_experts = why
+            else:
+                entry.refused = why
         self.refused[target] = why
 
-    def hypotheses(self) -> list[dict[str, str]]:
-        """Readings verification has to confirm, in the order to drop them when a bundle fails: extra routing
-        slots taken as identity experts; then the loss from the last hidden state. {target: what}."""
-        zero = {f"moe:{e.block}": (f"the router scores {e.num_experts + e.zero_experts} slots for {e.num_experts} "
-                                   f"experts; taking the extra {e.zero_experts} as identity (zero) experts")
-                for e in self.moe if e.zero_experts and e.takes == BLOCK}
-        loss = {"loss": "computing the loss from the decoder's last hidden state through the LM head"} \
-            if self.loss.takes else {}
-        return [h for h in (zero, loss) if h]
+    def admit(self, target: str) -> None:
+        """Take back the refusal of `target` (to check whether it was needed)."""
+        if self.refused.pop(target, None) is None:
+            raise ValueError(f"{target!r} was not refused")
+        part, _, path = target.partition(":")
+        for entry in self.moe:
+            if part == "moe" and entry.block == path:
+                entry.refused_block = None
+            if part == "experts" and entry.experts and entry.experts.path == path:
+                entry.refused_experts = None
+        for entry in self.attention:
+            if part == "attention" and entry.path == path:
+                entry.refused = None
+        if target == "loss":
+            self.loss.refused = None
+
+    def suspects(self) -> list[str]:
+        """What the runtime takes, in the order to give it back when a bundle fails verification: readings
+        that only verification can confirm first (extra routing slots as identity experts; the loss from the
+        last hidden state), then whole MoE blocks (their experts alone may still verify), experts alone,
+        attention."""
+        zero = [e.target for e in self.moe if e.takes == BLOCK and e.zero_experts]
+        blocks = [e.target for e in self.moe if e.takes == BLOCK and not e.zero_experts]
+        experts = [e.target for e in self.moe if e.takes == EXPERTS]
+        attention = [e.target for e in self.swapped_attention()]
+        return list(dict.fromkeys([*zero, *(["loss"] if self.loss.takes else []), *blocks, *experts, *attention]))
+
+    def reading(self, target: str) -> str:
+        """What the runtime's reading behind `target` is, in words (for the reason a refusal records)."""
+        entry = self._entries(target)[0]
+        if target == "loss":
+            return "computing the loss from the decoder's last hidden state through the LM head"
+        if target.startswith("attention:"):
+            what = ", ".join(entry.cores) if entry.cores else "indexer and sparse attention"
+            return f"running the {entry.kind} attention at {entry.path} on the runtime's {what}"
+        if target.startswith("experts:"):
+            return f"running the experts at {entry.experts.path} in the runtime behind the model's own router"
+        if entry.zero_experts:
+            return (f"the router scores {entry.num_experts + entry.zero_experts} slots for {entry.num_experts} "
+                    f"experts; taking the extra {entry.zero_experts} as identity (zero) experts")
+        return f"taking the MoE block at {entry.block} whole ({entry.summary.split('; ', 1)[-1]})"
 
     # -- views --------------------------------------------------------------------------------------
     def swapped_moe(self) -> list[MoEEntry]:
@@ -223,8 +276,9 @@ class Decision:
     # -- JSON ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        for raw, entry in zip(data["moe"], self.moe):
-            raw["takes"], raw["why"] = entry.takes, entry.why  # derived, written for readers of the file
+        # derived, written for readers of the file
+        for raw, entry in zip([*data["moe"], *data["attention"], data["loss"]], [*self.moe, *self.attention, self.loss]):
+            raw["takes"], raw["why"] = entry.takes, entry.why
         return data
 
     def to_json(self) -> str:
@@ -234,14 +288,17 @@ class Decision:
     def from_dict(cls, data: dict) -> Decision:
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"decision schema version {data.get('schema_version')} is not {SCHEMA_VERSION}")
+        def stored(raw: dict) -> dict:
+            return {k: v for k, v in raw.items() if k not in ("takes", "why")}
+
         moe = []
         for raw in data["moe"]:
-            raw = {k: v for k, v in raw.items() if k not in ("takes", "why")}
+            raw = stored(raw)
             experts, routing = raw.pop("experts"), raw.pop("routing")
             moe.append(MoEEntry(**raw, experts=Experts(**experts) if experts else None,
                                 routing=Routing(**routing) if routing else None))
-        return cls(moe=moe, attention=[AttentionEntry(**a) for a in data["attention"]],
-                   loss=LossEntry(**data["loss"]), refused=dict(data.get("refused", {})),
+        return cls(moe=moe, attention=[AttentionEntry(**stored(a)) for a in data["attention"]],
+                   loss=LossEntry(**stored(data["loss"])), refused=dict(data.get("refused", {})),
                    schema_version=data["schema_version"])
 
     @classmethod
@@ -378,17 +435,17 @@ def _loss_entry(spec: ModelSpec, twin: Twin) -> LossEntry:
     """How the adapter computes the training loss without full logits (or why it does not)."""
     head = spec.head or {}
     if head.get("loss") != "cross_entropy":
-        return LossEntry(False, why="no cross-entropy loss found after the LM head")
+        return LossEntry(False, why_not="no cross-entropy loss found after the LM head")
     path = head.get("path")
     module = twin.module(path) if path else None
     if module is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
-        return LossEntry(False, why="the LM head is not one linear projection")
+        return LossEntry(False, why_not="the LM head is not one linear projection")
     if "." not in twin.layers_path:
-        return LossEntry(False, why="the decoder layers sit on the model itself: no decoder module returns the "
-                                    "last hidden state")
+        return LossEntry(False, why_not="the decoder layers sit on the model itself: no decoder module returns "
+                                        "the last hidden state")
     softcap = head.get("logit_softcap")
     if softcap is True:
-        return LossEntry(False, why="the logits are soft-capped by a value the graph does not show")
+        return LossEntry(False, why_not="the logits are soft-capped by a value the graph does not show")
     decoder = twin.layers_path.rpartition(".")[0]  # the module holding the layer stack returns the last hidden state
     return LossEntry(True, head=path, decoder=decoder or None, softcap=softcap, scale=head.get("logit_scale"))
 
@@ -406,7 +463,7 @@ def _attention_entries(spec: ModelSpec, twin: Twin) -> list[AttentionEntry]:
             trials[key] = _trial_swap(twin, layer)
         takes, cores, why = trials[key]
         groups.setdefault((attn.path, attn.kind, takes, tuple(cores), why), []).append(layer.index)
-    return [AttentionEntry(layers=indices, path=path, kind=kind, takes=takes, cores=list(cores), why=why)
+    return [AttentionEntry(layers=indices, path=path, kind=kind, reading=takes, cores=list(cores), why_not=why)
             for (path, kind, takes, cores, why), indices in groups.items()]
 
 

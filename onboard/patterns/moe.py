@@ -431,11 +431,16 @@ def _read_router(view: GraphView, router_node, router_weight: str, final, E: int
                 p = view.param(arg)
                 if p is not None and view.param_shapes.get(p) in ((E,), (1, E)):
                     bias = p
+    # how a group is scored from its experts' scores: the sum of its best k (a top-k over the grouped view),
+    # or its best one (a max over it: DeepSeek-V2's group-limited greedy), which is the sum of its best 1
     group_top = None
-    for t in other_topks:
-        shape = view.shape(view.inputs(t)[0]) or ()
+    for n in span:
+        shape = view.shape(view.inputs(n)[0]) or () if view.inputs(n) else ()
         if len(shape) >= 2 and shape[-1] * shape[-2] == E:
-            group_top = view.topk_k(t)
+            if op_name(n) == "topk" and n in other_topks:
+                group_top = view.topk_k(n)
+            elif op_name(n) in ("max", "amax") and group_top is None:
+                group_top = 1
     # weights that leave the router: descendants of the final top-k (values, or a gather by its indices)
     weights = view.descendants(final)
     local = [n for n in weights if view.path(n).startswith(block) and view.index[n] < _first_expert_use(view, final)]

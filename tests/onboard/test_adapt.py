@@ -315,3 +315,46 @@ def test_a_swap_that_never_runs_fails_verification(deepseek, tmp_path):
     result = verify(spec, twin, undone_behind_its_back, decision, seeds=(0,))
     assert not result.passed and "swapped but never run: model.layers." in result.note
     assert result.seeds[0].original_calls > 0
+
+
+def _deepseek_v2_greedy():
+    """DeepSeek-V2 as it was released: group-limited greedy routing (a group scored by its best expert)."""
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    config = default_config("deepseek_v2")
+    config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", 4, 2
+    return from_config(config, "deepseek_v2")
+
+
+def test_group_limited_greedy_routing_is_read_and_reproduced(tmp_path):
+    """The group score is read from the graph (a max over each group: its best one expert), so the whole block
+    runs in the runtime and verifies."""
+    spec, result = adapt(_deepseek_v2_greedy(), tmp_path / "b")
+    routers = {(layer.mlp.router.n_group, layer.mlp.router.topk_group, layer.mlp.router.group_score_top)
+               for layer in spec.layers if layer.mlp.kind == "moe"}
+    assert routers == {(4, 2, 1)}
+    assert result.passed and not read_decision(tmp_path / "b").refused
+    assert result.swaps["moe_block"]["made"] == result.expected > 0
+
+
+def test_a_reading_that_does_not_verify_falls_back_to_what_does(tmp_path, monkeypatch):
+    """With the group score planted wrong (the sum of the best two, DeepSeek-V3's), the whole-block reading fails
+    verification: adapt gives the block back, keeps the model's router, runs the experts alone, verifies, and
+    records why; the loss, which was not at fault, stays in the runtime."""
+    import onboard.patterns.moe as moe_patterns
+
+    real = moe_patterns.Router
+
+    def v3_scoring(*args, **kwargs):
+        router = real(*args, **kwargs)
+        router.group_score_top = 2 if router.group_limited else router.group_score_top
+        return router
+
+    monkeypatch.setattr(moe_patterns, "Router", v3_scoring)
+    _, result = adapt(_deepseek_v2_greedy(), tmp_path / "b")
+    decision = read_decision(tmp_path / "b")
+    assert result.passed and list(decision.refused) == ["moe:mlp"]
+    assert "did not verify" in decision.refused["moe:mlp"] and "group-limited" in decision.refused["moe:mlp"]
+    assert {e.takes for e in decision.moe} == {"experts"} and decision.loss.takes
+    assert "did not verify" in (tmp_path / "b" / "REVIEW.md").read_text()

@@ -88,12 +88,22 @@ def test_expected_swaps_follow_the_twin_depth(qwen3_next):
     assert expected["loss"] == 1 and expected["experts"] == expected["sparse_attention"] == 0
 
 
-def test_hypotheses_are_the_readings_verification_must_confirm(twin_adapter, tmp_path):
+def test_suspects_come_in_the_order_to_give_them_back_and_refusals_can_be_taken_back(twin_adapter, tmp_path):
+    """Readings only verification can confirm first (identity experts, then the loss), then whole blocks; a
+    refusal taken back restores the part exactly."""
     from onboard.families import default_config
 
     config = default_config("longcat_flash")
     _, _, decision, _ = twin_adapter(tmp_path, family="longcat_flash")
-    zero, loss = decision.hypotheses()
-    assert list(loss) == ["loss"]
-    assert all(target.startswith("moe:") and "identity (zero) experts" in what for target, what in zero.items())
-    assert str(config.zero_expert_num) in next(iter(zero.values()))
+    before = decision.to_json()
+    suspects = decision.suspects()
+    assert suspects[0].startswith("moe:") and suspects[1] == "loss"
+    zero = decision.reading(suspects[0])
+    assert "identity (zero) experts" in zero and str(config.zero_expert_num) in zero
+    assert decision.reading("loss").startswith("computing the loss")
+    decision.refuse(suspects[0], "no")
+    assert suspects[0] not in decision.suspects()
+    decision.admit(suspects[0])
+    assert decision.to_json() == before
+    with pytest.raises(ValueError, match="was not refused"):
+        decision.admit("loss")
