@@ -41,18 +41,21 @@ def read_plan(path) -> Plan:
 def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_remote_code: bool = False) -> dict:
     """The config the loop trains: the bundle's tiny twin, or its first `layers` layers at twin width,
     `width` times wider (more heads of the same size, wider MLPs)."""
-    from onboard.config_dict import get, layers_key, put, truncate_layers, walk
-    from onboard.twin import build_twin, meaning_of, shrink_config_dict
+    from onboard.config_dict import get, put, truncate_layers, walk
+    from onboard.shrink import meaning_of
+    from onboard.twin import build_twin
+    from onboard.twin_config import twin_config
 
     if width < 1 or (layers is not None and layers < 1):
         raise OnboardError("--layers and --width must be at least 1")
     bundle, _, origin = read_bundle(bundle)
     source = bundle_source(origin, trust_remote_code)
     if layers is None:
-        cfg = build_twin(source, run_check=False).config.to_dict()
+        twin = build_twin(source, run_check=False)
+        cfg, shrinks = twin.config.to_dict(), twin.shrinks
     else:
-        cfg, _ = shrink_config_dict(source.config.to_dict())
-        key = layers_key(cfg)
+        plan = twin_config(source)  # shrunk by field names, or by what the fields drive where names fall short
+        cfg, shrinks, key = plan.cfg, plan.shrinks, plan.layers_key
         if key is None:
             raise OnboardError(f"{bundle}: the model config has no layer count to set")
         full = get(cfg, key)
@@ -60,8 +63,10 @@ def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_rem
             raise OnboardError(f"{bundle}: the model has {full} layers; --layers may not exceed that")
         truncate_layers(cfg, key, full, layers)
     if width > 1:
+        shrunk = {s.path: s.meaning for s in shrinks}  # meanings found by behaviour where the names had none
         for path, key, value in list(walk(cfg)):
-            if meaning_of(key) in _WIDE and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if (shrunk.get(path, meaning_of(key)) in _WIDE and isinstance(value, int) and not isinstance(value, bool)
+                    and value > 0):
                 put(cfg, path, value * width)
     return cfg
 
@@ -86,8 +91,9 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
     import hashlib
 
     from onboard.config_dict import get, walk
-    from onboard.twin import meaning_of
+    from onboard.shrink import meaning_of
     from runtime.dims import grouped, mixers_of
+    from runtime.model_tree import find_layer_stack
     from runtime.moe.block import MoEBlock
     from runtime.runlog import mixer_fields, model_record
 
@@ -107,13 +113,15 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
         held, got = trained(value, (meaning,))
         if isinstance(got, int) and not isinstance(got, bool):
             record[name] = got
+        elif name in ("vocab", "hidden") and not held:  # no field named for it: the embedding table says
+            record[name] = model.get_input_embeddings().weight.shape[name == "hidden"]
         elif name == "head_dim" and value and record.get("heads") and not held:  # implied: hidden / heads
             record[name] = record["hidden"] // record["heads"]
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if blocks:
         record["experts"], record["top_k"] = blocks[0].spec.num_experts, blocks[0].spec.top_k
-    record["layers"] = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in cfg),
-                            record["layers"])
+    record["layers"] = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in cfg), None) \
+        or len(find_layer_stack(model)[1])  # no field named for it: count the decoder layers
 
     def scaled(mixer):
         family = next((m for prefix, m in _FAMILY_MEANINGS.items() if mixer.kind.startswith(prefix)), {})

@@ -225,6 +225,12 @@ def _linear_family(view: GraphView, path, region, seq_len, facts) -> AttentionMa
     exps = [n for n in region if op_name(n) == "exp"]
     if betas:
         facts["num_heads"] = view.shape(betas[0])[-1]
+        # the head size: the first tensor split into those heads, (batch, tokens, heads, head size)
+        heads = facts["num_heads"]
+        split = next((s for n in region if len(s := view.shape(n) or ()) == 4 and s[1:3] == (seq_len, heads)
+                      and s[-1] > 1), None)
+        if split:
+            facts["head_dim"] = split[-1]
     gate = _decay_granularity(view, region, facts.get("num_heads"))
     if gate:
         facts["gate"] = gate
