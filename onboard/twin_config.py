@@ -4,8 +4,9 @@ is when no field can be shrunk safely.
 1. Names (`onboard.shrink`): every field whose name the table knows is shrunk by its meaning. Cheap, and
    right for every transformers family.
 2. Check, on the meta device at twin width and full depth: the input embedding table is at twin scale
-   (at most SIZES["vocab"] x SIZES["hidden"]), some field is named as the layer count, and no decoder layer
-   holds more than LAYER_BUDGET parameters. If so, the names sufficed.
+   (at most SIZES["vocab"] x SIZES["hidden"]), some field is named as the layer count where fewer layers
+   would show every kind of layer, and no decoder layer holds more than LAYER_BUDGET parameters. If so, the
+   names sufficed.
 3. Otherwise behaviour decides (`onboard.dialect`): each field whose name is unknown, or claims the
    vocabulary, hidden size, expert count or layer count, is changed alone on the meta device, and what moves
    says what it drives. A name whose field moves nothing it claims is overruled. The twin is then shrunk
@@ -87,16 +88,25 @@ def _why_not_small(source: ModelSource, cfg: dict, key: str | None) -> str | Non
     table = getattr(model.get_input_embeddings(), "weight", None)
     if table is not None and (table.shape[0] > SIZES["vocab"] or table.shape[-1] > SIZES["hidden"]):
         return f"shrunk by field names, the input embedding is still {table.shape[0]} x {table.shape[-1]}"
-    if key is None:
-        return "no field is named as the layer count"
     try:
-        _, stack = model_tree.find_layer_stack(model, get(cfg, key))
+        _, stack = model_tree.find_layer_stack(model, get(cfg, key) if key else None)
     except ValueError:
         return None  # no decoder stack at all: building the twin says so
+    if key is None and _shortest_prefix(stack) < len(stack):
+        return "no field is named as the layer count, and fewer layers would show every kind"
     biggest = max(sum(p.numel() for p in layer.parameters()) for layer in stack)
     if biggest > LAYER_BUDGET:
         return f"shrunk by field names, a decoder layer still holds {biggest:,} parameters"
     return None
+
+
+def _shortest_prefix(stack: nn.ModuleList) -> int:
+    """Layers up to the first of each distinct layout of module classes (a rough form of the twin's own
+    layer signatures, which the twin's depth is chosen by)."""
+    first: dict[tuple, int] = {}
+    for i, layer in enumerate(stack):
+        first.setdefault(tuple(type(m).__name__ for m in layer.modules()), i)
+    return max(first.values()) + 1
 
 
 def _by_behaviour(source: ModelSource, full: dict, why: str) -> TwinConfig:
