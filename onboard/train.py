@@ -84,9 +84,11 @@ _FAMILY_MEANINGS = {"linear:": {"heads": ("linear_v_heads", "linear_heads", "lin
                     "ssm:": {"heads": ("ssm_heads",), "head_dim": ("ssm_head_dim",)}}
 
 
-def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) -> dict:
+def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module, found: list | None = None) -> dict:
     """The run log's model fields for what is really trained: the spec's full-scale numbers, each taken
-    from the config field that holds it at full scale (`full`) and read back from the trained config."""
+    from the config field that holds it at full scale (`full`) and read back from the trained config. Fields
+    of no known name count too where the twin shrank them by what they were seen to drive (`found`: the
+    `onboard.shrink.Shrink`s of `onboard.twin_config`), after every named one."""
     import dataclasses
     import hashlib
 
@@ -106,6 +108,7 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
         first of `meanings`, then any other)."""
         rank = {meaning: i for i, meaning in enumerate(meanings)}
         holders = [(rank.get(meaning_of(key), len(rank)), path) for path, key, v in sizes if v == value]
+        holders += [(len(rank) + 1, f.path) for f in found or () if f.full == value and f.meaning != "layers"]
         return bool(holders), get(cfg, min(holders)[1]) if holders else None
 
     for name, meaning in _FIELD_MEANINGS.items():
@@ -113,8 +116,6 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
         held, got = trained(value, (meaning,))
         if isinstance(got, int) and not isinstance(got, bool):
             record[name] = got
-        elif name in ("vocab", "hidden") and not held:  # no field named for it: the embedding table says
-            record[name] = model.get_input_embeddings().weight.shape[name == "hidden"]
         elif name == "head_dim" and value and record.get("heads") and not held:  # implied: hidden / heads
             record[name] = record["hidden"] // record["heads"]
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
@@ -158,6 +159,7 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
 
     `config` is a JSON file written by `train_config` (the launcher computes it once for every rank).
     """
+    from onboard.twin_config import twin_config
 
     bundle, spec, origin = read_bundle(bundle)
     cfg = json.loads(Path(config).read_text()) if config else train_config(
@@ -169,7 +171,8 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
         raise OnboardError(f"{bundle}: the training config is invalid: {one_line(exc)}") from None
     model = source.build(model_config, experts_implementation="grouped_mm")
     load_adapter(bundle).adapt(model)
-    return model, trained_record(spec, source.config.to_dict(), cfg, model)
+    twin = twin_config(source)  # the fields the twin shrank by what they drive, where names fell short
+    return model, trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
 
 
 def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,

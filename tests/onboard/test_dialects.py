@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from onboard import dialect
+from onboard import twin as twin_module
 from onboard.bundle import adapt
 from onboard.bundle_files import read_decision
 from onboard.errors import OnboardError
-from onboard.inspection import inspect_model
 from onboard.source import resolve
 from onboard.train import build_model, train_config
+from onboard.shrink import Shrink
 from onboard.twin import build_twin
+from onboard.twin_config import TwinConfig, as_is
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 QUORUM, BRAID = FIXTURES / "dialect_moe", FIXTURES / "dialect_hybrid"
@@ -150,8 +152,13 @@ def test_quorum_trains_by_its_own_fields(quorum):
     cfg = train_config(out, layers=3, width=2)
     assert cfg["strata"] == 3 and cfg["breadth"] == 128 and cfg["lexicon_size"] == 512
     model, record = build_model(out, layers=2)
-    assert (record["layers"], record["hidden"], record["vocab"]) == (2, 64, 512)
     assert len(model.body.strata) == 2
+    # the run log describes what is trained, through the fields the twin shrank by what they drive
+    assert (record["layers"], record["hidden"], record["vocab"], record["experts"], record["top_k"]) == \
+        (2, 64, 512, 16, 6)
+    assert (record["ffn"], record["expert_ffn"], record["heads"], record["kv_heads"], record["head_dim"]) == \
+        (56, 48, 16, 4, 32)
+    assert [(m["heads"], m["head_dim"], m["v_head_dim"]) for m in record["mixers"]] == [(16, 32, 32)]
 
 
 def test_lying_hints_are_overruled(tmp_path):
@@ -220,6 +227,20 @@ def test_a_large_model_nothing_can_shrink_is_refused(tmp_path):
     ref = _variant(tmp_path, BRAID, breadth=6 * 2048, voice_width=2048)
     with pytest.raises(OnboardError, match="no config field could be shrunk safely"):
         build_twin(resolve(ref, trust_remote_code=True))
+
+
+def test_a_shrunk_twin_that_does_not_run_gives_way_to_the_model_as_it_is(monkeypatch):
+    source = resolve(str(BRAID), trust_remote_code=True)
+    # one expert builds, but a top-2 router over it cannot run
+    broken = TwinConfig({**source.config.to_dict(), "specialists": 1}, [Shrink("specialists", "experts", 8, 1)],
+                        "strata", {"specialists": "experts"}, "planted")
+    monkeypatch.setattr(twin_module, "twin_config", lambda _: broken)
+    twin = build_twin(source)
+    assert twin.shrinks == [] and twin.full_width and "did not run" in twin.why_probed
+    assert twin.config.specialists == 8
+    # a model too large to be its own twin has no such way out
+    quorum = resolve(str(QUORUM), trust_remote_code=True)
+    assert as_is(quorum, TwinConfig({}, [Shrink("breadth", "hidden", 2048, 64)], "strata", {}, "planted")) is None
 
 
 def test_named_families_are_shrunk_by_names_alone():
