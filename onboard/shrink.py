@@ -73,6 +73,13 @@ WIDTH_LADDER = (32, 48, 40, 24, 56, 16, 72, 80, 88, 96, 104, 112, 120)
 EXPERTS_WITHOUT_TOP_K = 16
 
 
+def halved(value: int, floor: int) -> int:
+    """`value` halved as often as it stays a whole number of at least `floor` (3072 -> 96, 2048 -> 64)."""
+    while value % 2 == 0 and value // 2 >= floor:
+        value //= 2
+    return value
+
+
 def meaning_of(key: str) -> str | None:
     for meaning, regex in _COMPILED:
         if regex.fullmatch(key):
@@ -304,10 +311,14 @@ def shrink_config_dict(full: dict, hints: dict[str, str] | None = None) -> tuple
     _routing(plan)
     _heads(plan)
     _linear_heads(plan)
-    for meaning in ("hidden", "head_dim", "ffn", "expert_ffn", "shared_ffn", "q_lora_rank", "kv_lora_rank",
-                    "rope_head_dim", "nope_head_dim", "v_head_dim", "index_heads", "index_head_dim",
-                    "linear_head_dim", "linear_heads", "ssm_state", "ssm_heads", "ssm_head_dim", "ssm_groups",
-                    "dt_rank", "vocab"):
+    for path, old in plan.fields("hidden"):
+        # a width found by behaviour is halved while it stays at least the twin's: it keeps the model's odd
+        # factors, so a head count that divides it (one that sizes no parameter, head size = width / heads,
+        # is never found) still does
+        plan.put(path, "hidden", halved(old, SIZES["hidden"]) if path in plan.hints else min(old, SIZES["hidden"]))
+    for meaning in ("head_dim", "ffn", "expert_ffn", "shared_ffn", "q_lora_rank", "kv_lora_rank", "rope_head_dim",
+                    "nope_head_dim", "v_head_dim", "index_heads", "index_head_dim", "linear_head_dim", "linear_heads",
+                    "ssm_state", "ssm_heads", "ssm_head_dim", "ssm_groups", "dt_rank", "vocab"):
         target = SIZES[meaning]
         plan.put_all(meaning, lambda old, t=target: min(old, t))
     for meaning in ("index_topk", "window"):

@@ -19,6 +19,7 @@ from onboard import twin as twin_module
 from onboard.bundle import adapt
 from onboard.bundle_files import read_decision
 from onboard.errors import OnboardError
+from onboard.inspection import inspect_source
 from onboard.source import resolve
 from onboard.train import build_model, train_config
 from onboard.shrink import Shrink
@@ -177,6 +178,27 @@ def test_lying_hints_are_overruled(tmp_path):
     assert {twin.fields[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts")} == {"inert"}
     assert {s.path for s in twin.shrinks} >= {"lexicon_size", "breadth", "specialists", "strata"}
     assert not {"vocab_size", "hidden_size", "num_hidden_layers", "num_experts"} & {s.path for s in twin.shrinks}
+
+
+def test_a_head_count_that_sizes_nothing_still_divides_the_twin(tmp_path):
+    """novel_moe in a dialect, 24 heads whose size is the width over the head count: that count sizes no
+    parameter, so behaviour never finds it; the twin's width keeps the model's odd factors (3072 -> 96, not 64,
+    which 24 does not divide) and the head size at full scale is derived as the model derives it."""
+    out = tmp_path / "renamed"
+    shutil.copytree(FIXTURES / "novel_moe", out)
+    words = {"vocab_size": "wordstock", "hidden_size": "girth", "num_hidden_layers": "tiers",
+             "num_attention_heads": "mouths", "ffn_hidden_size": "kitchen", "n_experts": "guild"}
+    for path in out.iterdir():
+        text = path.read_text()
+        for old, new in words.items():
+            text = text.replace(old, new)
+        path.write_text(text)
+    ref = _variant(tmp_path / "sized", out, girth=3072, mouths=24)
+    twin = build_twin(resolve(ref, trust_remote_code=True))
+    assert twin.fields["mouths"] == "inert" and twin.hidden_size == 96
+    spec, _ = inspect_source(resolve(ref, trust_remote_code=True))
+    attn = spec.layers[0].attention
+    assert (spec.hidden_size, attn.num_heads, attn.head_dim) == (3072, 24, 128)
 
 
 # -- Braid: a hybrid that is its own twin -----------------------------------------------------------------
