@@ -11,7 +11,8 @@ is when no field can be shrunk safely.
    vocabulary, hidden size, expert count or layer count, is changed alone on the meta device, and what moves
    says what it drives. A name whose field moves nothing it claims is overruled. The twin is then shrunk
    by those findings; a shrink the model refuses to build with is dropped, one field at a time.
-4. Where nothing could be shrunk, a model of at most AS_IS_BUDGET parameters is its own twin.
+4. Where nothing could be shrunk, a model of at most AS_IS_BUDGET parameters is its own twin; so is it
+   where a twin shrunk by behaviour does not run (`as_is`, called by `onboard.twin.build_twin`).
 """
 
 from __future__ import annotations
@@ -45,11 +46,6 @@ class TwinConfig:
     layers_key: str | None  # the field holding the layer count, if any
     fields: dict[str, str] = field(default_factory=dict)  # {path: what it drives} where behaviour decided
     why_probed: str | None = None  # why the names did not suffice (None: they did)
-
-    @property
-    def as_is(self) -> bool:
-        """The twin is the model at full size: behaviour found nothing to shrink safely."""
-        return self.why_probed is not None and not self.shrinks
 
 
 def make_config(source: ModelSource, cfg_dict: dict):
