@@ -150,9 +150,9 @@ def test_quorum_adapts_with_its_top_k_as_a_literal(quorum):
 
 def test_quorum_trains_by_its_own_fields(quorum):
     _, _, out = quorum
-    cfg = train_config(out, layers=3, width=2)
+    cfg = train_config(out, layers=3, width=2, trust_remote_code=True)
     assert cfg["strata"] == 3 and cfg["breadth"] == 128 and cfg["lexicon_size"] == 512
-    model, record = build_model(out, layers=2)
+    model, record = build_model(out, layers=2, trust_remote_code=True)
     assert len(model.body.strata) == 2
     # the run log describes what is trained, through the fields the twin shrank by what they drive
     assert (record["layers"], record["hidden"], record["vocab"], record["experts"], record["top_k"]) == \
@@ -166,7 +166,7 @@ def test_lying_hints_are_overruled(tmp_path):
     """Fields named as transformers names them that size nothing: none is taken for what its name says. The
     top-k hint holds the model's value at full size, but the twin shrinks it and the model never reads it: the
     adapter must not read it either."""
-    ref = _variant(tmp_path, QUORUM, vocab_size=50, hidden_size=4096, num_hidden_layers=99, num_experts=3,
+    ref = _variant(tmp_path, QUORUM, vocab_size=50, hidden_size=4096, num_hidden_layers=99, num_experts=8,
                    num_experts_per_tok=6)
     spec, verification = adapt(resolve(ref, trust_remote_code=True), tmp_path / "bundle")
     assert (spec.vocab_size, spec.hidden_size, spec.num_layers) == (65536, 2048, 24)
