@@ -108,7 +108,8 @@ def write_verification(directory: Path, spec: ModelSpec, twin: Twin, decision: D
     """decision.json (with what verification refused), verification.json and REVIEW.md."""
     (directory / "decision.json").write_text(decision.to_json())
     (directory / "verification.json").write_text(json.dumps(verification.to_dict(), indent=2, sort_keys=True) + "\n")
-    twin_size = {"hidden": twin.config.hidden_size, "layers": len(twin.layer_signatures)}
+    twin_size = {"hidden": twin.hidden_size, "layers": len(twin.layer_signatures), "fields": twin.fields,
+                 "why": twin.why_probed, "full_width": twin.full_width}
     (directory / "REVIEW.md").write_text(render_review(spec, decision, verification, twin_size))
 
 

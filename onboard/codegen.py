@@ -72,7 +72,9 @@ CORE_NAMES = {  # what REVIEW.md calls each runtime core a swapped linear-attent
 
 def render_review(spec: ModelSpec, decision: Decision, verification, twin_size: dict) -> str:
     """REVIEW.md: what was matched, what the runtime took and what stays HuggingFace code (and why), and the
-    verification; `twin_size` is {"hidden", "layers"} of the twin verification ran."""
+    verification; `twin_size` is {"hidden", "layers"} of the twin verification ran, and where behaviour read
+    the config {"fields": what each field drives, "why": why names did not suffice, "full_width": no field
+    could be shrunk safely}."""
     labels = [f"{layer.attention.kind} + {describe_mlp(layer.mlp)}" for layer in spec.layers]
     pattern = [f"layers {start}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
                + (f" (x{repeats})" if repeats > 1 else "") for start, end, unit, repeats in pattern_spans(labels)]
@@ -82,6 +84,8 @@ def render_review(spec: ModelSpec, decision: Decision, verification, twin_size: 
         spec=spec, moe=decision.swapped_moe(), kept_moe=by_reason(decision.kept_moe()), verification=verification,
         pattern=pattern, params_total=human(spec.params_total), params_active=human(spec.params_active),
         twin_hidden=twin_size["hidden"], twin_layers=twin_size["layers"], loss=decision.loss,
+        twin_fields=twin_size.get("fields") or {}, twin_why=twin_size.get("why"),
+        twin_full_width=twin_size.get("full_width", False),
         attention=decision.swapped_attention(), attention_kept=by_reason(decision.kept_attention()),
         core_names=CORE_NAMES, softmax_kinds=", ".join(softmax), refused=decision.refused,
     )

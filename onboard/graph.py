@@ -126,7 +126,7 @@ class GraphView:
         """Nodes computed inside the module at `prefix` (the whole layer for "")."""
         if not prefix:
             return [n for n in self.nodes if n.op == "call_function"]
-        return [n for n in self.nodes if n.op == "call_function" and _within(self.path(n), prefix)]
+        return [n for n in self.nodes if n.op == "call_function" and within(self.path(n), prefix)]
 
     def ops(self, nodes, *names) -> list:
         return [n for n in nodes if op_name(n) in names]
@@ -140,7 +140,7 @@ class GraphView:
         return out
 
     def params_under(self, prefix: str) -> dict[str, tuple]:
-        return {p: s for p, s in self.param_shapes.items() if _within(p.rsplit(".", 1)[0] if "." in p else "", prefix)
+        return {p: s for p, s in self.param_shapes.items() if within(p.rsplit(".", 1)[0] if "." in p else "", prefix)
                 or (prefix and p.startswith(prefix + "."))}
 
     def descendants(self, start, limit: int = 100000) -> set:
@@ -184,7 +184,9 @@ def _concrete(size) -> int:
         return -1
 
 
-def _within(path: str, prefix: str) -> bool:
+def within(path: str, prefix: str) -> bool:
+    """Is the module at `path` the one at `prefix` or below it (``mlp.experts`` is within ``mlp``,
+    ``mlp_norm`` is not)?"""
     return path == prefix or path.startswith(prefix + ".")
 
 

@@ -8,6 +8,7 @@ shrank, which maps a number seen in the twin graph (top-k 4, window 8) back to i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ from onboard.patterns.dense import DenseMatch, match_dense_mlp, norm_kinds
 from onboard.patterns.moe import MoEMatch, match_moe
 from onboard.source import ModelSource, resolve
 from onboard.spec import MLP, Attention, Layer, ModelSpec, Unmatched
-from onboard.twin import TEST_SEQ_LEN, Twin, build_twin, find_layer_stack, meaning_of
+from onboard.shrink import meaning_of
+from onboard.twin import TEST_SEQ_LEN, Twin, build_twin, find_layer_stack
 
 
 @dataclass
@@ -120,11 +122,15 @@ class FullScale:
             for s in candidates:
                 if s.twin == observed:
                     return s.full
-        return observed
+        # a field behaviour found sizing the model, of no known meaning: its twin value is its own
+        return self.twin.full_value("width", observed)
 
-    def config_field(self, meaning: str, value) -> str | None:
-        """The top-level config attribute that holds `value` with this meaning (read again at adapt time)."""
-        return next((k for k, v in self.config_keys.get(meaning, []) if v == value), None)
+    def config_field(self, meaning: str, value, observed) -> str | None:
+        """The top-level config attribute that holds `value` with this meaning, read again at adapt time: only
+        one that holds `observed` in the twin (unless None), the number the twin was seen to use (a name is a
+        hint)."""
+        return next((k for k, v in self.config_keys.get(meaning, [])
+                     if v == value and observed in (None, getattr(self.twin.config, k, None))), None)
 
     def layer_params(self, i: int) -> dict[str, tuple]:
         return {n: tuple(p.shape) for n, p in self.stack[i].named_parameters()}
@@ -176,9 +182,11 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
             n_shared = shared_ffn // ffn
         else:
             n_shared = len(m.shared_paths)
-    router = m.router
+    router = dataclasses.replace(m.router)  # m holds the twin's numbers; every layer scales its own copy
     if router.logit_width is not None and router.weight in params:
         router.logit_width = params[router.weight][0]
+    # what the twin was seen to use (no top-k for routing by a token-id table: its k is the table's)
+    seen = {"top_k": m.top_k or None, "n_group": router.n_group, "topk_group": router.topk_group}
     router.n_group = full.value("n_group", router.n_group)
     router.topk_group = full.value("topk_group", router.topk_group)
     if router.group_limited and (router.n_group or 1) <= 1:
@@ -186,7 +194,7 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
     top_k = full.value("top_k", m.top_k) if m.top_k else full.config("top_k")
     router.config_fields = {meaning: key for meaning, value in
                             (("top_k", top_k), ("n_group", router.n_group), ("topk_group", router.topk_group))
-                            if value and (key := full.config_field(meaning, value))}
+                            if value and (key := full.config_field(meaning, value, seen[meaning]))}
     gate_up = params.get(m.expert_weights.get("gate_up") or m.expert_weights.get("gate") or "", ())
     transposed = len(gate_up) == 3 and gate_up[1] == hidden and gate_up[2] != hidden
     return MLP(
@@ -201,7 +209,8 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
     )
 
 
-def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_cfg) -> Attention:
+def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_hidden: int, hidden: int) -> Attention:
+    """The matched attention at full scale; `twin_hidden` and `hidden` are the twin's and the model's widths."""
     if a is None:
         return Attention(kind="none")
     f = a.facts
@@ -212,8 +221,9 @@ def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_cfg) -> Att
             heads = heads or full.config("ssm_heads")
         elif a.kind == "linear:lightning":  # the model's own attention heads and head size
             heads = heads or full.config("heads")
-            head_dim = head_dim or full.config("head_dim") or (
-                full.value("hidden", twin_cfg.hidden_size) // heads if heads else None)
+            head_dim = head_dim or full.config("head_dim") or (hidden // heads if heads else None)
+        elif a.kind.startswith("linear:") and head_dim is None and f.get("head_dim"):
+            head_dim = full.value(["linear_head_dim", "head_dim"], f["head_dim"])  # no field named for it
         return Attention(kind=a.kind, path=a.path, num_heads=heads, conv_kernel=f.get("conv_kernel"),
                          gate=f.get("gate"), head_dim=head_dim,
                          state_size=full.config("ssm_state") if a.kind.startswith("ssm") else None)
@@ -227,9 +237,9 @@ def _scale_attention(a: AttentionMatch | None, full: FullScale, twin_cfg) -> Att
     )
     twin_heads = f.get("num_heads")
     if (full.config("head_dim") is None and twin_heads and attn.num_heads
-            and f.get("head_dim") == twin_cfg.hidden_size // twin_heads):
+            and f.get("head_dim") == twin_hidden // twin_heads):
         # head size derived as hidden / heads by the model: derive it the same way at full scale
-        attn.head_dim = full.value("hidden", twin_cfg.hidden_size) // attn.num_heads
+        attn.head_dim = hidden // attn.num_heads
         if f.get("v_head_dim") == f.get("head_dim"):
             attn.v_head_dim = attn.head_dim
     if f.get("kv_lora_rank"):
@@ -327,13 +337,13 @@ def inspect_model(ref: str, *, trust_remote_code: bool = False, online: bool = F
 
 
 def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
-    twin_hidden = twin.config.hidden_size
+    twin_hidden = twin.hidden_size
     matches = {i: match_layer(g, twin_hidden) for i, g in cap.layers.items()}
     full = FullScale(source, twin)
     block_outputs = _count_outputs(twin, {(j, m.moe.path) for j, m in matches.items() if m.moe is not None})
     cfg = source.config
-    embeddings = full.model.get_input_embeddings()
-    hidden = embeddings.weight.shape[-1] if embeddings is not None else full.value("hidden", twin_hidden)
+    # the vocabulary and the width are what the input embedding table holds, whatever the config calls them
+    vocab, hidden = full.model.get_input_embeddings().weight.shape
     layers = []
     unmatched: list[Unmatched] = []
     for i, sig in enumerate(twin.full_layer_signatures):
@@ -353,7 +363,7 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
         if mlp.kind == "moe" and mlp.num_experts and mlp.top_k:
             routed = sum(_numel(s) for p, s in params.items() if p.startswith(mlp.experts_path + "."))
             active = total - routed + routed * min(mlp.top_k, mlp.num_experts) // mlp.num_experts
-        layers.append(Layer(index=i, attention=_scale_attention(m.attention, full, twin.config), mlp=mlp,
+        layers.append(Layer(index=i, attention=_scale_attention(m.attention, full, twin_hidden, hidden), mlp=mlp,
                             norms=sorted(set(m.norms.values())), params=total, params_active=active,
                             twin_layer=j))
     for _, m in sorted(matches.items()):
@@ -372,7 +382,7 @@ def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
     head_facts = _head_facts(cap.head)
     head_facts["tied"] = tied
     return ModelSpec(
-        name=source.name, model_type=cfg.model_type, vocab_size=int(getattr(cfg, "vocab_size", 0) or 0),
+        name=source.name, model_type=cfg.model_type, vocab_size=int(vocab),
         hidden_size=int(hidden), num_layers=len(layers), tie_embeddings=tied, layers=layers,
         # the input embedding is a lookup, not arithmetic; a tied table still works as the LM head
         layers_path=twin.layers_path,

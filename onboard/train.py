@@ -41,18 +41,21 @@ def read_plan(path) -> Plan:
 def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_remote_code: bool = False) -> dict:
     """The config the loop trains: the bundle's tiny twin, or its first `layers` layers at twin width,
     `width` times wider (more heads of the same size, wider MLPs)."""
-    from onboard.config_dict import get, layers_key, put, truncate_layers, walk
-    from onboard.twin import build_twin, meaning_of, shrink_config_dict
+    from onboard.config_dict import get, put, truncate_layers, walk
+    from onboard.shrink import meaning_of
+    from onboard.twin import build_twin
+    from onboard.twin_config import twin_config
 
     if width < 1 or (layers is not None and layers < 1):
         raise OnboardError("--layers and --width must be at least 1")
     bundle, _, origin = read_bundle(bundle)
     source = bundle_source(origin, trust_remote_code)
     if layers is None:
-        cfg = build_twin(source, run_check=False).config.to_dict()
+        twin = build_twin(source, run_check=False)
+        cfg, shrinks = twin.config.to_dict(), twin.shrinks
     else:
-        cfg, _ = shrink_config_dict(source.config.to_dict())
-        key = layers_key(cfg)
+        plan = twin_config(source)  # shrunk by field names, or by what the fields drive where names fall short
+        cfg, shrinks, key = plan.cfg, plan.shrinks, plan.layers_key
         if key is None:
             raise OnboardError(f"{bundle}: the model config has no layer count to set")
         full = get(cfg, key)
@@ -60,8 +63,10 @@ def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_rem
             raise OnboardError(f"{bundle}: the model has {full} layers; --layers may not exceed that")
         truncate_layers(cfg, key, full, layers)
     if width > 1:
+        shrunk = {s.path: s.meaning for s in shrinks}  # meanings found by behaviour where the names had none
         for path, key, value in list(walk(cfg)):
-            if meaning_of(key) in _WIDE and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if (shrunk.get(path, meaning_of(key)) in _WIDE and isinstance(value, int) and not isinstance(value, bool)
+                    and value > 0):
                 put(cfg, path, value * width)
     return cfg
 
@@ -79,15 +84,18 @@ _FAMILY_MEANINGS = {"linear:": {"heads": ("linear_v_heads", "linear_heads", "lin
                     "ssm:": {"heads": ("ssm_heads",), "head_dim": ("ssm_head_dim",)}}
 
 
-def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) -> dict:
+def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module, found: list | None = None) -> dict:
     """The run log's model fields for what is really trained: the spec's full-scale numbers, each taken
-    from the config field that holds it at full scale (`full`) and read back from the trained config."""
+    from the config field that holds it at full scale (`full`) and read back from the trained config. Fields
+    of no known name count too where the twin shrank them by what they were seen to drive (`found`: the
+    `onboard.shrink.Shrink`s of `onboard.twin_config`), after every named one."""
     import dataclasses
     import hashlib
 
     from onboard.config_dict import get, walk
-    from onboard.twin import meaning_of
+    from onboard.shrink import meaning_of
     from runtime.dims import grouped, mixers_of
+    from runtime.model_tree import find_layer_stack
     from runtime.moe.block import MoEBlock
     from runtime.runlog import mixer_fields, model_record
 
@@ -100,6 +108,7 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
         first of `meanings`, then any other)."""
         rank = {meaning: i for i, meaning in enumerate(meanings)}
         holders = [(rank.get(meaning_of(key), len(rank)), path) for path, key, v in sizes if v == value]
+        holders += [(len(rank) + 1, f.path) for f in found or () if f.full == value and f.meaning != "layers"]
         return bool(holders), get(cfg, min(holders)[1]) if holders else None
 
     for name, meaning in _FIELD_MEANINGS.items():
@@ -112,8 +121,8 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module) ->
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if blocks:
         record["experts"], record["top_k"] = blocks[0].spec.num_experts, blocks[0].spec.top_k
-    record["layers"] = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in cfg),
-                            record["layers"])
+    record["layers"] = next((cfg[k] for k in ("num_hidden_layers", "num_layers", "n_layer") if k in cfg), None) \
+        or len(find_layer_stack(model)[1])  # no field named for it: count the decoder layers
 
     def scaled(mixer):
         family = next((m for prefix, m in _FAMILY_MEANINGS.items() if mixer.kind.startswith(prefix)), {})
@@ -150,6 +159,7 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
 
     `config` is a JSON file written by `train_config` (the launcher computes it once for every rank).
     """
+    from onboard.twin_config import twin_config
 
     bundle, spec, origin = read_bundle(bundle)
     cfg = json.loads(Path(config).read_text()) if config else train_config(
@@ -161,7 +171,8 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
         raise OnboardError(f"{bundle}: the training config is invalid: {one_line(exc)}") from None
     model = source.build(model_config, experts_implementation="grouped_mm")
     load_adapter(bundle).adapt(model)
-    return model, trained_record(spec, source.config.to_dict(), cfg, model)
+    twin = twin_config(source)  # the fields the twin shrank by what they drive, where names fell short
+    return model, trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
 
 
 def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from onboard.graph import GraphView, common_prefix, op_name
+from onboard.graph import GraphView, common_prefix, op_name, within
 
 SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "flex_attention")
@@ -80,7 +80,7 @@ def _mask_window(inputs: dict, seq_len: int) -> tuple[str | None, int | None]:
 
 
 def match_attention(view: GraphView, inputs: dict, seq_len: int, exclude: list[str]) -> AttentionMatch | None:
-    nodes = [n for n in view.under("") if not any(view.path(n).startswith(x) for x in exclude if x)]
+    nodes = [n for n in view.under("") if not any(within(view.path(n), x) for x in exclude if x)]
     mixers = _mixers(view, nodes, seq_len)
     if not mixers:
         return None
@@ -225,6 +225,12 @@ def _linear_family(view: GraphView, path, region, seq_len, facts) -> AttentionMa
     exps = [n for n in region if op_name(n) == "exp"]
     if betas:
         facts["num_heads"] = view.shape(betas[0])[-1]
+        # the head size: the first tensor split into those heads, (batch, tokens, heads, head size)
+        heads = facts["num_heads"]
+        split = next((s for n in region if len(s := view.shape(n) or ()) == 4 and s[1:3] == (seq_len, heads)
+                      and s[-1] > 1), None)
+        if split:
+            facts["head_dim"] = split[-1]
     gate = _decay_granularity(view, region, facts.get("num_heads"))
     if gate:
         facts["gate"] = gate

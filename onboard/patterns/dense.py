@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onboard.graph import GraphView, op_name, parent
+from onboard.graph import GraphView, op_name, parent, within
 from onboard.patterns.moe import find_activation
 
 
@@ -51,7 +51,7 @@ def norm_kinds(view: GraphView, exclude: list[str]) -> dict[str, str]:
     kinds: dict[str, str] = {}
     for n in view.under(""):
         path = view.path(n)
-        if not path or any(path.startswith(x) for x in exclude if x):
+        if not path or any(within(path, x) for x in exclude if x):
             continue
         name = op_name(n)
         if name in ("native_layer_norm", "layer_norm"):

@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from onboard.errors import OnboardError
+from onboard.shrink import meaning_of, shrink_config_dict
 from onboard.source import resolve
-from onboard.twin import (
-    TEST_SEQ_LEN,
-    build_twin,
-    check_runs,
-    meaning_of,
-    shrink_config_dict,
-)
+from onboard.twin import TEST_SEQ_LEN, build_twin, check_runs
 
 
 def test_meanings_by_field_name():
