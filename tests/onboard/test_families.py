@@ -68,11 +68,14 @@ def layers_of(model):
     return best
 
 
-def _family_params():
+def _family_params(unsupported: str = "xfail"):
+    """Every family; an unsupported one is expected to fail (strict: a family that starts to pass must leave the
+    list) or, where its failure says nothing more, skipped."""
     out = []
     for family in FAMILIES:
-        marks = [pytest.mark.xfail(reason=UNSUPPORTED[family], strict=True)] if family in UNSUPPORTED else []
-        out.append(pytest.param(family, marks=marks, id=family))
+        mark = pytest.mark.xfail(reason=UNSUPPORTED.get(family), strict=True) if unsupported == "xfail" else \
+            pytest.mark.skip(reason=f"not inspected right, so nothing to adapt: {UNSUPPORTED.get(family)}")
+        out.append(pytest.param(family, marks=[mark] if family in UNSUPPORTED else [], id=family))
     return out
 
 
@@ -125,7 +128,7 @@ def test_family_spec_agrees_with_config(family):
 
 
 @pytest.mark.family
-@pytest.mark.parametrize("family", _family_params())
+@pytest.mark.parametrize("family", _family_params(unsupported="skip"))
 def test_family_adapts_and_verifies(family, tmp_path):
     """Every family's bundle verifies: swapped MoE blocks match HuggingFace, or nothing is swapped and the
     bundle says why."""
