@@ -101,9 +101,32 @@ def decay_pairs(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tensor) -> li
     return [x[:, :c, :c] for x in xs]
 
 
+def straddling(y: torch.Tensor) -> torch.Tensor:
+    """d_t = sum over pairs j < t <= i of y[i, j], for y (M, C, C) zero above the diagonal: the gradient of
+    sum(y-weighted pair terms exp(G_i - G_j)) with respect to the per-token log decay g_t (G = cumsum g).
+    Summed directly over the pairs that straddle t, never as a difference of two running sums: with strong
+    decays those sums are large and the gradient small, and their difference would be rounding noise."""
+    below = y.flip(-2).cumsum(-2).flip(-2)  # below[t, j] = sum_{i >= t} y[i, j]
+    c = y.shape[-1]
+    left_of = torch.ones(c, c, dtype=torch.bool, device=y.device).tril(-1)  # j < t
+    return (below * left_of).sum(-1)
+
+
+def before(x: torch.Tensor) -> torch.Tensor:
+    """Along dim -2 (the tokens of a chunk), the sum of the elements strictly before each one: a shifted running
+    sum, never the total minus a suffix or the running sum minus the element, which cancel under strong decay."""
+    return F.pad(x.cumsum(-2)[..., :-1, :], (0, 0, 1, 0))
+
+
+def from_here(x: torch.Tensor) -> torch.Tensor:
+    """Along dim -2, the sum of each element and those after it."""
+    return x.flip(-2).cumsum(-2).flip(-2)
+
+
 def decay_pairs_backward(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tensor, dxs: list[torch.Tensor]):
-    """Gradients (list of da, db, dG) of sum_s sum(dx_s * X_s); each dx must be zero above the diagonal.
-    dG has G's shape."""
+    """Gradients (list of da, db, dg) of sum_s sum(dx_s * X_s); each dx must be zero above the diagonal.
+    dg is the gradient with respect to the per-token log decay g (G = cumsum g along the chunk), with g's shape
+    (M, C, 1 or K), formed from the pairs that straddle each token (see `straddling`)."""
     if G.shape[-1] == 1:
         decay = _scalar_decay(G)
         zs = [dx * decay for dx in dxs]
@@ -111,28 +134,30 @@ def decay_pairs_backward(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tens
         db = zs[0].transpose(-1, -2) @ lhs[0]
         for z, a in zip(zs[1:], lhs[1:]):
             db.baddbmm_(z.transpose(-1, -2), a)
-    else:
-        c = G.shape[-2]
-        lhs, b, G = _pad_to_power_of_two(lhs, b, G)
-        p = G.shape[-2]
-        dxs = [F.pad(dx, (0, p - c, 0, p - c)) for dx in dxs]
-        diags = [dx.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) for dx in dxs]
-        das = [d * b for d in diags]
-        db = sum(d * a for d, a in zip(diags, lhs))
-        for size, right, left in _levels(G):
-            b_left = _left(b, size) * left
-            db_left = 0
-            for a, da, dx in zip(lhs, das, dxs):
-                blocks = _sibling_blocks(dx, size)
-                _right(da, size).add_((blocks @ b_left) * right)
-                db_left = db_left + blocks.transpose(-1, -2) @ (_right(a, size) * right)
-            _left(db, size).add_(db_left * left)
-        lhs, b = [a[:, :c] for a in lhs], b[:, :c]
-        das, db = [da[:, :c] for da in das], db[:, :c]
-    # dX_ij / dG_i brings +X_ij terms and dX_ij / dG_j -X_ij terms: both already sit in a * da and b * db
-    dG = -b * db
-    for a, da in zip(lhs, das):
-        dG.addcmul_(a, da)
-    if G.shape[-1] == 1:
-        dG = dG.sum(-1, keepdim=True)
-    return das, db, dG
+        bt = b.transpose(-1, -2)
+        y = sum(z * (a @ bt) for z, a in zip(zs, lhs))  # each pair's term, decayed
+        return das, db, straddling(y).unsqueeze(-1)
+    c = G.shape[-2]
+    lhs, b, G = _pad_to_power_of_two(lhs, b, G)
+    p = G.shape[-2]
+    dxs = [F.pad(dx, (0, p - c, 0, p - c)) for dx in dxs]
+    diags = [dx.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) for dx in dxs]
+    das = [d * b for d in diags]
+    db = sum(d * a for d, a in zip(diags, lhs))
+    dg = torch.zeros_like(G)
+    for size, right, left in _levels(G):
+        # a block's pairs straddle token t when t is in its right half at or after row i, or in its left half
+        # after column j: a suffix sum over the right rows' terms, an exclusive prefix sum over the left's
+        b_left = _left(b, size) * left
+        db_left, rows = 0, 0
+        for a, da, dx in zip(lhs, das, dxs):
+            blocks = _sibling_blocks(dx, size)
+            right_terms = (blocks @ b_left) * right
+            _right(da, size).add_(right_terms)
+            rows = rows + _right(a, size) * right_terms
+            db_left = db_left + blocks.transpose(-1, -2) @ (_right(a, size) * right)
+        _left(db, size).add_(db_left * left)
+        columns = b_left * db_left
+        _right(dg, size).add_(from_here(rows))
+        _left(dg, size).add_(before(columns))
+    return [da[:, :c] for da in das], db[:, :c], dg[:, :c]

@@ -24,6 +24,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from runtime.attention import decay_pairs as pairs
 from runtime.attention.decay_pairs import decay_exp, decay_pairs, decay_pairs_backward
 from runtime.attention.delta_reference import prepare_qk
 from runtime.attention.triangular import unit_lower_inverse
@@ -88,22 +89,23 @@ class ChunkGatedDelta(torch.autograd.Function):
         dv = dvb * beta[..., None]
         kb = k * (beta[..., None] * eg)
         dbeta = (dvb * v).sum(-1) + (dkb * k * eg).sum(-1) + (da * kk).sum(-1)
-        dG = dkb * kb
         dk = dkb * (beta[..., None] * eg)
 
-        dpairs, dkey, dG_pairs = decay_pairs_backward([k, q], k, G, [da * beta[..., None], dqk])
+        dpairs, dkey, dg_pairs = decay_pairs_backward([k, q], k, G, [da * beta[..., None], dqk])
         dk = dk + dpairs[0] + dkey + dk_end * to_end
         dq = dpairs[1] + dq_dec * eg
-        dG = dG + dq_dec * q_dec - dk_end * k_end
+        # the decay gradient, term by term, each summed over exactly the tokens whose decay it depends on
+        # (never as the difference of two running sums, which cancels under strong decay):
+        #   exp(G_i) in k beta (W) and in q (the state read): every token t <= i, a suffix sum;
+        #   exp(G_C - G_i) in the keys written to the state: every token t > i, a prefix sum;
+        #   exp(G_C) of the state carried over: every token of the chunk; the pairs: those that straddle t
+        after = dkb * kb + dq_dec * q_dec
+        before = dk_end * k_end
+        carried = ddecay * decay[..., 0]  # (M, K or 1)
         if G.shape[-1] == 1:
-            dG = dG.sum(-1, keepdim=True) + dG_pairs
-            dlast = (dk_end * k_end).sum((-2, -1)) + ddecay.sum(-1) * decay[:, 0, 0]
-            dG[:, -1, 0] += dlast
-        else:
-            dG = dG + dG_pairs
-            dG[:, -1] += (dk_end * k_end).sum(-2) + ddecay * decay[..., 0]
-        # G is a cumulative sum inside the chunk: its gradient flows back as a reversed cumulative sum
-        dg = dG.flip(1).cumsum(1).flip(1)
+            after, before = after.sum(-1, keepdim=True), before.sum(-1, keepdim=True)
+            carried = carried.sum(-1, keepdim=True)
+        dg = pairs.from_here(after) + pairs.before(before) + carried[:, None] + dg_pairs
 
         length = n * chunk
         return (dq.reshape(n_seq, length, kd), dk.reshape(n_seq, length, kd), dv.reshape(n_seq, length, vd),

@@ -100,13 +100,13 @@ def test_bad_shapes_are_one_line_errors():
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_decay_pairs_against_the_elementwise_definition(per_channel):
     """X[i, j] = sum_d a_i b_j exp(G_i - G_j) for j <= i, with decays far past fp32's exp range, on a chunk
-    that is not a power of two."""
+    that is not a power of two; the backward gives the gradient of the per-token log decay g (G = cumsum g)."""
     gen = torch.Generator().manual_seed(3)
     c = 12
     a = torch.randn(2, 3, c, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, c, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    g = -torch.rand(3, c, 5 if per_channel else 1, generator=gen, dtype=torch.float64) * 30
-    G = g.cumsum(1).requires_grad_()
+    g = (-torch.rand(3, c, 5 if per_channel else 1, generator=gen, dtype=torch.float64) * 30).requires_grad_()
+    G = g.cumsum(1)
     lower = torch.ones(c, c, dtype=torch.bool).tril()
     decay = (G[:, :, None] - G[:, None]).masked_fill(~lower[..., None], float("-inf")).exp()
     ref = (a[:, :, :, None] * b[None, :, None] * decay).sum(-1)
@@ -116,8 +116,8 @@ def test_decay_pairs_against_the_elementwise_definition(per_channel):
     assert rel(torch.stack(decay_pairs(lhs, b.detach(), G.detach())), ref) < 1e-12
     dx = torch.randn(ref.shape, generator=gen, dtype=torch.float64) * lower
     ref.backward(dx)
-    das, db, dG = decay_pairs_backward(lhs, b.detach(), G.detach(), list(dx))
-    for got, want in zip((torch.stack(das), db, dG), (a.grad, b.grad, G.grad)):
+    das, db, dg = decay_pairs_backward(lhs, b.detach(), G.detach(), list(dx))
+    for got, want in zip((torch.stack(das), db, dg), (a.grad, b.grad, g.grad)):
         assert rel(got, want) < 1e-12
 
 
@@ -375,3 +375,72 @@ def test_look_alike_with_another_meaning_is_refused():
 def test_module_without_a_linear_core_is_refused():
     with pytest.raises(ValueError, match="no chunked sequence core"):
         swap_linear_core(nn.Linear(3, 3))
+
+
+# --- decay gradients under strong decay ---------------------------------------------------------------------
+
+def _strong_problem(per_channel, strength, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    b, t, h, d = 1, 128, 2, 16
+    q, k, v = (torch.randn(b, t, h, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    g = -torch.rand((b, t, h, d) if per_channel else (b, t, h), generator=gen, dtype=torch.float64) * strength
+    beta = torch.rand(b, t, h, generator=gen, dtype=torch.float64)
+    return [q, k, v, g, beta]
+
+
+def _grads(fn, xs, **kw):
+    xs = [x.clone().requires_grad_() for x in xs]
+    o, s = fn(*xs, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    weights = torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)
+    ((o * weights).sum() + 0.01 * (s * s).sum()).backward()
+    return [x.grad for x in xs]
+
+
+def _decay_rate_gradient(dg, g):
+    """What reaches a decay-rate parameter such as A_log (g = -exp(A_log) * ...): sum over tokens of dg * g, per
+    head. Strongly decayed tokens weigh in with large |g|, so an error at tokens whose true dg is tiny shows."""
+    return (dg.double() * g).sum(1)
+
+
+@pytest.mark.parametrize("strength", [1, 10, 100])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_decay_gradients_stay_exact_under_strong_decay(per_channel, strength):
+    """Log decays down to -100 a token over two chunks: the runtime's fp32 gradients, against the fp64
+    recurrence, are within a small multiple of transformers' own fp32 ones (torch_chunk_gated_delta_rule,
+    chunk_kimi_delta_attention), tensor by tensor and for what a decay-rate parameter receives."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    problem = _strong_problem(per_channel, strength)
+    truth = _grads(recurrent_gated_delta_rule, problem)
+    fp32 = [x.float() for x in problem]
+    ours = _grads(chunk_gated_delta_rule, fp32, chunk_size=64)
+    theirs = _grads(chunk_kimi_delta_attention if per_channel else torch_chunk_gated_delta_rule, fp32, chunk_size=64)
+    for name, a, b, t in zip(("dq", "dk", "dv", "dg", "dbeta"), ours, theirs, truth):
+        assert rel(a, t) <= 3 * rel(b, t) + 1e-6, (name, rel(a, t), rel(b, t))
+    g = problem[3]
+    rate = _decay_rate_gradient(truth[3], g)
+    assert rel(_decay_rate_gradient(ours[3], g), rate) <= 3 * rel(_decay_rate_gradient(theirs[3], g), rate) + 1e-6
+
+
+def test_a_cancelling_decay_gradient_is_caught(monkeypatch):
+    """Planted: the decay gradient formed from differences of running sums (the pairs' row sums at i minus
+    column sums at j, then a reversed cumulative sum; the keys' total minus their suffix), the same in exact
+    arithmetic; under strong decay what reaches a decay rate is several times further off."""
+    import runtime.attention.decay_pairs as pairs
+
+    def cancelling(y):
+        return (y.sum(-1) - y.sum(-2)).flip(-1).cumsum(-1).flip(-1)
+
+    def total_minus_suffix(x):
+        return x.sum(-2, keepdim=True) - pairs.from_here(x)
+
+    problem = _strong_problem(False, 100)
+    truth = _grads(recurrent_gated_delta_rule, problem)
+    fp32 = [x.float() for x in problem]
+    exact = _decay_rate_gradient(_grads(chunk_gated_delta_rule, fp32, chunk_size=64)[3], problem[3])
+    monkeypatch.setattr(pairs, "straddling", cancelling)
+    monkeypatch.setattr(pairs, "before", total_minus_suffix)
+    planted = _decay_rate_gradient(_grads(chunk_gated_delta_rule, fp32, chunk_size=64)[3], problem[3])
+    rate = _decay_rate_gradient(truth[3], problem[3])
+    assert rel(planted, rate) > 5 * rel(exact, rate)
