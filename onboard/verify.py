@@ -1,8 +1,15 @@
 """Prove an adapter computes what HuggingFace computes: the tiny twin through both, several seeds, fp32.
 
-For each seed the twin's weights are redrawn (router biases included, so bias correction is exercised),
-the same batch goes through the HuggingFace model and through an adapted deep copy, and the logits, the
-loss and every parameter's gradient are compared. The run also proves the adapter did what the adapt
+For each seed the twin's weights are redrawn (router biases included, so bias correction is exercised; in the
+last two the vectors of linear-attention and state-space modules, their decay rates among them, are drawn
+across the weak and then the strong half of a wide range, DECAY_DRAWS), the same batch goes through the HuggingFace model
+in fp32, through an adapted fp32 deep copy, and through the HuggingFace model in fp64, the truth. The logits
+and every parameter's gradient are judged against the truth: the adapted model's error may be at most
+ERR_FACTOR times HuggingFace's own fp32 error plus ERR_FLOOR, tensor by tensor (relative to the tensor's
+largest true value). A gradient that is wrong where HuggingFace's is right fails, however small it is, which
+a tolerance relative to each tensor's own maximum would let through. Where the model does not run in fp64 the
+adapted model is compared with the fp32 HuggingFace model instead (GRAD_RTOL, GRAD_ATOL; said in the note).
+The run also proves the adapter did what the adapt
 decision says, from the handles `adapt(model)` returns (`runtime.swap.Swaps`): as many swaps of each kind
 as the decision expects in the twin, every one of them run (its own call count), and none of the
 HuggingFace blocks they replaced run.
@@ -11,7 +18,9 @@ HuggingFace blocks they replaced run.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -20,7 +29,7 @@ from torch import nn
 from onboard.decision import Decision
 from onboard.errors import one_line
 from onboard.spec import ModelSpec
-from onboard.twin import Twin
+from onboard.twin import TEST_SEQ_LEN, Twin
 from runtime.model_tree import tensor_at
 from runtime.swap import EXPERTS, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION, Swaps
 
@@ -31,6 +40,16 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 GRAD_ATOL = 1e-7
 CHECK_CHUNK = 8  # linear-attention chunk length under verification: the 32-token twin crosses 3 boundaries
+# against the fp64 truth: the adapted fp32 error within this multiple of HuggingFace's own fp32 error, plus a
+# floor for tensors HuggingFace gets (nearly) exact, where summation order alone moves the last digits
+ERR_FACTOR = 10.0
+ERR_FLOOR = 1e-5
+# The vectors of linear-attention / state-space modules (A_log, dt_bias, ...) in the last two seeds, uniform over
+# a range: weak decays (A = e^-4..1: the state carries across many chunks), then strong ones (A = 1..e^4 and
+# softplus(dt) up to 4: log decays down to about -200 a token, where a decay gradient summed the wrong way loses
+# its digits). Those seeds run WIDE_SEQ tokens at the runtime's own chunk length.
+DECAY_DRAWS = {SEEDS[1]: ("weak", (-4.0, 0.0)), SEEDS[2]: ("strong", (0.0, 4.0))}
+WIDE_SEQ = 160  # over two of the runtime's 64-token chunks, and a part
 
 
 @dataclass
@@ -49,6 +68,15 @@ class SeedResult:
     original_calls: int = 0
     runtime_loss_calls: int = 0  # forward passes whose loss the runtime computed (0 when the loss stays HF)
     runtime_attention_calls: int = 0  # runtime linear-attention cores and sparse attentions run
+    # against the fp64 truth ("" when the model does not run in fp64): relative errors of the logits, and of
+    # the gradient where the adapted error is furthest past HuggingFace's own
+    truth: str = ""
+    logits_err_hf: float = 0.0
+    logits_err_adapted: float = 0.0
+    grad_err_hf: float = 0.0
+    grad_err_adapted: float = 0.0
+    grad_err_param: str = ""
+    decays: str = ""  # "weak" / "strong": this seed drew the linear-attention / state-space vectors so
     passed: bool = False
 
 
@@ -68,19 +96,32 @@ class Verification:
         return asdict(self)
 
 
-def _redraw(model: nn.Module, spec: ModelSpec, layers_path: str, seed: int) -> None:
-    """New random weights: matrices N(0, 0.05); vectors 1 + N(0, 0.05) (norm gains stay near one)."""
+def _redraw(model: nn.Module, spec: ModelSpec, layers_path: str, seed: int, decays: tuple | None = None) -> bool:
+    """New random weights: matrices N(0, 0.05); vectors 1 + N(0, 0.05) (norm gains stay near one). With
+    `decays` (low, high) the vectors of linear-attention and state-space modules are uniform over that range
+    instead: their decay rates (A_log, dt_bias) weak or strong. Returns whether the model has such vectors."""
     gen = torch.Generator().manual_seed(seed)
+    stack = model.get_submodule(layers_path)
+    wide = set()
+    if decays:
+        for layer in spec.layers:
+            if layer.index < len(stack) and layer.attention.kind.startswith(("linear:", "ssm:")):
+                module = stack[layer.index].get_submodule(layer.attention.path) if layer.attention.path else None
+                wide |= {id(p) for p in (module.parameters() if module is not None else ()) if p.dim() == 1}
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
-            p.copy_(noise if p.dim() >= 2 else 1.0 + noise)
-        stack = model.get_submodule(layers_path)
+            if id(p) in wide:
+                low, high = decays
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * (high - low) + low)
+            else:
+                p.copy_(noise if p.dim() >= 2 else 1.0 + noise)
         for layer in spec.layers:
             bias = layer.mlp.router.bias if layer.mlp.router else None
             if bias and layer.index < len(stack):
                 t = tensor_at(stack[layer.index], bias)
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.05)
+    return bool(wide)
 
 
 def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
@@ -95,17 +136,22 @@ def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
 MOE_KINDS = (MOE_BLOCK, EXPERTS)
 
 
-def verify(spec: ModelSpec, twin: Twin, adapt, decision: Decision, seeds=SEEDS) -> Verification:
+def verify(spec: ModelSpec, twin: Twin, adapt, decision: Decision, seeds=SEEDS, against_fp64: bool = True,
+           decay_draws: dict | None = None) -> Verification:
     """Run the twin through HuggingFace and through `adapt`; compare everything, and check the handles `adapt`
     returns against `decision`. Never raises: an adapter that crashes is a failed verification, with the error
     in the note. Where the decision takes the loss, the adapter computes it without full logits; the logits are
-    then compared from a forward pass without labels."""
+    then compared from a forward pass without labels. `against_fp64=False` judges every tensor against the
+    fp32 HuggingFace run alone (GRAD_RTOL, GRAD_ATOL); `decay_draws` replaces DECAY_DRAWS (seed -> (name,
+    range)); with both `False` and `{}` the rule is the one before the fp64 truth."""
     depth = len(twin.model.get_submodule(twin.layers_path))
     wanted = decision.expected(depth)
     expected = sum(wanted[k] for k in MOE_KINDS)
-    tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL}
+    tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL,
+                  "err_factor": ERR_FACTOR, "err_floor": ERR_FLOOR}
     try:
-        return _verify(spec, twin, adapt, seeds, wanted, tolerances)
+        draws = DECAY_DRAWS if decay_draws is None else decay_draws
+        return _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, draws)
     except Exception as exc:  # generated code under test: report, do not crash
         return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
 
@@ -124,22 +170,28 @@ def _ran(swap) -> bool:
     return sum(n for kind, n in swap.calls.items() if kind not in ("causal_conv1d", "indexer")) > 0
 
 
-def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
+def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_draws) -> Verification:
     results = []
     made: dict[str, int] = {}
     idle: set[str] = set()  # swaps made whose runtime code never ran
+    truthless: set[str] = set()  # why the model did not run in fp64 (then the fp32 comparison decides)
     for seed in seeds:
         ref = copy.deepcopy(twin.model)
-        _redraw(ref, spec, twin.layers_path, seed)
+        decays, decay_range = decay_draws.get(seed, ("", None))
+        wide = _redraw(ref, spec, twin.layers_path, seed, decay_range)  # a model with decays to draw
         ref.eval()
+        truth = copy.deepcopy(ref).double() if against_fp64 else None
         adapted = copy.deepcopy(ref)
         names = dict(adapted.named_parameters())
-        swaps = _adapt_for_checking(adapt, adapted)
+        # the decay seeds run the runtime's own chunk length over several chunks: that is where a decay
+        # gradient summed the wrong way loses its digits; the first crosses many short chunks
+        swaps = _adapt_for_checking(adapt, adapted, None if wide else CHECK_CHUNK)
         made = {kind: len(swaps.of(kind)) for kind in wanted}
         original_hooks, original_calls = _count_calls([s.replaced for s in swaps.of(*MOE_KINDS)])
-        batch = twin.example_batch(seed)
+        batch = twin.example_batch(seed, WIDE_SEQ if wide else TEST_SEQ_LEN)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()
+        out_truth, why_no_truth = _truth(truth, batch) if against_fp64 else (None, "not asked for")
         out_ad = adapted(**batch, use_cache=False)
         out_ad.loss.backward()
         for h in original_hooks:
@@ -150,7 +202,11 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
         if logits_ad is None or logits_ad.numel() == 0:  # the runtime loss never made logits: ask for them
             with torch.no_grad():
                 logits_ad = adapted(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
-        result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls, original_calls[0])
+        result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls, original_calls[0],
+                          truth if out_truth is not None else None, out_truth)
+        result.decays = decays if wide else ""
+        if why_no_truth:
+            truthless.add(why_no_truth)
         result.runtime_loss_calls = loss_calls
         result.runtime_attention_calls = attention_calls
         never = {s.path or s.kind for s in swaps if not _ran(s)}
@@ -165,6 +221,8 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
     passed = bool(results) and all(r.passed for r in results) and counts_match and aux.get("passed", True)
     notes = [f"adapter made {made.get(kind, 0)} {kind} swaps, expected {n}" for kind, n in wanted.items()
              if made.get(kind, 0) != n]
+    if truthless:
+        notes.append(f"judged against HuggingFace fp32 (no fp64 run: {sorted(truthless)[0]})")
     if idle:
         notes.append(f"swapped but never run: {', '.join(sorted(idle)[:5])}{' ...' if len(idle) > 5 else ''}")
     if not expected and not notes:
@@ -182,12 +240,73 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances) -> Verification:
                         swaps={kind: {"expected": n, "made": made.get(kind, 0)} for kind, n in wanted.items() if n})
 
 
-def _adapt_for_checking(adapt, model: nn.Module) -> Swaps:
+def _truth(model: nn.Module, batch: dict):
+    """The fp64 run (forward and backward) of the HuggingFace model: (output, None), or (None, why not). Its
+    experts run as transformers' plain loop (grouped GEMMs take no fp64), and its chunked sequence scans with
+    chunks of one token: transformers' chunked scans split exp(G_i - G_j) into exp(G_i) exp(-G_j) over a
+    chunk, which under strong decay is inexact in fp64 too, so only the token-by-token recurrence they compute
+    at chunk 1 is the truth."""
+    try:
+        model.set_experts_implementation("eager")
+    except (AttributeError, ValueError, RuntimeError):
+        pass  # a model without a choice of experts implementation runs as it is
+    _token_by_token(model)
+    try:
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+    except Exception as exc:  # noqa: BLE001 - model code we do not own may not take fp64
+        return None, one_line(exc, 120)
+    return out, None
+
+
+def _token_by_token(model: nn.Module) -> None:
+    """Make the chunked scans a model's own forwards call (found by signature) run with chunks of one token,
+    and lightning blocks with blocks of one token (in place: `model` is verification's fp64 copy)."""
+    import functools
+
+    from runtime.attention import find_linear_cores
+    from runtime.swap import Swap, forward_with_globals
+
+    for module in model.modules():
+        namespace = vars(sys.modules[type(module).__module__])
+        scans = [name for name in find_linear_cores(module) if _takes_chunks(namespace.get(name))]
+        if scans:
+            Swap("truth").set_forward(module, forward_with_globals(type(module), {
+                name: functools.partial(_one_token_chunks, namespace[name]) for name in scans}))
+        elif isinstance(getattr(module, "block_size", None), int) and hasattr(module, "slope_rate"):
+            module.block_size = 1
+
+
+def _takes_chunks(fn) -> bool:
+    """Whether `fn` is a chunked scan (a chunk_size parameter); a sequential scan is token by token already."""
+    try:
+        return callable(fn) and "chunk_size" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _one_token_chunks(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with its chunk_size argument (given by position or by name) set to one."""
+    names = list(inspect.signature(fn).parameters)
+    at = names.index("chunk_size")
+    if at < len(args):
+        args = (*args[:at], 1, *args[at + 1:])
+    else:
+        kwargs["chunk_size"] = 1
+    return fn(*args, **kwargs)
+
+
+def _error(x: torch.Tensor, truth: torch.Tensor) -> float:
+    """max |x - truth| / max |truth|, in fp64."""
+    x, truth = x.detach().double(), truth.detach().double()
+    return float((x - truth).abs().max() / truth.abs().max().clamp_min(1e-30))
+
+
+def _adapt_for_checking(adapt, model: nn.Module, chunk: int | None = CHECK_CHUNK) -> Swaps:
     """Adapt `model`, with linear-attention chunks short enough that the twin's sequence spans several:
     chunk boundaries are where a chunked recurrence goes wrong. The handles it returns, as Swaps."""
-    import inspect
-
-    swaps = adapt(model, chunk_size=CHECK_CHUNK) if "chunk_size" in inspect.signature(adapt).parameters else adapt(model)
+    takes_chunk = chunk is not None and "chunk_size" in inspect.signature(adapt).parameters
+    swaps = adapt(model, chunk_size=chunk) if takes_chunk else adapt(model)
     if not isinstance(swaps, list):
         raise TypeError(f"adapt() returned {type(swaps).__name__}, not the handles of its swaps (runtime.swap.Swaps)")
     return Swaps(swaps)
@@ -232,14 +351,16 @@ def _backends() -> dict:
 
 
 def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, runtime_calls,
-             original_calls) -> SeedResult:
+             original_calls, truth=None, out_truth=None) -> SeedResult:
     a, b = out_ref.logits.detach().double(), logits_adapted.detach().double()
     scale = max(1.0, float(a.abs().max()))
     max_abs = float((a - b).abs().max())
     kl = float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
                                           reduction="batchmean") / a.shape[1])
     loss_ref, loss_ad = float(out_ref.loss.detach()), float(loss_adapted.detach())
+    true_params = dict(truth.named_parameters()) if truth is not None else {}
     failures, worst, worst_name, checked = [], 0.0, "", 0
+    worst_margin, err_hf, err_ad, err_name = -math.inf, 0.0, 0.0, ""
     for name, p in ref.named_parameters():
         q = adapted_params[name]
         if p.grad is None and q.grad is None:
@@ -254,9 +375,24 @@ def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, r
         rel = diff / (ref_max + 1e-6)  # tensors with (nearly) no gradient do not dominate the report
         if rel > worst:
             worst, worst_name = rel, name
-        if diff > GRAD_RTOL * ref_max + GRAD_ATOL:
+        t = true_params.get(name)
+        if t is not None and t.grad is not None:
+            e_hf, e_ad = _error(g, t.grad), _error(h, t.grad)
+            margin = e_ad - (ERR_FACTOR * e_hf + ERR_FLOOR)
+            if margin > worst_margin:
+                worst_margin, err_hf, err_ad, err_name = margin, e_hf, e_ad, name
+            if margin > 0:
+                failures.append(f"{name}: error {e_ad:.2g} against fp64, HuggingFace's own fp32 error {e_hf:.2g}")
+        elif diff > GRAD_RTOL * ref_max + GRAD_ATOL:
             failures.append(f"{name}: max |dgrad| {diff:.3g} vs max |grad| {ref_max:.3g}")
-    passed = (max_abs <= LOGITS_RTOL * scale and abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
+    logits_ok = max_abs <= LOGITS_RTOL * scale
+    logits_err_hf = logits_err_ad = 0.0
+    if truth is not None:
+        logits_err_hf, logits_err_ad = _error(a, out_truth.logits), _error(b, out_truth.logits)
+        logits_ok = logits_err_ad <= ERR_FACTOR * logits_err_hf + ERR_FLOOR
+    passed = (logits_ok and abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
               and not failures and original_calls == 0 and math.isfinite(loss_ad))
     return SeedResult(seed, max_abs, max_abs / scale, loss_ref, loss_ad, kl, checked, worst, worst_name,
-                      failures[:20], runtime_calls, original_calls, passed=passed)
+                      failures[:20], runtime_calls, original_calls, truth="fp64" if truth is not None else "",
+                      logits_err_hf=logits_err_hf, logits_err_adapted=logits_err_ad, grad_err_hf=err_hf,
+                      grad_err_adapted=err_ad, grad_err_param=err_name, passed=passed)

@@ -21,26 +21,37 @@ products of the gated delta rule are computed together, the decay factors once),
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-# Log decays below the floor are taken as exp(-80) (~1.8e-35): what they scale is negligible next to O(1)
-# terms either way, while exp of very negative numbers (results near fp32's subnormal range) runs ~10x slower
-# on CPU and leaves subnormal operands that slow the matmuls after it.
-LOG_DECAY_FLOOR = -80.0
+from runtime.subnormals import exp_or_zero, exp_or_zero_, floor_for
+
+# Decays exp(x) with log x below LOG_DECAY_ZERO are exact zeros. What they would scale is below fp32's resolution
+# next to the unit decay every token's own term carries (e^-24 ~ 4e-11), so dropping them moves no result; and
+# every decay that stays is at least e^-24, so a product of up to three of them is at least e^-72 (~5e-32), still
+# a normal float. Tiny nonzero decays (a clamp, or exp down to e^-87) make subnormal products, which this CPU computes ~6x slower.
+LOG_DECAY_ZERO = -24.0  # for fp32 (fp64: see runtime.subnormals.floor_for)
+
+
+def decay_zero(dtype: torch.dtype) -> float:
+    """The smallest decay kept, as a value: products of decays below it are dropped too."""
+    return math.exp(floor_for(dtype, LOG_DECAY_ZERO))
 
 
 def decay_exp(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp_min(LOG_DECAY_FLOOR).exp()
+    """exp(x) for log decays x <= 0, exactly 0 where x < LOG_DECAY_ZERO (differentiable: zero gradient there)."""
+    return exp_or_zero(x, LOG_DECAY_ZERO)
 
 
 def _scalar_decay(G: torch.Tensor) -> torch.Tensor:
     g = G[..., 0]
     c = g.shape[-1]
+    # above the diagonal the exponent is >= 0 and the pair does not exist: exp there would overflow, slowly
     upper = torch.ones(c, c, dtype=torch.bool, device=G.device).triu(1)
-    # above the diagonal the exponent is >= 0: -inf there, as exp overflowing to inf is slow too
-    diff = (g[:, :, None] - g[:, None, :]).clamp_min_(LOG_DECAY_FLOOR)
-    return diff.masked_fill_(upper, float("-inf")).exp_()
+    diff = g[:, :, None] - g[:, None, :]
+    return exp_or_zero_(diff.masked_fill_(upper, -math.inf), LOG_DECAY_ZERO)
 
 
 def _pad_to_power_of_two(lhs, b, G):

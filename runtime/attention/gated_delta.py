@@ -45,7 +45,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         G = g.reshape(n_seq * n, chunk, g.shape[-1]).cumsum(1)
         kk, qk = decay_pairs([k, q], k, G)
         eg = decay_exp(G)
-        inv = unit_lower_inverse(kk * beta[..., None])
+        inv = unit_lower_inverse(kk * beta[..., None], pairs.decay_zero(kk.dtype))
         r = inv @ torch.cat((v * beta[..., None], k * (beta[..., None] * eg)), -1)
         u, w = r.split([vd, kd], -1)
         last = G[:, -1:]

@@ -29,12 +29,15 @@ after its last reset write the outgoing state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.decay_pairs import LOG_DECAY_FLOOR, decay_exp
+from runtime.attention.decay_pairs import LOG_DECAY_ZERO, decay_exp
 from runtime.attention.delta_reference import compute_dtype
 from runtime.kernels import registry
+from runtime.subnormals import exp_or_zero
 
 OP = "linear_attention.chunk_scalar_decay"
 
@@ -52,11 +55,11 @@ def _check(q, k, v, g):
 
 
 def _pair_decay(G: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """exp(G_i - G_j) where `allowed` (j <= i, same sequence) and the exponent is above LOG_DECAY_FLOOR,
-    else exactly 0: G (..., C) -> (..., C, C). Masked before exp, so no exponent is ever positive; autograd
-    keeps only the result and a bool mask (a clamp would keep another fp32 (C x C) copy)."""
+    """exp(G_i - G_j) where `allowed` (j <= i, same sequence) and the exponent is at least LOG_DECAY_ZERO,
+    else exactly 0: G (..., C) -> (..., C, C). Masked before exp, so no exponent is ever positive (and no
+    result subnormal); autograd keeps only the result and a bool mask (a clamp would keep another fp32 copy)."""
     diff = G[..., :, None] - G[..., None, :]
-    return torch.where(allowed & (diff > LOG_DECAY_FLOOR), diff, float("-inf")).exp()
+    return exp_or_zero(diff.masked_fill(~allowed, -math.inf), LOG_DECAY_ZERO)
 
 
 class _IntraChunk(torch.autograd.Function):

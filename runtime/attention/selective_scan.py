@@ -29,6 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.attention.decay_pairs import LOG_DECAY_ZERO, decay_zero
+from runtime.subnormals import exp_or_zero_
+
 CHUNK = 16
 
 
@@ -52,7 +55,9 @@ def _scan(a, u, a2, u2, reverse: bool = False):
         torch.addcmul(u[..., new, :], a[..., new, :], u[..., old, :], out=u2[..., new, :])
         u2[..., keep, :] = u[..., keep, :]
         if step * 2 < length:
-            torch.mul(a[..., new, :], a[..., old, :], out=a2[..., new, :])
+            # products of decays: those below the smallest kept decay are dropped, or products of them end subnormal
+            product = torch.mul(a[..., new, :], a[..., old, :], out=a2[..., new, :])
+            product.masked_fill_(product < decay_zero(product.dtype), 0.0)
             a2[..., keep, :] = a[..., keep, :]
         a, a2, u, u2 = a2, a, u2, u
         step *= 2
@@ -70,7 +75,7 @@ def _chunk_states(x, dt, A, B, h0, decay, p, u, p2, u2):
     """States of one chunk: x, dt (b, G, Dg, L); A (G, Dg, N); B (b, G, L, N); h0 (b, G, Dg, N). Writes the
     single-step decays into `decay` (which may be `p`) and returns (h, free, free, free), h (b, G, Dg, L, N)
     the states, all in the given buffers."""
-    torch.mul(A[:, :, None, :], dt[..., None], out=decay).exp_()
+    exp_or_zero_(torch.mul(A[:, :, None, :], dt[..., None], out=decay), LOG_DECAY_ZERO)
     if p is not decay:
         p.copy_(decay)
     torch.mul((dt * x)[..., None], B[:, :, None], out=u)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.subnormals import LOG_PROB_ZERO, exp_or_zero_
+
 CHUNK_BYTES = 256 * 2**20  # working set of one chunk: fewer, larger GEMMs run faster on several threads
 DENSE_RATIO = 48  # MaskedKeys while T <= DENSE_RATIO * K (CPU crossover measured near T = 50-60 K, fp32, 1 thread)
 
@@ -27,15 +29,16 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 
 
 def probabilities_(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """exp(scores - lse) in place; a query with no valid key (lse -inf) gets zeros, not NaN."""
-    return scores.sub_(torch.where(torch.isfinite(lse), lse, float("inf"))[..., None]).exp_()
+    """exp(scores - lse) in place; a query with no valid key (lse -inf) gets zeros, not NaN; probabilities
+    below e^LOG_PROB_ZERO are exact zeros (see runtime.loss.blocks), never subnormal."""
+    return exp_or_zero_(scores.sub_(torch.where(torch.isfinite(lse), lse, float("inf"))[..., None]), LOG_PROB_ZERO)
 
 
 def softmax_lse_(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim in place, and its log-sum-exp; rows of -inf only: zeros and -inf."""
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    probs = scores.sub_(top).exp_()
+    probs = exp_or_zero_(scores.sub_(top), LOG_PROB_ZERO)
     total = probs.sum(dim=-1, keepdim=True)
     lse = (top + torch.log(total)).squeeze(-1)
     return probs.mul_(1.0 / torch.where(total > 0, total, 1.0)), lse

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.loss.logits import LogitTransform
+from runtime.subnormals import LOG_PROB_ZERO, exp_or_zero_
 
 
 def raw_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -36,7 +37,7 @@ def cross_entropy_rows_(z: torch.Tensor, labels: torch.Tensor, transform: LogitT
     slope = transform.slope(y) if want_grad else 1.0
     # one exp over the block: exp(y - max) in place, its row sums give the log-sum-exp
     peak = y.amax(1, keepdim=True)
-    e = y.sub_(peak).exp_()
+    e = exp_or_zero_(y.sub_(peak), LOG_PROB_ZERO)
     total = e.sum(1)
     lse = peak.squeeze(1) + total.log()
     if want_grad:

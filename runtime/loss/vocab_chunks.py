@@ -13,6 +13,7 @@ import torch
 
 from runtime.loss.blocks import backprop_block, head_logits
 from runtime.loss.logits import LogitTransform
+from runtime.subnormals import LOG_PROB_ZERO, exp_or_zero, exp_or_zero_
 
 
 def _target_logits(hidden, weight, bias, labels, transform: LogitTransform) -> torch.Tensor:
@@ -31,7 +32,8 @@ def _online_lse(hidden, weight, bias, transform: LogitTransform, chunk_vocab: in
         v = slice(v0, v0 + chunk_vocab)
         y = head_logits(hidden, weight[v], bias[v] if bias is not None else None, transform)
         new_peak = torch.maximum(peak, y.amax(1))
-        total = total * (peak - new_peak).exp() + y.sub_(new_peak.unsqueeze(1)).exp_().sum(1)
+        total = (total * exp_or_zero(peak - new_peak, LOG_PROB_ZERO)
+                 + exp_or_zero_(y.sub_(new_peak.unsqueeze(1)), LOG_PROB_ZERO).sum(1))
         peak = new_peak
     return peak + total.log()
 
@@ -75,7 +77,7 @@ class VocabChunkedLoss(torch.autograd.Function):
                 w, b = weight[v], bias[v] if bias is not None else None
                 y = head_logits(h, w, b, transform)
                 slope = transform.slope(y)
-                g = y.sub_(lse_t).exp_().mul_(coef)
+                g = exp_or_zero_(y.sub_(lse_t), LOG_PROB_ZERO).mul_(coef)
                 if not (isinstance(slope, float) and slope == 1.0):
                     g.mul_(slope)
                 backprop_block(g, h, w, gh, grad_weight[v] if want_w else None, grad_bias[v] if want_b else None)
