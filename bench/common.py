@@ -37,3 +37,50 @@ def run_child(script: str, args: list[str], threads: int, what: str, **popen) ->
     if result.returncode != 0 or not lines:
         raise SystemExit(f"{what} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
     return json.loads(lines[-1])
+
+
+# Flush-to-zero: every bench reports its figures with it off (what users run) and on, and how many subnormal
+# values the cores' intermediate tensors held (runtime.subnormals). Child processes learn the mode from BENCH_FTZ.
+FTZ_ENV = "BENCH_FTZ"
+
+
+def add_ftz(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ftz", choices=["off", "on", "both"], default="both",
+                        help="the CPU's flush-to-zero for the timed runs: off (every process's default), on, or "
+                             "both, each reported")
+
+
+def ftz_modes(choice: str) -> list[bool]:
+    return {"off": [False], "on": [True], "both": [False, True]}[choice]
+
+
+def ftz_label(on: bool) -> str:
+    return "flush-to-zero on " if on else "flush-to-zero off"
+
+
+def child_env(on: bool) -> dict:
+    """The environment entry that tells a child process (`apply_child_ftz`) which mode to time in."""
+    return {FTZ_ENV: "1" if on else "0"}
+
+
+def apply_child_ftz() -> bool:
+    """In a child process: set flush-to-zero as the parent asked (off unless told); returns the mode."""
+    import os
+
+    import torch
+
+    on = os.environ.get(FTZ_ENV) == "1"
+    torch.set_flush_denormal(on)
+    return on
+
+
+def subnormals(fn) -> tuple[int, str]:
+    """Run fn() once under a SubnormalCensus (flush-to-zero off): the subnormal values its operations made,
+    forward and backward, and the operations that made most of them."""
+    import torch
+    from runtime.subnormals import SubnormalCensus
+
+    torch.set_flush_denormal(False)
+    with SubnormalCensus() as census:
+        fn()
+    return census.total, census.worst(3)

@@ -17,6 +17,7 @@ import time
 
 import torch
 from runtime.attention import swap_lightning_attention
+from runtime.subnormals import flush_to_zero
 from transformers import AutoConfig
 from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
 
@@ -37,6 +38,7 @@ def main():
     parser = common.parser(__doc__, batch=2, tokens=2048, heads=8, dim=64, repeats=3,
                            block=(256, "transformers' block_size (MiniMax-Text-01: 256)"),
                            threads=(None, "torch threads (default: torch's own)"))
+    common.add_ftz(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,18 +52,24 @@ def main():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.tokens, hidden, generator=gen)
     weights = torch.randn(args.batch, args.tokens, hidden, generator=gen)
-    times = {"runtime": [], "transformers": []}
-    results = {}
-    for _ in range(args.repeats + 1):  # the first round warms up both
-        for name, module in (("runtime", runtime), ("transformers", reference)):
-            elapsed, results[name] = fwd_bwd(module, x, weights)
-            times[name].append(elapsed)
-    rt, hf = (statistics.median(times[n][1:]) for n in ("runtime", "transformers"))
-    errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(results["runtime"], results["transformers"])]
+    sides = (("runtime", runtime), ("transformers", reference))
     print(f"lightning attention layer, batch {args.batch}, {args.tokens} tokens, {args.heads} heads x {args.dim}, "
           f"block {args.block}, fp32, forward + backward, {torch.get_num_threads()} threads")
-    print(f"runtime {rt * 1e3:.0f} ms, transformers {hf * 1e3:.0f} ms: {hf / rt:.2f}x faster; "
-          f"max relative error output {errors[0]:.1e}, gradients {max(errors[1:]):.1e}")
+    for ftz in common.ftz_modes(args.ftz):
+        times = {"runtime": [], "transformers": []}
+        results = {}
+        with flush_to_zero(ftz):
+            for _ in range(args.repeats + 1):  # the first round warms up both
+                for name, module in sides:
+                    elapsed, results[name] = fwd_bwd(module, x, weights)
+                    times[name].append(elapsed)
+        rt, hf = (statistics.median(times[n][1:]) for n in ("runtime", "transformers"))
+        print(f"{common.ftz_label(ftz)}: runtime {rt * 1e3:.0f} ms, transformers {hf * 1e3:.0f} ms: {hf / rt:.2f}x faster")
+    errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(results["runtime"], results["transformers"])]
+    print(f"max relative error output {errors[0]:.1e}, gradients {max(errors[1:]):.1e}")
+    counts = {name: common.subnormals(lambda: fwd_bwd(module, x, weights)) for name, module in sides}
+    print("subnormal values made (forward + backward): "
+          + ", ".join(f"{name} {n} ({where})" for name, (n, where) in counts.items()))
 
 
 if __name__ == "__main__":

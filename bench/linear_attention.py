@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 from runtime.attention import chunk_gated_delta_rule
+from runtime.subnormals import flush_to_zero
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.qwen3_next import modeling_qwen3_next
 
@@ -53,26 +54,34 @@ def rel(a, b) -> float:
 def compare(kind: str, reference, args) -> None:
     tensors = inputs(kind, args.batch, args.tokens, args.heads, args.dim)
     weights = torch.randn(args.batch, args.tokens, args.heads, args.dim, generator=torch.Generator().manual_seed(1))
-    times = {"runtime": [], "transformers": []}
-    results = {}
     chunks = {"runtime": args.chunk, "transformers": 64}  # 64: what transformers' modules ask for
-    for _ in range(args.repeats + 1):  # the first round warms up both
-        for name, fn in (("runtime", chunk_gated_delta_rule), ("transformers", reference)):
-            seconds, results[name] = fwd_bwd(fn, tensors, weights, chunks[name])
-            times[name].append(seconds)
-    (ours, ours_cpu), (theirs, theirs_cpu) = (
-        [statistics.median(t[i] for t in times[n][1:]) for i in (0, 1)] for n in ("runtime", "transformers"))
+    sides = (("runtime", chunk_gated_delta_rule), ("transformers", reference))
+    for ftz in common.ftz_modes(args.ftz):
+        times = {"runtime": [], "transformers": []}
+        results = {}
+        with flush_to_zero(ftz):
+            for _ in range(args.repeats + 1):  # the first round warms up both
+                for name, fn in sides:
+                    seconds, results[name] = fwd_bwd(fn, tensors, weights, chunks[name])
+                    times[name].append(seconds)
+        (ours, ours_cpu), (theirs, theirs_cpu) = (
+            [statistics.median(t[i] for t in times[n][1:]) for i in (0, 1)] for n in ("runtime", "transformers"))
+        print(f"{kind.upper()}, {common.ftz_label(ftz)}: runtime {ours * 1e3:.1f} ms (cpu {ours_cpu * 1e3:.1f} ms), "
+              f"transformers {theirs * 1e3:.1f} ms (cpu {theirs_cpu * 1e3:.1f} ms): {theirs / ours:.1f}x wall, "
+              f"{theirs_cpu / ours_cpu:.1f}x cpu")
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
     errors = ", ".join(f"{n} {rel(a, b):.1e}" for n, a, b in zip(names, results["runtime"], results["transformers"]))
-    print(f"{kind.upper()}: runtime {ours * 1e3:.1f} ms (cpu {ours_cpu * 1e3:.1f} ms), transformers "
-          f"{theirs * 1e3:.1f} ms (cpu {theirs_cpu * 1e3:.1f} ms): {theirs / ours:.1f}x wall, "
-          f"{theirs_cpu / ours_cpu:.1f}x cpu\n     max rel err: {errors}")
+    print(f"     max rel err: {errors}")
+    counts = {name: common.subnormals(lambda: fwd_bwd(fn, tensors, weights, chunks[name])) for name, fn in sides}
+    print("     subnormal values made (forward + backward): "
+          + ", ".join(f"{name} {n} ({where})" for name, (n, where) in counts.items()))
 
 
 def main() -> None:
     parser = common.parser(__doc__, batch=2, tokens=2048, heads=8, dim=64, repeats=3, threads=2,
                            chunk=(64, "the runtime's chunk length"))
-    parser.add_argument("--only", choices=["gdn", "kda"])
+    parser.add_argument("--only", choices=["gdn", "kda"], help="run one of the two cores")
+    common.add_ftz(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"fp32, batch {args.batch}, {args.tokens} tokens, {args.heads} heads, head dim {args.dim}, "

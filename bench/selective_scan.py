@@ -54,6 +54,7 @@ def worker(args) -> None:
     from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
     torch.set_num_threads(args.threads)
+    ftz = common.apply_child_ftz()
     fn, repeats = ((mamba_selective_scan, args.reference_repeats) if args.worker == "transformers"
                    else (selective_scan, args.repeats))
     tensors = inputs(args.batch, args.tokens, args.d_inner, args.d_state)
@@ -81,14 +82,16 @@ def worker(args) -> None:
         results = step()
         times.append((time.perf_counter() - start, time.process_time() - cpu))
     peak = _status_kib("VmHWM:") - before
+    made = common.subnormals(step) if not ftz and args.worker == "runtime" else (None, "")
     torch.save(results, args.out)
-    print(json.dumps({"seconds": statistics.median(t[0] for t in times),
+    print(json.dumps({"subnormals": made, "seconds": statistics.median(t[0] for t in times),
                       "cpu_seconds": statistics.median(t[1] for t in times), "peak_mib": peak / 1024}))
 
 
-def run(name: str, args, folder: str) -> dict:
+def run(name: str, args, folder: str, ftz: bool = False) -> dict:
     out = os.path.join(folder, f"{name}.pt")
-    result = common.run_child(__file__, ["--worker", name, "--out", out, *sys.argv[1:]], args.threads, name)
+    result = common.run_child(__file__, ["--worker", name, "--out", out, *sys.argv[1:]], args.threads, name,
+                              env=common.child_env(ftz))
     return {**result, "results": torch.load(out)}
 
 
@@ -96,6 +99,7 @@ def main() -> None:
     parser = common.parser(__doc__, children=("runtime", "transformers"), batch=2, tokens=2048, d_inner=1024,
                            d_state=16, threads=2, repeats=(3, "timed runs of the runtime (median)"),
                            reference_repeats=(1, "timed runs of transformers (median)"))
+    common.add_ftz(parser)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -104,7 +108,14 @@ def main() -> None:
           f"{args.threads} threads, forward + backward (D, z, delta_bias, softplus, last state); load average "
           f"{os.getloadavg()[0]:.1f} (cpu: the process's CPU seconds, less sensitive to other load)")
     with tempfile.TemporaryDirectory() as folder:
-        ours, theirs = run("runtime", args, folder), run("transformers", args, folder)
+        for ftz in common.ftz_modes(args.ftz):  # transformers' sequential loop is slow: timed with flush-to-zero off
+            ours = run("runtime", args, folder, ftz)
+            made = f"; {ours['subnormals'][0]} subnormal values made ({ours['subnormals'][1]})" if not ftz else ""
+            print(f"runtime, {common.ftz_label(ftz)}: {ours['seconds']:.2f} s (cpu {ours['cpu_seconds']:.2f} s){made}")
+            if not ftz:
+                off = ours
+        ours = off if args.ftz != "on" else ours
+        theirs = run("transformers", args, folder)
     names = ["y", "last state", *(f"d{n}" for n in NAMES)]
     errors = ", ".join(f"{n} {float((a - b).abs().max() / b.abs().max()):.1e}"
                        for n, a, b in zip(names, ours["results"], theirs["results"]))

@@ -60,6 +60,7 @@ def worker(args) -> None:
     from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
     torch.set_num_threads(args.threads)
+    ftz = common.apply_child_ftz()
     ssd.CORE_CHUNK = args.core_chunk
     fn = ssd.ssd_chunk_scan if args.worker == "runtime" else mamba2_chunk_scan
     tensors = inputs(args)
@@ -79,18 +80,22 @@ def worker(args) -> None:
         f.write("5")  # peak RSS := current RSS
     results = step()
     peak_mib = (_status_kib("VmHWM") - before) / 1024
+    made = common.subnormals(step) if not ftz else (None, "")
     times = []
     for _ in range(args.repeats):
         start, cpu = time.perf_counter(), time.process_time()
         step()
         times.append((time.perf_counter() - start, time.process_time() - cpu))
     torch.save(results, args.out)
-    print(json.dumps({"side": args.worker, "peak_mib": peak_mib, "seconds": statistics.median(t[0] for t in times),
+    torch.set_flush_denormal(ftz)
+    print(json.dumps({"side": args.worker, "peak_mib": peak_mib, "subnormals": made,
+                      "seconds": statistics.median(t[0] for t in times),
                       "cpu_seconds": statistics.median(t[1] for t in times)}))
 
 
-def run_side(side: str, args, out: str) -> dict:
-    return common.run_child(__file__, ["--worker", side, "--out", out, *sys.argv[1:]], args.threads, side)
+def run_side(side: str, args, out: str, ftz: bool) -> dict:
+    return common.run_child(__file__, ["--worker", side, "--out", out, *sys.argv[1:]], args.threads, side,
+                            env=common.child_env(ftz))
 
 
 def rel(a, b) -> float:
@@ -101,6 +106,7 @@ def main() -> None:
     parser = common.parser(__doc__, children=SIDES, batch=2, tokens=2048, heads=32, head_dim=64, state=128,
                            groups=1, threads=2, repeats=3, chunk=(256, "the caller's chunk (transformers uses it)"),
                            core_chunk=(64, "the runtime core's own chunk length"))
+    common.add_ftz(parser)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -108,19 +114,22 @@ def main() -> None:
           f"x {args.head_dim}, state {args.state}, {args.groups} group(s), chunk {args.chunk} (runtime core "
           f"{args.core_chunk}), {args.threads} threads, median of {args.repeats}; load average "
           f"{os.getloadavg()[0]:.1f}")
-    with tempfile.TemporaryDirectory() as tmp:
-        runs, outs = {}, {}
+    for ftz in common.ftz_modes(args.ftz):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs, outs = {}, {}
+            for side in SIDES:
+                runs[side] = run_side(side, args, os.path.join(tmp, side), ftz)
+                outs[side] = torch.load(os.path.join(tmp, side))
+        print(f" {common.ftz_label(ftz)}:")
         for side in SIDES:
-            runs[side] = run_side(side, args, os.path.join(tmp, side))
-            outs[side] = torch.load(os.path.join(tmp, side))
-    for side in SIDES:
-        r = runs[side]
-        print(f"  {side:<12} {r['seconds'] * 1e3:8.1f} ms (cpu {r['cpu_seconds'] * 1e3:8.1f} ms)  "
-              f"peak {r['peak_mib']:8.1f} MiB above inputs")
-    ours, theirs = runs["runtime"], runs["transformers"]
-    print(f"  runtime / transformers: time {ours['seconds'] / theirs['seconds']:.3f}x "
-          f"(cpu {ours['cpu_seconds'] / theirs['cpu_seconds']:.3f}x), "
-          f"peak memory {ours['peak_mib'] / theirs['peak_mib']:.3f}x")
+            r = runs[side]
+            made = f"; {r['subnormals'][0]} subnormal values made ({r['subnormals'][1]})" if not ftz else ""
+            print(f"  {side:<12} {r['seconds'] * 1e3:8.1f} ms (cpu {r['cpu_seconds'] * 1e3:8.1f} ms)  "
+                  f"peak {r['peak_mib']:8.1f} MiB above inputs{made}")
+        ours, theirs = runs["runtime"], runs["transformers"]
+        print(f"  runtime / transformers: time {ours['seconds'] / theirs['seconds']:.3f}x "
+              f"(cpu {ours['cpu_seconds'] / theirs['cpu_seconds']:.3f}x), "
+              f"peak memory {ours['peak_mib'] / theirs['peak_mib']:.3f}x")
     names = ("y", "final", *(f"d{n}" for n in NAMES))
     errors = ", ".join(f"{n} {rel(a, b):.1e}" for n, a, b in zip(names, outs["runtime"], outs["transformers"]))
     print(f"  max rel err: {errors}")

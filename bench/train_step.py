@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -64,6 +65,7 @@ def build_model(arch: str):
 
 
 def run_variant(arch: str, variant: str, bundle: str | None, tokens: int, batch: int, repeats: int) -> dict:
+    ftz = common.apply_child_ftz()
     model = build_model(arch)
     params = sum(p.numel() for p in model.parameters())
     if variant == "adapted":
@@ -89,12 +91,19 @@ def run_variant(arch: str, variant: str, bundle: str | None, tokens: int, batch:
         else:
             times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+
+    def forward_backward():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+    made = common.subnormals(forward_backward) if not ftz else (None, "")
     return {"variant": variant, "params": params, "step_s": statistics.median(times), "peak_bytes": peak,
+            "subnormals": made,
             "loss": first[0], "grad_norm": first[1]}
 
 
 def main():
     parser = common.parser(__doc__, tokens=2048, batch=1, repeats=2, threads=2)
+    common.add_ftz(parser)
     parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-next", help="model architecture")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--bundle", help=argparse.SUPPRESS)
@@ -114,21 +123,26 @@ def main():
         _, verification = adapt(resolve(catalogue_name), bundle)
         print(f"adapter for {catalogue_name}: verification {'PASSED' if verification.passed else 'FAILED'}")
         results = {}
-        for variant in ("hf", "adapted"):
-            out = subprocess.run([sys.executable, __file__, "--arch", args.arch, "--variant", variant, "--bundle", str(bundle),
-                                  "--tokens", str(args.tokens), "--batch", str(args.batch),
-                                  "--repeats", str(args.repeats), "--threads", str(args.threads)],
-                                 capture_output=True, text=True, check=True)
-            results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-    hf, ad = results["hf"], results["adapted"]
-    print(f"model: {args.arch} architecture, {hf['params'] / 1e6:.1f}M parameters, {args.batch}x{args.tokens} tokens, "
-          f"fp32, {args.threads} threads; step = forward + backward + AdamW")
-    print(f"{'variant':<10} {'step s':>9} {'peak MiB':>10} {'loss':>10} {'grad norm':>10}")
-    for r in (hf, ad):
-        print(f"{r['variant']:<10} {r['step_s']:>9.2f} {r['peak_bytes'] / 2**20:>10.0f} {r['loss']:>10.5f} "
-              f"{r['grad_norm']:>10.5f}")
-    print(f"adapted vs HF: {hf['step_s'] / ad['step_s']:.2f}x faster, peak memory {ad['peak_bytes'] / hf['peak_bytes']:.2f}x, "
-          f"loss differs by {abs(hf['loss'] - ad['loss']):.1e}")
+        for ftz in common.ftz_modes(args.ftz):
+            for variant in ("hf", "adapted"):
+                out = subprocess.run([sys.executable, __file__, "--arch", args.arch, "--variant", variant,
+                                      "--bundle", str(bundle), "--tokens", str(args.tokens), "--batch", str(args.batch),
+                                      "--repeats", str(args.repeats), "--threads", str(args.threads)],
+                                     capture_output=True, text=True, check=True,
+                                     env={**os.environ, **common.child_env(ftz)})
+                results[ftz, variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    first = results[next(iter(results))]
+    print(f"model: {args.arch} architecture, {first['params'] / 1e6:.1f}M parameters, {args.batch}x{args.tokens} tokens, "
+          f"fp32, {args.threads} threads; step = forward + backward + AdamW; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'variant':<10} {'flush-to-zero':>13} {'step s':>9} {'peak MiB':>10} {'loss':>10} {'grad norm':>10}  subnormals")
+    for (ftz, _), r in results.items():
+        made = f"{r['subnormals'][0]} ({r['subnormals'][1]})" if not ftz else ""
+        print(f"{r['variant']:<10} {'on' if ftz else 'off':>13} {r['step_s']:>9.2f} {r['peak_bytes'] / 2**20:>10.0f} "
+              f"{r['loss']:>10.5f} {r['grad_norm']:>10.5f}  {made}")
+    for ftz in common.ftz_modes(args.ftz):
+        hf, ad = results[ftz, "hf"], results[ftz, "adapted"]
+        print(f"adapted vs HF, {common.ftz_label(ftz)}: {hf['step_s'] / ad['step_s']:.2f}x faster, peak memory "
+              f"{ad['peak_bytes'] / hf['peak_bytes']:.2f}x, loss differs by {abs(hf['loss'] - ad['loss']):.1e}")
 
 
 if __name__ == "__main__":
