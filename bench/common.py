@@ -74,6 +74,19 @@ def apply_child_ftz() -> bool:
     return on
 
 
+def with_ftz(fn, on: bool):
+    """fn, run with flush-to-zero set to `on` (and off again after): for benches that interleave the modes."""
+    import torch
+
+    def run():
+        torch.set_flush_denormal(on)
+        try:
+            return fn()
+        finally:
+            torch.set_flush_denormal(False)
+    return run
+
+
 def subnormals(fn) -> tuple[int, str]:
     """Run fn() once under a SubnormalCensus (flush-to-zero off): the subnormal values its operations made,
     forward and backward, and the operations that made most of them."""

@@ -55,15 +55,17 @@ def main():
     sides = (("runtime", runtime), ("transformers", reference))
     print(f"lightning attention layer, batch {args.batch}, {args.tokens} tokens, {args.heads} heads x {args.dim}, "
           f"block {args.block}, fp32, forward + backward, {torch.get_num_threads()} threads")
-    for ftz in common.ftz_modes(args.ftz):
-        times = {"runtime": [], "transformers": []}
-        results = {}
-        with flush_to_zero(ftz):
-            for _ in range(args.repeats + 1):  # the first round warms up both
+    modes = common.ftz_modes(args.ftz)
+    times = {(ftz, name): [] for ftz in modes for name, _ in sides}
+    results = {}
+    for _ in range(args.repeats + 1):  # the first round warms up; modes alternate so drift hits both alike
+        for ftz in modes:
+            with flush_to_zero(ftz):
                 for name, module in sides:
                     elapsed, results[name] = fwd_bwd(module, x, weights)
-                    times[name].append(elapsed)
-        rt, hf = (statistics.median(times[n][1:]) for n in ("runtime", "transformers"))
+                    times[ftz, name].append(elapsed)
+    for ftz in modes:
+        rt, hf = (statistics.median(times[ftz, n][1:]) for n in ("runtime", "transformers"))
         print(f"{common.ftz_label(ftz)}: runtime {rt * 1e3:.0f} ms, transformers {hf * 1e3:.0f} ms: {hf / rt:.2f}x faster")
     errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(results["runtime"], results["transformers"])]
     print(f"max relative error output {errors[0]:.1e}, gradients {max(errors[1:]):.1e}")

@@ -56,16 +56,18 @@ def compare(kind: str, reference, args) -> None:
     weights = torch.randn(args.batch, args.tokens, args.heads, args.dim, generator=torch.Generator().manual_seed(1))
     chunks = {"runtime": args.chunk, "transformers": 64}  # 64: what transformers' modules ask for
     sides = (("runtime", chunk_gated_delta_rule), ("transformers", reference))
-    for ftz in common.ftz_modes(args.ftz):
-        times = {"runtime": [], "transformers": []}
-        results = {}
-        with flush_to_zero(ftz):
-            for _ in range(args.repeats + 1):  # the first round warms up both
+    modes = common.ftz_modes(args.ftz)
+    times = {(ftz, name): [] for ftz in modes for name, _ in sides}
+    results = {}
+    for _ in range(args.repeats + 1):  # the first round warms up; modes alternate so drift hits both alike
+        for ftz in modes:
+            with flush_to_zero(ftz):
                 for name, fn in sides:
                     seconds, results[name] = fwd_bwd(fn, tensors, weights, chunks[name])
-                    times[name].append(seconds)
+                    times[ftz, name].append(seconds)
+    for ftz in modes:
         (ours, ours_cpu), (theirs, theirs_cpu) = (
-            [statistics.median(t[i] for t in times[n][1:]) for i in (0, 1)] for n in ("runtime", "transformers"))
+            [statistics.median(t[i] for t in times[ftz, n][1:]) for i in (0, 1)] for n in ("runtime", "transformers"))
         print(f"{kind.upper()}, {common.ftz_label(ftz)}: runtime {ours * 1e3:.1f} ms (cpu {ours_cpu * 1e3:.1f} ms), "
               f"transformers {theirs * 1e3:.1f} ms (cpu {theirs_cpu * 1e3:.1f} ms): {theirs / ours:.1f}x wall, "
               f"{theirs_cpu / ours_cpu:.1f}x cpu")

@@ -78,6 +78,7 @@ def step(block, x):
 def main() -> None:
     parser = common.parser(__doc__, tokens=4096, hidden=1024, experts=32, top_k=4, ffn=256, repeats=5,
                            threads=(torch.get_num_threads(), "torch threads"))
+    common.add_ftz(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -90,17 +91,24 @@ def main() -> None:
         ref = ref[0] if isinstance(ref, tuple) else ref
         err = (ours(x) - ref).abs().max().item()
 
-    results = timed_round_robin({"hf eager": step(eager, x), "hf grouped_mm": step(grouped, x),
-                                 "runtime": step(ours, x)}, args.repeats)
+    variants = {"hf eager": step(eager, x), "hf grouped_mm": step(grouped, x), "runtime": step(ours, x)}
+    modes = common.ftz_modes(args.ftz)
+    timed = timed_round_robin({(name, ftz): common.with_ftz(fn, ftz) for name, fn in variants.items()
+                               for ftz in modes}, args.repeats)
+    made = {name: common.subnormals(fn) for name, fn in variants.items()}
     peak = matmul_peak(args.repeats)
     flops = 3 * args.tokens * args.top_k * (2 * args.hidden * 2 * args.ffn + 2 * args.ffn * args.hidden)
     flops += 3 * 2 * args.tokens * args.hidden * args.experts  # router
-    best_hf = min(results["hf eager"], results["hf grouped_mm"])
     print(f"MoE layer fwd+bwd, fp32, {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts, "
           f"top-{args.top_k}, expert FFN {args.ffn}, {args.threads} threads (max |diff| vs HF {err:.1e})")
-    for name, seconds in results.items():
-        print(f"  {name:<14} {seconds * 1e3:8.1f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s  "
-              f"{flops / seconds / peak:6.1%} of matmul peak  speed-up vs best HF {best_hf / seconds:5.2f}x")
+    for ftz in modes:
+        results = {name: timed[name, ftz] for name in variants}
+        best_hf = min(results["hf eager"], results["hf grouped_mm"])
+        print(f" {common.ftz_label(ftz)}:")
+        for name, seconds in results.items():
+            extra = f"  {made[name][0]} subnormal values made" if not ftz else ""
+            print(f"  {name:<14} {seconds * 1e3:8.1f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s  "
+                  f"{flops / seconds / peak:6.1%} of matmul peak  speed-up vs best HF {best_hf / seconds:5.2f}x{extra}")
     print(f"  fp32 matmul peak (best of 1024^3..3072^3) {peak / 1e9:.1f} GFLOP/s")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -65,6 +66,7 @@ def child(args) -> None:
     from transformers.masking_utils import create_causal_mask
 
     torch.set_num_threads(args.threads)
+    ftz = common.apply_child_ftz()
     config, layer, rotary = build(args)
     if args.variant == "runtime":
         from runtime.attention.dsa import swap_sparse_attention
@@ -94,7 +96,7 @@ def child(args) -> None:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    result = {"peak": peak, "seconds": statistics.median(times)}
+    result = {"peak": peak, "seconds": statistics.median(times), "subnormals": common.subnormals(step) if not ftz else None}
     if args.variant == "runtime":
         result["calls"] = dict(swap.calls)
     (Path(args.out) / f"{args.variant}.json").write_text(json.dumps(result))
@@ -106,20 +108,25 @@ def main() -> None:
                            threads=(torch.get_num_threads(), "torch threads"))
     parser.add_argument("--variant", choices=["hf", "runtime"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    common.add_ftz(parser)
     args = parser.parse_args()
     if args.variant:
         child(args)
         return
 
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {}
-        for variant in ("hf", "runtime"):
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--out", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode:
-                sys.exit(f"{variant} run failed:\n{done.stderr[-2000:]}")
-            results[variant] = json.loads((Path(tmp) / f"{variant}.json").read_text())
-        hf, ours = (torch.load(Path(tmp) / f"{v}.pt") for v in ("hf", "runtime"))
+    runs = {}
+    for ftz in common.ftz_modes(args.ftz):
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {}
+            for variant in ("hf", "runtime"):
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--out", tmp]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                      env={**os.environ, **common.child_env(ftz)})
+                if done.returncode:
+                    sys.exit(f"{variant} run failed:\n{done.stderr[-2000:]}")
+                results[variant] = json.loads((Path(tmp) / f"{variant}.json").read_text())
+            hf, ours = (torch.load(Path(tmp) / f"{v}.pt") for v in ("hf", "runtime"))
+        runs[ftz] = results
 
     def rel(name):
         return ((ours[name] - hf[name]).abs().max() / hf[name].abs().max()).item()
@@ -129,9 +136,12 @@ def main() -> None:
           f"indexer {args.index_heads}x{args.index_dim}, hidden {args.hidden}, {args.threads} threads")
     print(f"  max |diff| / max |HF|: output {rel('out'):.1e}, input grad {rel('dx'):.1e}, "
           f"q_b_proj grad {rel('dq_b'):.1e}; runtime calls {results['runtime']['calls']}")
-    for name, r in results.items():
-        print(f"  {name:<8} peak {r['peak'] / 2**20:8.0f} MiB ({r['peak'] / results['hf']['peak']:6.1%} of HF)  "
-              f"{r['seconds']:7.2f} s  time ratio vs HF {r['seconds'] / results['hf']['seconds']:5.2f}x")
+    for ftz, results in runs.items():
+        for name, r in results.items():
+            made = f"; {r['subnormals'][0]} subnormal values made ({r['subnormals'][1]})" if r["subnormals"] else ""
+            print(f"  {name:<8} {common.ftz_label(ftz)}: peak {r['peak'] / 2**20:8.0f} MiB "
+                  f"({r['peak'] / results['hf']['peak']:6.1%} of HF)  {r['seconds']:7.2f} s  time ratio vs HF "
+                  f"{r['seconds'] / results['hf']['seconds']:5.2f}x{made}")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.decay_pairs import LOG_DECAY_ZERO, decay_exp
+from runtime.attention.decay_pairs import LOG_DECAY_ZERO, before, decay_exp, from_here, straddling
 from runtime.attention.delta_reference import compute_dtype
 from runtime.kernels import registry
-from runtime.subnormals import exp_or_zero
+from runtime.subnormals import exp_or_zero_
 
 OP = "linear_attention.chunk_scalar_decay"
 
@@ -54,23 +54,29 @@ def _check(q, k, v, g):
     return heads // key_heads
 
 
-def _pair_decay(G: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _pair_decay(g: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """exp(G_i - G_j) where `allowed` (j <= i, same sequence) and the exponent is at least LOG_DECAY_ZERO,
-    else exactly 0: G (..., C) -> (..., C, C). Masked before exp, so no exponent is ever positive (and no
-    result subnormal); autograd keeps only the result and a bool mask (a clamp would keep another fp32 copy)."""
-    diff = G[..., :, None] - G[..., None, :]
-    return exp_or_zero(diff.masked_fill(~allowed, -math.inf), LOG_DECAY_ZERO)
+    else exactly 0: per-token log decays g (..., C) -> (..., C, C). The exponent is summed over the tokens
+    j < t <= i alone, never formed as the difference of two running sums (whose rounding error grows with the
+    whole chunk's decay, and exp turns it into a relative error); masked before exp, so no exponent is ever
+    positive and no result subnormal. Autograd does not see it (`_IntraChunk` writes the gradient)."""
+    c = g.shape[-1]
+    after = torch.ones(c, c, dtype=torch.bool, device=g.device).tril(-1)  # [t, j]: t > j
+    span = g.unsqueeze(-1).expand(*g.shape, c).masked_fill(~after, 0.0).cumsum(-2)  # [i, j]: sum_{j < t <= i} g_t
+    return exp_or_zero_(span.masked_fill_(~allowed, -math.inf), LOG_DECAY_ZERO)
 
 
 class _IntraChunk(torch.autograd.Function):
-    """o = (scores * D) @ v inside each chunk, D = `_pair_decay(G, allowed)`: scores (B, Hk, 1, N, C, C) shared
-    by the `group` heads of a key head, G (B, Hk, group, N, C), v (B, Hk, group, N, C, V). Keeps D only (not D and the
-    product, as autograd would) and writes the decay's gradient directly: with P = dM * M,
-    dG_i = sum_j P_ij - sum_j P_ji."""
+    """o = (scores * D) @ v inside each chunk, D = `_pair_decay(G, allowed)` with G = cumsum(g) along the chunk:
+    scores (B, Hk, 1, N, C, C) shared by the `group` heads of a key head, g (B, Hk, group, N, C) per-token log
+    decays, v (B, Hk, group, N, C, V). Keeps D only (not D and the product, as autograd would) and writes the
+    gradient of g directly: with P = dM * M, dg_t sums P_ij over the pairs j < t <= i that straddle t
+    (`decay_pairs.straddling`), never the difference of a row sum and a column sum, which cancels under strong
+    decay."""
 
     @staticmethod
-    def forward(ctx, scores, G, v, allowed):
-        decay = _pair_decay(G, allowed)
+    def forward(ctx, scores, g, v, allowed):
+        decay = _pair_decay(g, allowed)
         ctx.save_for_backward(scores, decay, v)
         return (scores * decay) @ v
 
@@ -83,8 +89,35 @@ class _IntraChunk(torch.autograd.Function):
         d_v = masked.transpose(-1, -2) @ d_o
         d_masked = d_o @ v.transpose(-1, -2)
         d_scores = (d_masked * decay).sum(2, keepdim=True)
-        p = d_masked.mul_(masked)
-        return d_scores, p.sum(-1) - p.sum(-2), d_v, None
+        return d_scores, straddling(d_masked.mul_(masked)), d_v, None
+
+
+class _ChunkDecays(torch.autograd.Function):
+    """From per-token log decays g (B, Hk, group, N, C): exp(G_C - G_j) (what a key written at j keeps by the
+    chunk's end), exp(G_i) (what the incoming state keeps at i) and exp(G_C) (at the end), G = cumsum(g). The
+    backward sums each term over exactly the tokens it depends on: t > j (a running sum before t), t <= i (a
+    suffix sum), every token; never the difference of two running sums."""
+
+    @staticmethod
+    def forward(ctx, g):
+        G = g.cumsum(-1)
+        to_end = F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))  # sum_{t > j} g_t, summed as such
+        into_end, from_start, carry = decay_exp(to_end), decay_exp(G), decay_exp(G[..., -1])
+        ctx.save_for_backward(into_end, from_start, carry)
+        return into_end, from_start, carry
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_into_end, d_from_start, d_carry):
+        into_end, from_start, carry = ctx.saved_tensors
+        dg = torch.zeros_like(into_end)
+        if d_into_end is not None:
+            dg += before((d_into_end * into_end).unsqueeze(-1)).squeeze(-1)
+        if d_from_start is not None:
+            dg += from_here((d_from_start * from_start).unsqueeze(-1)).squeeze(-1)
+        if d_carry is not None:
+            dg += (d_carry * carry).unsqueeze(-1)
+        return dg
 
 
 def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -173,13 +206,12 @@ def chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     # layouts: q, k (B, Hk, N, C, K); v (B, Hk, N, C, G, V); G (B, Hk, G, N, C)
     qc, kc = (x.view(batch, n, chunk, key_heads, kd).permute(0, 3, 1, 2, 4) for x in (q, k))
     vc = v.view(batch, n, chunk, key_heads, group, vd).permute(0, 3, 1, 2, 4, 5)
-    G = g.view(batch, n, chunk, key_heads, group).permute(0, 3, 4, 1, 2).cumsum(-1)
+    gc = g.view(batch, n, chunk, key_heads, group).permute(0, 3, 4, 1, 2)  # (B, Hk, G, N, C)
 
     # intra-chunk: scores once per key head, decay per head
-    allowed = torch.ones(chunk, chunk, dtype=torch.bool, device=G.device).tril()
-    into_end = decay_exp(G[..., -1:] - G)  # exp(G_C - G_j), (B, Hk, G, N, C)
-    from_start = decay_exp(G)  # exp(G_i)
-    carry = decay_exp(G[..., -1])  # exp(G_C), (B, Hk, G, N)
+    allowed = torch.ones(chunk, chunk, dtype=torch.bool, device=gc.device).tril()
+    # exp(G_C - G_j), exp(G_i) (B, Hk, G, N, C); exp(G_C) (B, Hk, G, N)
+    into_end, from_start, carry = _ChunkDecays.apply(gc)
     if reset is not None:
         seg = _segments(reset, chunk)[:, None, None]  # (B, 1, 1, N, C)
         allowed = allowed & (seg[..., :, None] == seg[..., None, :])
@@ -187,7 +219,7 @@ def chunk_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         from_start = from_start * (seg == 0)
         carry = carry * (seg[..., -1] == 0)
     scores = qc @ kc.transpose(-1, -2)  # (B, Hk, N, C, C)
-    o = _IntraChunk.apply(scores.unsqueeze(2), G, vc.permute(0, 1, 4, 2, 3, 5), allowed)  # (B, Hk, G, N, C, V)
+    o = _IntraChunk.apply(scores.unsqueeze(2), gc, vc.permute(0, 1, 4, 2, 3, 5), allowed)  # (B, Hk, G, N, C, V)
     o = o.permute(0, 1, 3, 4, 2, 5)  # (B, Hk, N, C, G, V)
 
     # each chunk's own contribution to the state at its end, heads of a group folded into V

@@ -329,3 +329,27 @@ def test_swapped_lightning_layer_matches_transformers_in_the_model_dtype(dtype):
     assert (out.float() - ref_out.float()).abs().max() <= tol * ref_out.float().abs().max()
     assert (state.float() - ref_state.float()).abs().max() <= tol * ref_state.float().abs().max()
     assert dict(swap.calls) == {"lightning": 1}
+
+
+@pytest.mark.parametrize("strength", [1, 10, 100])
+def test_core_decay_gradients_stay_exact_under_strong_decay(strength):
+    """Log decays down to -strength a token over two chunks, fp32 against the fp64 recurrence: the chunked
+    core's gradients of q, k, v and the log decays, and what a decay rate receives (sum over tokens of dg * g),
+    within a small multiple of the fp32 recurrence's own error (issue 14: pair decays summed over the tokens
+    they span, decay gradients over the tokens they depend on, never as differences of running sums)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 128, 2, 16, generator=gen, dtype=F64) for _ in range(3))
+    g = -torch.rand(1, 128, 2, generator=gen, dtype=F64) * strength
+
+    def grads(fn, xs, **kw):
+        xs = [x.clone().requires_grad_() for x in xs]
+        o, s = fn(*xs, output_final_state=True, **kw)
+        ((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() + 0.01 * (s * s).sum()).backward()
+        return [x.grad.double() for x in xs]
+
+    truth = grads(recurrent_scalar_decay, [q, k, v, g])
+    fp32 = [x.float() for x in (q, k, v, g)]
+    chunked, recurrent = grads(chunk_scalar_decay, fp32, chunk_size=64), grads(recurrent_scalar_decay, fp32)
+    for ours, theirs, want in [*zip(chunked, recurrent, truth), ((chunked[3] * g).sum(1), (recurrent[3] * g).sum(1),
+                                                                 (truth[3] * g).sum(1))]:
+        assert rel(ours, want) <= 4 * rel(theirs, want) + 1e-7
