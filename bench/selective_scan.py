@@ -9,9 +9,7 @@ gradient; the parent prints the ratios and the largest error of each relative to
 in transformers' result. transformers' backward grows quadratically with the tokens (autograd turns every
 token's slice of its (batch, D, T, N) tensors into a full-size gradient), about 10 minutes of one core at the
 default size, so it runs `--reference-repeats` times (default 1). Never passes or fails on time.
-Measured on 2 shared cores (load average ~3): 1 thread: 1.04 s against 449 s (430x wall, 416x CPU); 2 threads:
-0.62 s against 558 s (903x wall, 466x CPU); peak RSS 359 / 347 MiB against 2249 / 2265 MiB (0.16x); largest
-relative error 1.4e-6 (dC), all others <= 2.8e-7.
+Figures as measured: the README's Benchmarks table.
 
     python bench/selective_scan.py [--batch 2] [--tokens 2048] [--d-inner 1024] [--d-state 16] [--threads 2]
 """

@@ -10,10 +10,7 @@ step's memory; then it times `--repeats` more steps (median). The parent compare
 every input gradient (largest error relative to the reference tensor's largest value). Never passes or fails
 on time; CPU seconds are printed beside wall seconds (steadier on a shared machine).
 
-Measured at the defaults on this machine's 2 shared cores (load average ~2.5 from other work): 1 thread,
-runtime 1.07 s vs transformers 3.32 s (0.32x), peak 494 vs 1250 MiB (0.39x); 2 threads, 2.27 s vs 4.57 s
-(0.50x; both slower than with 1 thread, as the second core was busy), same memory. Largest relative error
-5.3e-6 (final state), gradients <= 3.8e-6. The runtime core's chunk of 64 beat 32 and 128 (1.15 / 1.21 s).
+Figures as measured: the README's Benchmarks table. The runtime core's chunk of 64 beat 32 and 128 (1.15 / 1.21 s).
 
     python bench/ssm.py [--batch 2] [--tokens 2048] [--heads 32] [--head-dim 64] [--state 128] [--groups 1]
                         [--chunk 256] [--core-chunk 64] [--threads 2] [--repeats 3]

@@ -46,11 +46,16 @@ def exp_or_zero_(x: torch.Tensor, log_floor: float) -> torch.Tensor:
     return x.clamp_min_(log_floor).exp_().masked_fill_(negligible, 0.0)
 
 
+_COUNT_SLICE = 1 << 22
+
+
 def count_subnormals(x: torch.Tensor) -> int:
     """The number of subnormal values in a floating-point tensor (0 for other dtypes)."""
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()) or x.numel() == 0:
         return 0
-    return int(((x != 0) & (x.abs() < torch.finfo(x.dtype).tiny)).sum())
+    tiny, flat = torch.finfo(x.dtype).tiny, x.detach().reshape(-1)
+    # in slices: a census of a step whose logits take gigabytes must not double them
+    return sum(int(((part != 0) & (part.abs() < tiny)).sum()) for part in flat.split(_COUNT_SLICE))
 
 
 class SubnormalCensus(TorchDispatchMode):
