@@ -18,6 +18,7 @@ COMPLETIONS = {
     "deepseek_v2": {"num_experts_per_tok": 6},  # DeepSeek-V2(-Lite): 6 routed experts per token
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},  # dots.llm1 release
     "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
+    "dbrx": {"attn_config.rope_theta": 500000.0},  # databricks/dbrx-base config.json (the default has none)
 }
 
 # Families that cannot be inspected, and why.
@@ -29,19 +30,25 @@ UNSUPPORTED = {
     "zamba": "transformer blocks shared across 76 layers: no short twin reproduces the stack",
     "zamba2": "transformer blocks shared across 54 layers: no short twin reproduces the stack",
     "gemma4_assistant": "transformers' default config fails its own validation",
+    "dbrx": "experts kept as flat (experts x ffn, hidden) matrices and viewed per expert inside the forward; "
+            "the expert matcher reads 3-D stacks and per-expert modules only",
 }
 
 
 def _int(cfg: dict, names) -> int | None:
-    for name in names:
-        value = cfg.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    """The first whole-number field of these names, at the top or in a nested part that is no model of its own
+    (DBRX's ffn_config; not a multimodal model's text_config, a family of its own)."""
+    parts = [cfg] + [v for v in cfg.values() if isinstance(v, dict) and not v.get("model_type")]
+    for part in parts:
+        for name in names:
+            value = part.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
     return None
 
 
 def layer_types(cfg: dict) -> list | None:
-    for key in ("layer_types", "layers_block_type"):
+    for key in ("layer_types", "layers_block_type", "block_types"):
         value = cfg.get(key)
         if isinstance(value, list) and value:
             return value
@@ -65,8 +72,12 @@ def default_config(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type]()
-    for key, value in COMPLETIONS.get(model_type, {}).items():
-        setattr(config, key, value)
+    for path, value in COMPLETIONS.get(model_type, {}).items():
+        *parents, key = path.split(".")
+        owner = config
+        for name in parents:  # a nested part (DBRX's attn_config)
+            owner = getattr(owner, name)
+        setattr(owner, key, value)
     return config
 
 

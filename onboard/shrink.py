@@ -227,6 +227,13 @@ def _tie_equal_head_dims(plan: _ConfigEdit) -> None:
             if s.twin != low:
                 put(plan.cfg, s.path, low)
                 s.twin = low
+    # a head dim already at its twin size that equalled a shrunk one follows it too (all four of an MLA config
+    # drawn with head_dim == qk_rope_head_dim == qk_nope_head_dim)
+    shrunk = {s.path for s in plan.shrinks}
+    for meaning in HEAD_DIMS:
+        for path, value in plan.fields(meaning):
+            if path not in shrunk and value in by_full:
+                plan.put(path, meaning, min(s.twin for s in by_full[value]))
 
 
 def _derived_sizes(plan: _ConfigEdit) -> None:

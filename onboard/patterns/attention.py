@@ -43,7 +43,17 @@ def _mixers(view: GraphView, nodes, seq_len: int) -> list:
             out.append(n)
         elif name in ("matmul", "bmm", "einsum") and len(shape) >= 2 and shape[-1] == shape[-2] == seq_len:
             out.append(n)
+        elif name in ("matmul", "bmm", "einsum") and len(shape) >= 3 and _block_square(shape, seq_len):
+            out.append(n)  # position-by-position products over blocks of the sequence (lightning's blocks)
     return out
+
+
+def _block_square(shape, seq_len: int) -> bool:
+    """A (batch, heads, B, B) product with B a proper divisor of the sequence and no token dimension beside it:
+    token-by-token scores computed one block of the sequence at a time (a per-token (n x n) mixing, as
+    hyper-connections do, keeps the token dimension)."""
+    block = shape[-1]
+    return shape[-2] == block and 1 < block < seq_len and seq_len % block == 0 and seq_len not in shape[:-2]
 
 
 def _mask_window(inputs: dict, seq_len: int) -> tuple[str | None, int | None]:

@@ -231,8 +231,8 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         owner = next((m for m in matches if group.path.startswith(m.path + ".") or not m.path), None)
         if owner is not None:  # stacked weights that every token goes through: shared experts
             owner.shared_paths = sorted({*owner.shared_paths, group.path})
-        elif not matches:
-            matches.append(_static_moe(view, group))
+        elif not matches and (static := _static_moe(view, group)) is not None:
+            matches.append(static)
     return matches
 
 
@@ -346,30 +346,34 @@ def _post_norm(view: GraphView, block: str, experts: str, router: str, shared: l
     return None
 
 
-def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch:
+def _static_moe(view: GraphView, group: ExpertGroup) -> MoEMatch | None:
     """Experts chosen without a learned top-k: a fixed table indexed by token id (DeepSeek-V4's hash
-    layers). The learned projection still scores the chosen experts."""
+    layers). The learned projection still scores the chosen experts. None when nothing chooses: a stack of
+    weights that every token goes through, one slice of its channels each (RecurrentGemma's block-diagonal
+    gates), is no mixture of experts."""
     block = parent(group.path)
-    activation, gated = find_activation(view, view.under(group.path))
     table, ids, lookup = _routing_table(view, block)
+    if table is None:
+        return None
+    activation, gated = find_activation(view, view.under(group.path))
     router = Router(score="static", order="static", path="")
     router_weight, k = "", 0
-    if table is not None:
-        found = None
-        for n in view.under(block):
-            weight = view.linear_weight(n)
-            if weight and view.param_shapes[weight][0] == group.num_experts and weight not in group.params:
-                found = (n, weight)
-                break
-        if found is not None:
-            router_node, router_weight = found
-            gathers = [n for n in view.descendants(lookup) if op_name(n) == "gather"]
-            router = _read_router(view, router_node, router_weight, gathers[0] if gathers else lookup,
-                                  group.num_experts, block)
-            router.order, router.table, router.token_input = "static", table, ids
-            router.logit_width = view.param_shapes[router_weight][0]
-            router.bias_correction, router.bias = False, None
-            k = view.param_shapes[table][1]
+    # the table decides; a learned projection, where there is one, scores the chosen experts
+    found = None
+    for n in view.under(block):
+        weight = view.linear_weight(n)
+        if weight and view.param_shapes[weight][0] == group.num_experts and weight not in group.params:
+            found = (n, weight)
+            break
+    if found is not None:
+        router_node, router_weight = found
+        gathers = [n for n in view.descendants(lookup) if op_name(n) == "gather"]
+        router = _read_router(view, router_node, router_weight, gathers[0] if gathers else lookup,
+                              group.num_experts, block)
+        router.order, router.table, router.token_input = "static", table, ids
+        router.logit_width = view.param_shapes[router_weight][0]
+        router.bias_correction, router.bias = False, None
+        k = view.param_shapes[table][1]
     shared, shared_gate = _shared(view, block, group.path, parent(router_weight) if router_weight else group.path)
     match = MoEMatch(block, group, router, router_weight, k, activation, gated, shared, bool(shared_gate), [])
     match.shared_gate_weight = shared_gate

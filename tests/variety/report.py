@@ -1,0 +1,29 @@
+"""How many varied configs of each family onboard described right and verified: the README support table's
+column. `python -m tests.variety.report [--seeds N] [--families a,b]` prints one line per family."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+from onboard.families import UNSUPPORTED, discover
+from tests.variety.check import check
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=4, help="seeds per family (0 .. N-1)")
+    parser.add_argument("--families", help="comma-separated families (default: every supported one)")
+    args = parser.parse_args()
+    families = args.families.split(",") if args.families else [f for f in discover() if f not in UNSUPPORTED]
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            outcomes = [check(family, seed, tempfile.mkdtemp(dir=tmp)) for seed in range(args.seeds)]
+            drawn = [o for o in outcomes if o.status != "refused"]
+            passed = sum(o.status == "passed" for o in drawn)
+            failures = "; ".join(f"seed {o.seed}: {o.problems[0][:160]}" for o in drawn if o.status == "failed")
+            print(f"{family}\t{passed}/{len(drawn)}\t{failures}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
