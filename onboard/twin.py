@@ -61,8 +61,13 @@ class Twin:
 
     @property
     def vocab_size(self) -> int:
-        """The token ids the twin accepts: rows of its input embedding table, whatever its config calls them."""
-        return self.model.get_input_embeddings().weight.shape[0]
+        """The token ids the twin takes and predicts: rows of its input embedding table, whatever its config
+        calls them, and no more than its output head scores (a head over the unpadded vocabulary, narrower
+        than a padded embedding table, cannot take a label past its width)."""
+        rows = self.model.get_input_embeddings().weight.shape[0]
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        width = getattr(head, "out_features", None) if head is not None else None
+        return min(rows, width) if isinstance(width, int) and width > 3 else rows
 
     @property
     def hidden_size(self) -> int:
