@@ -15,6 +15,8 @@ from onboard.inspection import inspect_source
 from onboard.source import resolve
 from tests.variety.structure import disagreements, expected
 
+pytestmark = pytest.mark.slow  # adapts and inspects whole twins: about two minutes
+
 
 def _checkpoint(tmp_path, config) -> str:
     config.save_pretrained(tmp_path)

@@ -18,6 +18,8 @@ from onboard.spec import ModelSpec
 from onboard.twin import build_twin
 from onboard.verify import ERR_FACTOR, ERR_FLOOR, verify
 
+pytestmark = pytest.mark.slow  # five adapt-and-verify runs against fp64: about a minute
+
 SMALL = dict(vocab_size=320, hidden_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=24, linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2,
              linear_num_value_heads=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
