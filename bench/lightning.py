@@ -7,6 +7,7 @@ products; the runtime runs `chunk_scalar_decay`. Prints median times, their rati
 output and of every parameter gradient relative to that tensor's largest value.
 
     python bench/lightning.py [--batch 2] [--tokens 2048] [--heads 8] [--dim 64] [--block 256] [--repeats 3]
+                              [--hidden 8]   # small hidden: cheap projections, the scan is what is timed
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ def fwd_bwd(module, x, weights):
 def main():
     parser = common.parser(__doc__, batch=2, tokens=2048, heads=8, dim=64, repeats=3,
                            block=(256, "transformers' block_size (MiniMax-Text-01: 256)"),
-                           threads=(None, "torch threads (default: torch's own)"))
+                           threads=(None, "torch threads (default: torch's own)"),
+                           hidden=(None, "the layer's hidden size (default heads x dim; small: time the scan)"))
     common.add_ftz(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    hidden = args.heads * args.dim
+    # --hidden much smaller than heads x dim makes the projections (the same GEMMs on both sides) cheap, so
+    # what is timed is the scan: transformers writes it inline in the layer's forward, so it cannot be called alone
+    hidden = args.hidden or args.heads * args.dim
     config = AutoConfig.for_model("minimax", hidden_size=hidden, num_attention_heads=args.heads, head_dim=args.dim,
                                   num_hidden_layers=4, block_size=args.block)
     torch.manual_seed(0)
@@ -53,7 +57,7 @@ def main():
     x = torch.randn(args.batch, args.tokens, hidden, generator=gen)
     weights = torch.randn(args.batch, args.tokens, hidden, generator=gen)
     sides = (("runtime", runtime), ("transformers", reference))
-    print(f"lightning attention layer, batch {args.batch}, {args.tokens} tokens, {args.heads} heads x {args.dim}, "
+    print(f"lightning attention layer, hidden {hidden}, batch {args.batch}, {args.tokens} tokens, {args.heads} heads x {args.dim}, "
           f"block {args.block}, fp32, forward + backward, {torch.get_num_threads()} threads")
     modes = common.ftz_modes(args.ftz)
     times = {(ftz, name): [] for ftz in modes for name, _ in sides}
