@@ -39,6 +39,14 @@ def run_child(script: str, args: list[str], threads: int, what: str, **popen) ->
     return json.loads(lines[-1])
 
 
+def scratch_kernel_store(folder) -> None:
+    """Kernels rendered while a bench adapts a model into a scratch folder go to `folder`, not into the
+    repository's store (unless ONBOARD_KERNEL_STORE already names one); the bench's child processes inherit it."""
+    import os
+
+    os.environ.setdefault("ONBOARD_KERNEL_STORE", str(folder))
+
+
 # Flush-to-zero: every bench reports its figures with it off (what users run) and on, and how many subnormal
 # values the cores' intermediate tensors held (runtime.subnormals). Child processes learn the mode from BENCH_FTZ.
 FTZ_ENV = "BENCH_FTZ"

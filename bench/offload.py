@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import common  # bench/common.py: what the benches share
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -84,6 +86,7 @@ def main() -> None:
         from onboard.source import resolve
 
         args.bundle = str(Path(scratch.name) / "mixtral")
+        common.scratch_kernel_store(Path(scratch.name) / "kernels")
         adapt(resolve("mixtral-8x7b"), Path(args.bundle))
     results = {}
     for variant in ("none", "moe", "all"):

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import common  # bench/common.py: what the benches share
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "predictors" / "data" / "runlogs" / "cpu_sweep.jsonl"
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "gpt-oss-120b")
@@ -130,6 +132,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="onboard-sweep-"))
+    common.scratch_kernel_store(scratch / "kernels")
     bundles, configs = {}, {}
     for model in sorted({e["model"] for e in entries}):
         bundles[model] = str(scratch / model)

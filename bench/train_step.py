@@ -120,6 +120,7 @@ def main():
     _, catalogue_name, _ = ARCHS[args.arch]
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / catalogue_name
+        common.scratch_kernel_store(Path(tmp) / "kernels")
         _, verification = adapt(resolve(catalogue_name), bundle)
         print(f"adapter for {catalogue_name}: verification {'PASSED' if verification.passed else 'FAILED'}")
         results = {}
