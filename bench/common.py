@@ -82,17 +82,22 @@ def apply_child_ftz() -> bool:
     return on
 
 
-def with_ftz(fn, on: bool):
-    """fn, run with flush-to-zero set to `on` (and off again after): for benches that interleave the modes."""
-    import torch
+def alternate_modes(fns: dict, modes: list[bool], repeats: int) -> tuple[dict, dict]:
+    """Run every fn of `fns` (name -> fn) once a round under each flush-to-zero mode, the modes and variants
+    taking turns so that machine drift hits them alike; the first round warms up and is not kept. Returns
+    ({(mode, name): [what fn returned in each kept round]}, {name: what fn returned last})."""
+    from runtime.subnormals import flush_to_zero
 
-    def run():
-        torch.set_flush_denormal(on)
-        try:
-            return fn()
-        finally:
-            torch.set_flush_denormal(False)
-    return run
+    rounds = {(ftz, name): [] for ftz in modes for name in fns}
+    last = {}
+    for kept in [False] + [True] * repeats:
+        for ftz in modes:
+            with flush_to_zero(ftz):
+                for name, fn in fns.items():
+                    last[name] = fn()
+                    if kept:
+                        rounds[ftz, name].append(last[name])
+    return rounds, last
 
 
 def subnormals(fn) -> tuple[int, str]:

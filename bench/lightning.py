@@ -13,12 +13,12 @@ output and of every parameter gradient relative to that tensor's largest value.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 
 import torch
 from runtime.attention import swap_lightning_attention
-from runtime.subnormals import flush_to_zero
 from transformers import AutoConfig
 from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
 
@@ -60,20 +60,15 @@ def main():
     print(f"lightning attention layer, hidden {hidden}, batch {args.batch}, {args.tokens} tokens, {args.heads} heads x {args.dim}, "
           f"block {args.block}, fp32, forward + backward, {torch.get_num_threads()} threads")
     modes = common.ftz_modes(args.ftz)
-    times = {(ftz, name): [] for ftz in modes for name, _ in sides}
-    results = {}
-    for _ in range(args.repeats + 1):  # the first round warms up; modes alternate so drift hits both alike
-        for ftz in modes:
-            with flush_to_zero(ftz):
-                for name, module in sides:
-                    elapsed, results[name] = fwd_bwd(module, x, weights)
-                    times[ftz, name].append(elapsed)
+    runs = {name: functools.partial(fwd_bwd, module, x, weights) for name, module in sides}
+    rounds, last = common.alternate_modes(runs, modes, args.repeats)
+    results = {name: out for name, (_, out) in last.items()}
     for ftz in modes:
-        rt, hf = (statistics.median(times[ftz, n][1:]) for n in ("runtime", "transformers"))
+        rt, hf = (statistics.median(seconds for seconds, _ in rounds[ftz, n]) for n in ("runtime", "transformers"))
         print(f"{common.ftz_label(ftz)}: runtime {rt * 1e3:.0f} ms, transformers {hf * 1e3:.0f} ms: {hf / rt:.2f}x faster")
     errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(results["runtime"], results["transformers"])]
     print(f"max relative error output {errors[0]:.1e}, gradients {max(errors[1:]):.1e}")
-    counts = {name: common.subnormals(lambda: fwd_bwd(module, x, weights)) for name, module in sides}
+    counts = {name: common.subnormals(run) for name, run in runs.items()}
     print("subnormal values made (forward + backward): "
           + ", ".join(f"{name} {n} ({where})" for name, (n, where) in counts.items()))
 

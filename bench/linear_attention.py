@@ -10,6 +10,7 @@ and the largest error of the output and of every input gradient relative to that
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -17,7 +18,6 @@ import time
 import torch
 import torch.nn.functional as F
 from runtime.attention import chunk_gated_delta_rule
-from runtime.subnormals import flush_to_zero
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.qwen3_next import modeling_qwen3_next
 
@@ -57,24 +57,20 @@ def compare(kind: str, reference, args) -> None:
     chunks = {"runtime": args.chunk, "transformers": 64}  # 64: what transformers' modules ask for
     sides = (("runtime", chunk_gated_delta_rule), ("transformers", reference))
     modes = common.ftz_modes(args.ftz)
-    times = {(ftz, name): [] for ftz in modes for name, _ in sides}
-    results = {}
-    for _ in range(args.repeats + 1):  # the first round warms up; modes alternate so drift hits both alike
-        for ftz in modes:
-            with flush_to_zero(ftz):
-                for name, fn in sides:
-                    seconds, results[name] = fwd_bwd(fn, tensors, weights, chunks[name])
-                    times[ftz, name].append(seconds)
+    runs = {name: functools.partial(fwd_bwd, fn, tensors, weights, chunks[name]) for name, fn in sides}
+    rounds, last = common.alternate_modes(runs, modes, args.repeats)
+    results = {name: out for name, (_, out) in last.items()}
     for ftz in modes:
         (ours, ours_cpu), (theirs, theirs_cpu) = (
-            [statistics.median(t[i] for t in times[ftz, n][1:]) for i in (0, 1)] for n in ("runtime", "transformers"))
+            [statistics.median(seconds[i] for seconds, _ in rounds[ftz, n]) for i in (0, 1)]
+            for n in ("runtime", "transformers"))
         print(f"{kind.upper()}, {common.ftz_label(ftz)}: runtime {ours * 1e3:.1f} ms (cpu {ours_cpu * 1e3:.1f} ms), "
               f"transformers {theirs * 1e3:.1f} ms (cpu {theirs_cpu * 1e3:.1f} ms): {theirs / ours:.1f}x wall, "
               f"{theirs_cpu / ours_cpu:.1f}x cpu")
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
     errors = ", ".join(f"{n} {rel(a, b):.1e}" for n, a, b in zip(names, results["runtime"], results["transformers"]))
     print(f"     max rel err: {errors}")
-    counts = {name: common.subnormals(lambda: fwd_bwd(fn, tensors, weights, chunks[name])) for name, fn in sides}
+    counts = {name: common.subnormals(run) for name, run in runs.items()}
     print("     subnormal values made (forward + backward): "
           + ", ".join(f"{name} {n} ({where})" for name, (n, where) in counts.items()))
 

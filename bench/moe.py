@@ -21,17 +21,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 import common  # bench/common.py: the benches' shared command line
 
 
-def timed_round_robin(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per variant; variants take turns so that machine drift hits them alike."""
-    for fn in fns.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+def timed(fn):
+    """A function that runs fn and returns how long it took."""
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    return run
 
 
 def matmul_peak(repeats: int) -> float:
@@ -93,8 +89,7 @@ def main() -> None:
 
     variants = {"hf eager": step(eager, x), "hf grouped_mm": step(grouped, x), "runtime": step(ours, x)}
     modes = common.ftz_modes(args.ftz)
-    timed = timed_round_robin({(name, ftz): common.with_ftz(fn, ftz) for name, fn in variants.items()
-                               for ftz in modes}, args.repeats)
+    rounds, _ = common.alternate_modes({name: timed(fn) for name, fn in variants.items()}, modes, args.repeats)
     made = {name: common.subnormals(fn) for name, fn in variants.items()}
     peak = matmul_peak(args.repeats)
     flops = 3 * args.tokens * args.top_k * (2 * args.hidden * 2 * args.ffn + 2 * args.ffn * args.hidden)
@@ -102,7 +97,7 @@ def main() -> None:
     print(f"MoE layer fwd+bwd, fp32, {args.tokens} tokens, hidden {args.hidden}, {args.experts} experts, "
           f"top-{args.top_k}, expert FFN {args.ffn}, {args.threads} threads (max |diff| vs HF {err:.1e})")
     for ftz in modes:
-        results = {name: timed[name, ftz] for name in variants}
+        results = {name: statistics.median(rounds[ftz, name]) for name in variants}
         best_hf = min(results["hf eager"], results["hf grouped_mm"])
         print(f" {common.ftz_label(ftz)}:")
         for name, seconds in results.items():
