@@ -304,6 +304,11 @@ def _error(x: torch.Tensor, truth: torch.Tensor) -> float:
     return float((x - truth).abs().max() / truth.abs().max().clamp_min(GRAD_SCALE_FLOOR))
 
 
+def _excess(err_adapted: float, err_hf: float) -> float:
+    """How far the adapted error lies past what the rule allows it (ERR_FACTOR x HuggingFace's + ERR_FLOOR)."""
+    return err_adapted - (ERR_FACTOR * err_hf + ERR_FLOOR)
+
+
 def _adapt_for_checking(adapt, model: nn.Module, chunk: int | None = CHECK_CHUNK) -> Swaps:
     """Adapt `model`, with linear-attention chunks short enough that the twin's sequence spans several:
     chunk boundaries are where a chunked recurrence goes wrong. The handles it returns, as Swaps."""
@@ -380,7 +385,7 @@ def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, r
         t = true_params.get(name)
         if t is not None and t.grad is not None:
             e_hf, e_ad = _error(g, t.grad), _error(h, t.grad)
-            margin = e_ad - (ERR_FACTOR * e_hf + ERR_FLOOR)
+            margin = _excess(e_ad, e_hf)
             if margin > worst_margin:
                 worst_margin, err_hf, err_ad, err_name = margin, e_hf, e_ad, name
             if margin > 0:
@@ -391,7 +396,7 @@ def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, r
     logits_err_hf = logits_err_ad = 0.0
     if truth is not None:
         logits_err_hf, logits_err_ad = _error(a, out_truth.logits), _error(b, out_truth.logits)
-        logits_ok = logits_err_ad <= ERR_FACTOR * logits_err_hf + ERR_FLOOR
+        logits_ok = _excess(logits_err_ad, logits_err_hf) <= 0
     passed = (logits_ok and abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
               and not failures and original_calls == 0 and math.isfinite(loss_ad))
     return SeedResult(seed, max_abs, max_abs / scale, loss_ref, loss_ad, kl, checked, worst, worst_name,

@@ -30,7 +30,7 @@ def _acc(x: torch.Tensor) -> torch.dtype:
 
 def probabilities_(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """exp(scores - lse) in place; a query with no valid key (lse -inf) gets zeros, not NaN; probabilities
-    below e^LOG_PROB_ZERO are exact zeros (see runtime.loss.blocks), never subnormal."""
+    below e^LOG_PROB_ZERO are exact zeros (see runtime.subnormals), never subnormal."""
     return exp_or_zero_(scores.sub_(torch.where(torch.isfinite(lse), lse, float("inf"))[..., None]), LOG_PROB_ZERO)
 
 

@@ -24,7 +24,8 @@ def _diagonal_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _drop_small(x: torch.Tensor, negligible: float) -> torch.Tensor:
-    return x.masked_fill_(x.abs() < negligible, 0.0)
+    """x with entries smaller than `negligible` in magnitude set to zero, in place (x as it is when 0)."""
+    return x.masked_fill_(x.abs() < negligible, 0.0) if negligible else x
 
 
 def unit_lower_inverse(a: torch.Tensor, negligible: float = 0.0) -> torch.Tensor:
@@ -37,16 +38,13 @@ def unit_lower_inverse(a: torch.Tensor, negligible: float = 0.0) -> torch.Tensor
     size = 1 << (c - 1).bit_length()
     if size != c:  # pad to a power of two with identity rows: the leading block's inverse is unchanged
         a = torch.nn.functional.pad(a, (0, size - c, 0, size - c))
-    if negligible:
+    if negligible:  # a padded `a` is a copy already; the caller's is not written
         a = _drop_small(a.clone() if size == c else a, negligible)
     inv = torch.eye(size, dtype=a.dtype, device=a.device).expand(m, size, size).contiguous()
     b = 1
     while b < size:
         t = _diagonal_blocks(inv, 2 * b)
         a21 = _diagonal_blocks(a, 2 * b)[..., b:, :b]
-        if not negligible:
-            t[..., b:, :b] = -(t[..., b:, b:] @ a21 @ t[..., :b, :b])
-        else:
-            t[..., b:, :b] = -_drop_small(_drop_small(t[..., b:, b:] @ a21, negligible) @ t[..., :b, :b], negligible)
+        t[..., b:, :b] = -_drop_small(_drop_small(t[..., b:, b:] @ a21, negligible) @ t[..., :b, :b], negligible)
         b *= 2
     return inv[:, :c, :c]
