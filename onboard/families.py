@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 import warnings
 
+from onboard.config_dict import is_size
+
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 HYBRID_LAYER_WORDS = ("linear", "mamba", "indexed", "sparse", "hybrid", "conv", "ssm", "recurrent")
 
@@ -36,13 +38,12 @@ UNSUPPORTED = {
 
 
 def _int(cfg: dict, names) -> int | None:
-    """The first whole-number field of these names, at the top or in a nested part that is no model of its own
+    """The first positive whole-number field of these names, at the top or in a nested part that is no model of its own
     (DBRX's ffn_config; not a multimodal model's text_config, a family of its own)."""
     parts = [cfg] + [v for v in cfg.values() if isinstance(v, dict) and not v.get("model_type")]
     for part in parts:
         for name in names:
-            value = part.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
+            if is_size(value := part.get(name)):
                 return value
     return None
 

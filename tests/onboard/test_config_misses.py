@@ -56,8 +56,11 @@ def test_minimax_lightning_layers_in_another_mix_and_block_size_are_linear(tmp_p
 
 
 def test_inkling2_with_a_small_vocabulary_adapts(tmp_path):
+    """A small vocabulary whose head scores fewer tokens than the embedding table holds (the unpadded vocabulary,
+    as released inkling2 configs have): the twin's labels must stay below the head's width ("Target 125 is out
+    of bounds" otherwise)."""
     config = default_config("inkling2_text")
-    config.vocab_size = 128
+    config.vocab_size, config.unpadded_vocab_size = 128, 120
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= 128:
             setattr(config, name, 1)
