@@ -17,8 +17,16 @@ def parser(doc: str, *, children: tuple[str, ...] = (), **options) -> argparse.A
         out.add_argument("--out", help=argparse.SUPPRESS)
     for name, value in options.items():
         default, text = value if isinstance(value, tuple) else (value, name.replace("_", " "))
-        out.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=text)
+        out.add_argument(f"--{name.replace('_', '-')}", type=count, default=default, help=text)
     return out
+
+
+def count(text: str) -> int:
+    """A count or a size: a whole number above zero (argparse turns the error into one line)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def run_child(script: str, args: list[str], threads: int, what: str, **popen) -> dict:

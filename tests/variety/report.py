@@ -10,12 +10,22 @@ from onboard.families import UNSUPPORTED, discover
 from tests.variety.check import check
 
 
+def _seed_count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seeds above zero")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=4, help="seeds per family (0 .. N-1)")
+    parser.add_argument("--seeds", type=_seed_count, default=4, metavar="N", help="seeds per family (0 .. N-1)")
     parser.add_argument("--families", help="comma-separated families (default: every supported one)")
     args = parser.parse_args()
-    families = args.families.split(",") if args.families else [f for f in discover() if f not in UNSUPPORTED]
+    supported = [f for f in discover() if f not in UNSUPPORTED]
+    families = args.families.split(",") if args.families else supported
+    unknown = [f for f in families if f not in supported]
+    if unknown:
+        parser.error(f"not a supported family of the installed transformers: {', '.join(unknown)}")
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             outcomes = [check(family, seed, tempfile.mkdtemp(dir=tmp)) for seed in range(args.seeds)]
