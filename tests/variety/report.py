@@ -4,6 +4,7 @@ column. `python -m tests.variety.report [--seeds N] [--families a,b]` prints one
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 from onboard.families import UNSUPPORTED, discover
@@ -27,6 +28,8 @@ def main() -> None:
     if unknown:
         parser.error(f"not a supported family of the installed transformers: {', '.join(unknown)}")
     with tempfile.TemporaryDirectory() as tmp:
+        # kernels the adapts render go with the bundles, not into the repository's store
+        os.environ.setdefault("ONBOARD_KERNEL_STORE", os.path.join(tmp, "kernels"))
         for family in families:
             outcomes = [check(family, seed, tempfile.mkdtemp(dir=tmp)) for seed in range(args.seeds)]
             drawn = [o for o in outcomes if o.status != "refused"]
