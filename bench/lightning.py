@@ -3,7 +3,7 @@
 One `MiniMaxLightningAttention` layer (projections, scan, norm, output gate) built from a config, and a deep
 copy of it swapped with `runtime.attention.swap_lightning_attention` (same parameters); forward + backward, fp32.
 transformers writes the scan inline as a loop over blocks of `block_size` tokens with dense block x block
-products; the runtime runs `chunk_scalar_decay`. Prints median times, their ratio, and the largest error of the
+products; the runtime runs `chunk_constant_decay` (the decay is one constant per head). Prints median times, their ratio, and the largest error of the
 output and of every parameter gradient relative to that tensor's largest value.
 
     python bench/lightning.py [--batch 2] [--tokens 2048] [--heads 8] [--dim 64] [--block 256] [--repeats 3]

@@ -9,6 +9,7 @@ from runtime.attention.gated_delta import chunk_gated_delta_rule
 from runtime.attention.indexer import LightningIndexer, indexer_topk
 from runtime.attention.lightning import swap_lightning_attention
 from runtime.attention.linear_core import find_linear_cores, swap_linear_core
+from runtime.attention.constant_decay import chunk_constant_decay
 from runtime.attention.scalar_decay import chunk_scalar_decay
 from runtime.attention.sparse import sparse_attention
 from runtime.attention.ssd import ssd_chunk_scan
@@ -18,6 +19,7 @@ __all__ = [
     "LightningIndexer",
     "causal_conv1d",
     "chunk_gated_delta_rule",
+    "chunk_constant_decay",
     "chunk_scalar_decay",
     "find_linear_cores",
     "find_sparse_attention",

@@ -1,4 +1,4 @@
-"""Run a lightning-attention block (MiniMax-Text-01 / M1 style) on the runtime's chunked scalar-decay core.
+"""Run a lightning-attention block (MiniMax-Text-01 / M1 style) on the runtime's chunked constant-decay core.
 
     swap = swap_lightning_attention(module, *, chunk_size=None, probe=True)   # a runtime.swap.Swap
 
@@ -8,7 +8,7 @@ forward (a Python loop over blocks, each with dense block x block products), so 
 rebind as `swap_linear_core` does. Instead the runtime reads the block as a whole:
 
     qkv = act(qkv_proj(x)) (padding tokens zeroed), split per head into q, k, v
-    o   = scan(q, k, v, decay = -slope_rate per head)
+    o   = chunk_constant_decay(qkv, log decay = -slope_rate per head)
     out = out_proj(sigmoid(output_gate(x)) * norm(o))          returns (out, final state)
 
 That reading is a hypothesis about the module's parts (names of its projections and buffers), so with `probe`
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from runtime.attention.probes import close
-from runtime.attention.scalar_decay import chunk_scalar_decay
+from runtime.attention.constant_decay import chunk_constant_decay
 from runtime.swap import LINEAR_CORE, Swap
 
 CHUNK = 64  # the scan's chunk length unless overridden, whatever the module's block_size: fastest on CPU (bench)
@@ -39,11 +39,10 @@ def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch
     qkv = module.act_fn(module.qkv_proj(hidden_states))
     if attention_mask is not None and attention_mask.dim() == 2:  # a padding mask: padded tokens add nothing
         qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
-    q, k, v = qkv.reshape(batch, length, heads, -1).chunk(3, dim=-1)
-    decay = -module.slope_rate.reshape(1, 1, heads).to(q.dtype).expand(batch, length, heads)
-    out, state = chunk_scalar_decay(q, k, v, decay, chunk_size=chunk_size, output_final_state=True)
+    out, state = chunk_constant_decay(qkv.reshape(batch, length, heads, -1), -module.slope_rate.reshape(heads),
+                                      chunk_size=chunk_size, output_final_state=True)
     # the scan computes in fp32 at least; the block's projections run in the model's dtype, as transformers' do
-    out, state = out.to(v.dtype), state.to(v.dtype)
+    out, state = out.to(qkv.dtype), state.to(qkv.dtype)
     out = module.norm(out.reshape(batch, length, -1))
     out = torch.sigmoid(module.output_gate(hidden_states)) * out
     return module.out_proj(out), state

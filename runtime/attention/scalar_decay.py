@@ -162,6 +162,8 @@ class _HandOff(torch.autograd.Function):
         for c in range(n - 1, 0, -1):
             torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry[:, :, c], out=d_written[:, :, c - 1])
         d_s0 = torch.addcmul(d_starts[:, :, 0], d_written[:, :, 0], carry[:, :, 0])
+        if not ctx.needs_input_grad[0]:  # a decay that needs no gradient: nothing to reduce
+            return None, d_written, d_s0
         d_carry = torch.empty_like(carry)
         for c in range(0, n, _CARRY_BLOCK):  # a few chunks at a time: few ops, a bounded temporary
             blk = slice(c, c + _CARRY_BLOCK)

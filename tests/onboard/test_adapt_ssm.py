@@ -45,10 +45,10 @@ def test_mixers_moe_and_loss_run_in_the_runtime(family):
     assert all(s.calls[FAMILIES[name]] == 1 for s in mixer_swaps), [s.calls for s in mixer_swaps]
 
 
-def _wrong_decay(core, dim):
+def _wrong_decay(core, position, dim):
     def wrong(*args, **kwargs):
         args = list(args)
-        args[3] = args[3].roll(1, dims=dim)  # the decay (B, T, H) of the previous token (dim 1) or head (dim 2)
+        args[position] = args[position].roll(1, dims=dim)
         return core(*args, **kwargs)
     return wrong
 
@@ -73,10 +73,10 @@ def test_a_wrong_decay_fails_verification(family, monkeypatch):
         monkeypatch.setattr(linear_core, "causal_conv1d", _conv_late(linear_core.causal_conv1d))
     elif FAMILIES[name] == "selective_scan":
         monkeypatch.setattr(selective_scan, "selective_scan", _selective_late(selective_scan.selective_scan))
-    else:
-        module = lightning if FAMILIES[name] == "lightning" else ssd
-        monkeypatch.setattr(module, "chunk_scalar_decay",
-                            _wrong_decay(module.chunk_scalar_decay, 2 if module is lightning else 1))
+    elif FAMILIES[name] == "lightning":  # the decay (H,) of the neighbouring head
+        monkeypatch.setattr(lightning, "chunk_constant_decay", _wrong_decay(lightning.chunk_constant_decay, 1, 0))
+    else:  # the decay (B, T, H) of the previous token
+        monkeypatch.setattr(ssd, "chunk_scalar_decay", _wrong_decay(ssd.chunk_scalar_decay, 3, 1))
     result = verify(spec, twin, adapt, decision, seeds=(0,))
     assert not result.passed
 

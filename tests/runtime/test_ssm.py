@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 from transformers.models.nemotron_h import modeling_nemotron_h
 
+from runtime.attention.constant_decay import chunk_constant_decay
 from runtime.attention.scalar_decay import chunk_scalar_decay, recurrent_scalar_decay
 from runtime.attention.ssd import ssd_chunk_scan
 from tests.helpers import rel
@@ -31,7 +32,7 @@ def _core_inputs(*, batch=2, length=37, key_heads=2, heads=6, kd=5, vd=3, decay=
 
 
 def _max_err(a, b):
-    return float((a - b).abs().max())
+    return float((a - b).abs().max().detach())
 
 
 @pytest.mark.parametrize("key_heads, heads", [(3, 3), (2, 6), (1, 4)])
@@ -78,6 +79,49 @@ def test_core_lightning_constant_decay():
     ref, _ = recurrent_scalar_decay(q, k, v, g, initial_state=s0)
     out, _ = chunk_scalar_decay(q, k, v, g, chunk_size=16, initial_state=s0)
     assert _max_err(out, ref) < 1e-10
+
+
+@pytest.mark.parametrize("length, chunk", [(40, 16), (64, 16), (5, 64), (1, 8), (100, 64)])
+def test_constant_decay_core_matches_recurrence_forward_and_backward(length, chunk):
+    """The lightning core (one decay per head, made once per call): output, final state and the gradient of
+    q, k, v and the initial state equal the token-by-token recurrence's in fp64, whole chunks and a tail alike."""
+    q, k, v, _, s0 = _core_inputs(length=length, key_heads=4, heads=4, kd=6, vd=6)
+    slopes = torch.tensor([3.0, 0.5, 0.125, 0.01], dtype=F64)
+    gen = torch.Generator().manual_seed(5)
+    w_out, w_final = torch.randn(2, length, 4, 6, generator=gen, dtype=F64), torch.randn(2, 4, 6, 6, dtype=F64)
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+        out, final = fn(*leaves)
+        ((out * w_out).sum() + (final * w_final).sum()).backward()
+        return [out, final] + [x.grad for x in leaves]
+
+    ours = run(lambda q, k, v, s: chunk_constant_decay(torch.cat((q, k, v), -1), -slopes, chunk_size=chunk,
+                                                       initial_state=s, output_final_state=True))
+    ref = run(lambda q, k, v, s: recurrent_scalar_decay(q, k, v, (-slopes).expand(2, length, 4), initial_state=s,
+                                                        output_final_state=True))
+    for a, b in zip(ours, ref):
+        assert a.dtype == F64 and _max_err(a, b) < 1e-10
+
+
+def test_constant_decay_with_a_trained_decay_takes_the_general_core():
+    """A decay that needs a gradient (a trained slope) runs `chunk_scalar_decay`, which writes it."""
+    q, k, v, _, _ = _core_inputs(length=20, key_heads=2, heads=2, kd=4, vd=4)
+    log_decay = torch.tensor([-0.5, -0.1], dtype=F64, requires_grad=True)
+    out, _ = chunk_constant_decay(torch.cat((q, k, v), -1), log_decay, chunk_size=8)
+    out.sum().backward()
+    ref_decay = log_decay.detach().clone().requires_grad_()
+    ref, _ = recurrent_scalar_decay(q, k, v, ref_decay.expand(2, 20, 2))
+    ref.sum().backward()
+    assert _max_err(out, ref) < 1e-10 and _max_err(log_decay.grad, ref_decay.grad) < 1e-9
+
+
+def test_constant_decay_refuses_unpacked_or_misshapen_inputs():
+    qkv = torch.zeros(1, 8, 2, 12)
+    with pytest.raises(ValueError, match="one value per head"):
+        chunk_constant_decay(qkv, torch.zeros(3))
+    with pytest.raises(ValueError, match="3D"):
+        chunk_constant_decay(qkv[..., :10], torch.zeros(2))
 
 
 def _resets(batch, length, seed=3):

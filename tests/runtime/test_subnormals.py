@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import runtime.attention.decay_pairs as decay_pairs
 import runtime.loss.blocks as loss_blocks
 from runtime.attention import chunk_gated_delta_rule, chunk_scalar_decay, sparse_attention, ssd_chunk_scan
+from runtime.attention.constant_decay import chunk_constant_decay
 from runtime.attention.selective_scan import selective_scan
 from runtime.loss.head import lm_head_loss
 from runtime.moe.block import GroupedExperts, MoEBlock
@@ -70,6 +71,8 @@ CASES = {
     "KDA, a decay per key channel": (_gated_delta, lambda: _gated_delta_inputs(True)),
     "scalar decay (lightning, Mamba2)": (lambda q, k, v, g: chunk_scalar_decay(q, k, v, g, chunk_size=64),
                                          _scalar_decay_inputs),
+    "constant decay (lightning)": (lambda qkv: chunk_constant_decay(qkv, torch.tensor([-100.0, -0.4]), chunk_size=64),
+                                   lambda: (torch.cat(_scalar_decay_inputs()[:3], -1),)),
     "Mamba2 SSD": (lambda x, dt, a, b, c: ssd_chunk_scan(x, dt, a, b, c, 64, dt_bias=torch.zeros(a.shape[0]),
                                                          dt_softplus=True), _ssd_inputs),
     "Mamba1 selective scan": (lambda x, dt, a, b, c, d, z: selective_scan(x, dt, a, b, c, d, z, delta_softplus=True),
