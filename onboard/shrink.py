@@ -31,7 +31,7 @@ MEANINGS: list[tuple[str, str]] = [
     ("index_topk", r"index_topk"),
     ("index_heads", r"index_n_heads|index_num_heads"),
     ("index_head_dim", r"index_head_dim"),
-    ("window", r"sliding_window|attention_window|sliding_window_size|window_size|attention_chunk_size|local_window"),
+    ("window", r"sliding_window|attention_window|attention_window_size|sliding_window_size|window_size|attention_chunk_size|local_window"),
     ("q_lora_rank", r"q_lora_rank"),
     ("kv_lora_rank", r"kv_lora_rank"),
     ("rope_head_dim", r"qk_rope_head_dim"),

@@ -33,7 +33,8 @@ EXPERTS = "experts"  # the experts alone behind the model's router: runtime.moe.
 LINEAR_CORE = "linear_core"  # a linear-attention / state-space module on the runtime's sequence cores
 SPARSE_ATTENTION = "sparse_attention"  # a DSA attention module on the runtime's indexer and sparse attention
 LOSS = "loss"  # the training loss from the last hidden state
-KINDS = (MOE_BLOCK, EXPERTS, LINEAR_CORE, SPARSE_ATTENTION, LOSS)
+GENERATED = "generated"  # a module the onboarding agent wrote (a bundle's generated/, on runtime.generated.Generated)
+KINDS = (MOE_BLOCK, EXPERTS, LINEAR_CORE, SPARSE_ATTENTION, LOSS, GENERATED)
 
 _ABSENT = object()
 _REGISTRIES = ("_modules", "_parameters", "_buffers")

@@ -1,0 +1,77 @@
+"""The base of every module the onboarding agent writes (a bundle's `generated/*.py`).
+
+    replacement = load_generated(path)(original)     # the class a generated file defines, built on `original`
+
+A generated module takes the place of one HuggingFace module. It is built from that module's state and
+never from the module itself: `Generated.__init__` registers the original's parameters and buffers (the same
+tensors, no copies) under the same dotted names, and copies its plain settings (numbers, strings, flags,
+tuples of them) onto the same places, so generated code reads `self.fn`, `self.input_norm.eps` as the
+original's code would, the model's state_dict keys do not change, and no reference to the original module,
+its class or its forward is left for the generated code to call. Generated files define a subclass with a
+`forward` (and helpers) only; `onboard.agent.guard` refuses one that defines `__init__`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from torch import nn
+
+PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    return isinstance(value, PLAIN)
+
+
+def settings(module: nn.Module) -> dict[str, object]:
+    """{dotted name: value} of the plain instance settings of `module` and its submodules (what its code reads
+    beside tensors: a head count, an epsilon, an iteration count), in a stable order."""
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, value in sorted(vars(sub).items()):
+            if not name.startswith("_") and name != "training" and _plain(value):
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out
+
+
+class Generated(nn.Module):
+    """Holds the original module's parameters, buffers and settings at their own names (module docstring)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        for path, value in settings(original).items():
+            self._owner(path).__dict__[path.rpartition(".")[2]] = value
+        for path, param in original.named_parameters():
+            self._owner(path).register_parameter(path.rpartition(".")[2], param)
+        persistent = set(original.state_dict(keep_vars=True))
+        for path, buffer in original.named_buffers():
+            self._owner(path).register_buffer(path.rpartition(".")[2], buffer, persistent=path in persistent)
+        self.replaces = type(original).__name__  # for repr and REVIEW.md only
+
+    def _owner(self, path: str) -> nn.Module:
+        """The container for a dotted name's last part, made on the way (plain modules, named as the original's)."""
+        owner: nn.Module = self
+        for part in path.split(".")[:-1]:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        return owner
+
+    def extra_repr(self) -> str:
+        return f"generated, replaces {self.replaces}"
+
+
+def load_generated(path: Path | str, name: str = "Replacement") -> type[Generated]:
+    """The class `name` a generated file defines (loaded by path: a bundle is no package)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"onboard_generated_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Generated)):
+        raise ValueError(f"{path} defines no {name}(runtime.generated.Generated)")
+    return cls
