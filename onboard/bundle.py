@@ -31,9 +31,10 @@ from runtime.kernels import store
 
 
 def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
-          notes: list[str] | None = None) -> tuple[ModelSpec, Verification]:
+          notes: list[str] | None = None, agent=None) -> tuple[ModelSpec, Verification]:
     """Adapt `source` into a bundle at `out` (see onboard.placement for what --force may replace); `notes`
-    collects what was put right of a killed earlier run."""
+    collects what was put right of a killed earlier run. `agent` (`onboard.agent.loop.Agent`) takes on the
+    leftovers after deciding: its generated modules are verified with the rest."""
     protect = (source.path,) if source.kind in ("local", "hf-cache", "hub") else ()
     out = check_target(out, force=force, protect=protect)
     done = tidy(out)
@@ -49,7 +50,11 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
         (staging / "source.json").write_text(json.dumps(
             {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
             indent=2, sort_keys=True) + "\n")
+        if agent is not None:
+            agent.take_on(spec, twin, decision, staging)
         verification = _settle(staging, spec, twin, decision)
+        if agent is not None and agent.finish(decision, verification, staging):
+            verification = _render_and_verify(staging, spec, twin, decision)
         write_verification(staging, spec, twin, decision, verification)
         write_launcher(staging, plan)
         place(staging, out, force=force, protect=protect)

@@ -55,6 +55,7 @@ def render_adapter(spec: ModelSpec, decision: Decision, kernels: list[str] = ())
         spec=spec, moe=moe, stays=", ".join(stays), loss=decision.loss, attention=attention,
         moe_layer_count=sum(len(e.layers) for e in moe), kernels=list(kernels),
         attention_layer_count=sum(len(e.layers) for e in attention),
+        generated=[e for e in decision.generated if e.takes],
     )
 
 
@@ -65,7 +66,7 @@ CORE_NAMES = {  # what REVIEW.md calls each runtime core a swapped linear-attent
     "chunk_gated_delta": "chunk-parallel gated delta rule (`chunk_gated_delta_rule`)",
     "ssd_chunk_scan": "Mamba2 SSD chunk scan on the scalar-decay core (`ssd_chunk_scan`)",
     "selective_scan": "Mamba1 selective scan (`selective_scan.selective_scan`)",
-    "lightning": "lightning-attention block on the scalar-decay core (`swap_lightning_attention`)",
+    "lightning": "lightning-attention block on the constant-decay core (`swap_lightning_attention`)",
     "causal_conv1d": "causal conv (`causal_conv1d`)",
 }
 
@@ -88,7 +89,16 @@ def render_review(spec: ModelSpec, decision: Decision, verification, twin_size: 
         twin_full_width=twin_size.get("full_width", False),
         attention=decision.swapped_attention(), attention_kept=by_reason(decision.kept_attention()),
         core_names=CORE_NAMES, softmax_kinds=", ".join(softmax), refused=decision.refused,
+        generated=decision.generated, unmatched=_still_unmatched(spec, decision),
     )
+
+
+def _still_unmatched(spec: ModelSpec, decision: Decision) -> list:
+    """The unmatched modules no generated module of the agent replaced."""
+    taken = {e.path for e in decision.generated if e.takes}
+    prefix = f"{spec.layers_path}."
+    return [u for u in spec.unmatched
+            if not (u.path.startswith(prefix) and u.path[len(prefix):].partition(".")[2] in taken)]
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ Targets name what a refusal covers, `part:path` with the path below a decoder la
   the layers fall back to the experts alone where they can, else stay HuggingFace code;
 - `experts:<experts>`: the experts alone (`runtime.moe.RoutedExperts`) behind the model's own router;
 - `attention:<module>`: a linear-attention / state-space core or DSA sparse attention;
-- `loss`: the training loss from the decoder's last hidden state (`runtime.loss`).
+- `loss`: the training loss from the decoder's last hidden state (`runtime.loss`);
+- `generated:<module>`: a module the onboarding agent replaced with code it wrote (`onboard.agent`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from onboard.spec import MLP, Layer, ModelSpec
 from onboard.twin import Twin
 from runtime.moe.router import ORDERS, SCORES
 from runtime.swap import EXPERTS as EXPERTS_SWAP
-from runtime.swap import LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION
+from runtime.swap import GENERATED, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION
 
 SCHEMA_VERSION = 1
 
@@ -174,11 +175,41 @@ class LossEntry:
 
 
 @dataclass
+class GeneratedEntry:
+    """A module no pattern matched, taken on by the onboarding agent (`onboard.agent`): replaced by the code it
+    wrote and probed (the bundle's generated/<file>, class Replacement, at `path` below each of `layers`), or
+    left as HuggingFace code with what was tried."""
+    layers: list[int]
+    path: str
+    file: str  # below the bundle's generated/ ("" when no candidate passed)
+    replaces: str  # the HuggingFace class it replaces
+    policy: str  # what wrote it: "rules" or "llm"
+    reading: str  # the policy's name for the reading that passed ("" when none did)
+    hypothesis: str  # what the module computes, in words
+    probe: dict = field(default_factory=dict)  # the passing probe's result against the live module
+    rounds: list[dict] = field(default_factory=list)  # every round tried: reading, hypothesis, outcome
+    refused: str | None = None  # why it stays HuggingFace code: no candidate passed, or verification refused it
+
+    @property
+    def takes(self) -> str | None:
+        return GENERATED if self.refused is None else None
+
+    @property
+    def why(self) -> str | None:
+        return self.refused
+
+    @property
+    def target(self) -> str:
+        return f"generated:{self.path}"
+
+
+@dataclass
 class Decision:
     moe: list[MoEEntry]
     attention: list[AttentionEntry]
     loss: LossEntry
     refused: dict[str, str] = field(default_factory=dict)  # target -> why verification rejected it
+    generated: list[GeneratedEntry] = field(default_factory=list)  # the agent's replacements (onboard.agent)
     schema_version: int = SCHEMA_VERSION
 
     # -- refinement ---------------------------------------------------------------------------------
@@ -191,6 +222,8 @@ class Decision:
             return [e for e in self.moe if e.takes == EXPERTS and e.experts.path == path]
         if part == "attention":
             return [e for e in self.attention if e.path == path and e.takes]
+        if part == "generated":
+            return [e for e in self.generated if e.path == path and e.takes]
         return [self.loss] if target == "loss" and self.loss.takes else []
 
     def refuse(self, target: str, why: str) -> None:
@@ -217,28 +250,32 @@ class Decision:
                 entry.refused_block = None
             if part == "experts" and entry.experts and entry.experts.path == path:
                 entry.refused_experts = None
-        for entry in self.attention:
-            if part == "attention" and entry.path == path:
+        for entry in [*self.attention, *self.generated]:
+            if entry.target == target:
                 entry.refused = None
         if target == "loss":
             self.loss.refused = None
 
     def suspects(self) -> list[str]:
-        """What the runtime takes, in the order to give it back when a bundle fails verification: readings
-        that only verification can confirm first (extra routing slots as identity experts; the loss from the
-        last hidden state), then whole MoE blocks (their experts alone may still verify), experts alone,
-        attention."""
+        """What the runtime takes, in the order to give it back when a bundle fails verification: the agent's
+        generated modules first (the least established code), then readings that only verification can
+        confirm (extra routing slots as identity experts; the loss from the last hidden state), then whole MoE
+        blocks (their experts alone may still verify), experts alone, attention."""
         zero = [e.target for e in self.moe if e.takes == BLOCK and e.zero_experts]
         blocks = [e.target for e in self.moe if e.takes == BLOCK and not e.zero_experts]
         experts = [e.target for e in self.moe if e.takes == EXPERTS]
         attention = [e.target for e in self.swapped_attention()]
-        return list(dict.fromkeys([*zero, *(["loss"] if self.loss.takes else []), *blocks, *experts, *attention]))
+        generated = [e.target for e in self.generated if e.takes]
+        return list(dict.fromkeys([*generated, *zero, *(["loss"] if self.loss.takes else []), *blocks, *experts,
+                                   *attention]))
 
     def reading(self, target: str) -> str:
         """What the runtime's reading behind `target` is, in words (for the reason a refusal records)."""
         entry = self._entries(target)[0]
         if target == "loss":
             return "computing the loss from the decoder's last hidden state through the LM head"
+        if target.startswith("generated:"):
+            return f"the agent's {entry.reading} replacement of {entry.replaces} at {entry.path}"
         if target.startswith("attention:"):
             what = ", ".join(entry.cores) if entry.cores else "indexer and sparse attention"
             return f"running the {entry.kind} attention at {entry.path} on the runtime's {what}"
@@ -266,7 +303,8 @@ class Decision:
 
     def expected(self, depth: int) -> dict[str, int]:
         """Swaps an adapter must make in a model of `depth` decoder layers, by handle kind."""
-        out = {MOE_BLOCK: 0, EXPERTS_SWAP: 0, LINEAR_CORE: 0, SPARSE_ATTENTION: 0, LOSS: int(self.loss.takes)}
+        out = {MOE_BLOCK: 0, EXPERTS_SWAP: 0, LINEAR_CORE: 0, SPARSE_ATTENTION: 0, LOSS: int(self.loss.takes),
+               GENERATED: sum(1 for e in self.generated if e.takes for i in e.layers if i < depth)}
         for e in self.swapped_moe():
             out[MOE_BLOCK if e.takes == BLOCK else EXPERTS_SWAP] += sum(1 for i in e.layers if i < depth)
         for e in self.swapped_attention():
@@ -277,7 +315,8 @@ class Decision:
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         # derived, written for readers of the file
-        for raw, entry in zip([*data["moe"], *data["attention"], data["loss"]], [*self.moe, *self.attention, self.loss]):
+        for raw, entry in zip([*data["moe"], *data["attention"], *data["generated"], data["loss"]],
+                              [*self.moe, *self.attention, *self.generated, self.loss]):
             raw["takes"], raw["why"] = entry.takes, entry.why
         return data
 
@@ -299,6 +338,7 @@ class Decision:
                                 routing=Routing(**routing) if routing else None))
         return cls(moe=moe, attention=[AttentionEntry(**stored(a)) for a in data["attention"]],
                    loss=LossEntry(**stored(data["loss"])), refused=dict(data.get("refused", {})),
+                   generated=[GeneratedEntry(**stored(g)) for g in data.get("generated", [])],
                    schema_version=data["schema_version"])
 
     @classmethod

@@ -31,7 +31,7 @@ from onboard.errors import one_line
 from onboard.spec import ModelSpec
 from onboard.twin import TEST_SEQ_LEN, Twin
 from runtime.model_tree import tensor_at
-from runtime.swap import EXPERTS, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION, Swaps
+from runtime.swap import EXPERTS, GENERATED, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION, Swaps
 
 SEEDS = (0, 1, 2)
 # fp32 with a different summation order (grouped GEMM vs per-expert loops): agreement to ~1e-6 relative
@@ -188,7 +188,8 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_dr
         # gradient summed the wrong way loses its digits; the first crosses many short chunks
         swaps = _adapt_for_checking(adapt, adapted, None if wide else CHECK_CHUNK)
         made = {kind: len(swaps.of(kind)) for kind in wanted}
-        original_hooks, original_calls = _count_calls([s.replaced for s in swaps.of(*MOE_KINDS)])
+        # the modules swapped out must not run: MoE blocks and experts, and what the agent's code replaced
+        original_hooks, original_calls = _count_calls([s.replaced for s in swaps.of(*MOE_KINDS, GENERATED)])
         batch = twin.example_batch(seed, WIDE_SEQ if wide else TEST_SEQ_LEN)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()

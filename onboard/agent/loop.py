@@ -1,0 +1,113 @@
+"""The agent's loop over the leftovers of one adapt (see the package docstring).
+
+    agent = Agent(policy, source, rounds=3)
+    onboard.bundle.adapt(source, out, agent=agent)    # take_on() after deciding, finish() after verifying
+
+`take_on` turns each task into a `GeneratedEntry` of the decision: the first candidate that passes the guard
+and the probe (its file written to the bundle's generated/), or, when the budget of rounds runs out, an entry
+that stays HuggingFace code with every round's outcome. Verification then runs as for any adapt, and refuses
+a generated module that spoils the whole twin like any other reading; `finish` records what it said and writes
+agent.jsonl.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from pathlib import Path
+
+from onboard.agent import guard
+from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
+from onboard.agent.sandbox import Limits, run_probe
+from onboard.agent.tasks import Task, leftovers
+from onboard.decision import Decision, GeneratedEntry
+from onboard.source import ModelSource
+from onboard.spec import ModelSpec
+from onboard.twin import Twin
+
+ROUNDS = 3  # candidates tried per task before it stays HuggingFace code
+GENERATED_DIR = "generated"
+RECORD = "agent.jsonl"
+
+
+class Agent:
+    def __init__(self, policy, source: ModelSource, *, rounds: int = ROUNDS, limits: Limits = Limits(),
+                 session: dict | None = None):
+        self.policy, self.source, self.rounds, self.limits = policy, source, rounds, limits
+        self.recorder = Recorder()
+        self.recorder.add("session", schema_version=SCHEMA_VERSION, policy=policy.name, model=source.name,
+                          rounds=rounds, **(session or {}))
+        self.tasks: list[Task] = []
+
+    def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> None:
+        self.tasks = leftovers(spec, twin.model)
+        with tempfile.TemporaryDirectory(prefix="onboard-agent-") as scratch:
+            model_ref = self._model_ref(Path(scratch))
+            for task in self.tasks:
+                decision.generated.append(self._task(task, spec, twin, staging, model_ref))
+
+    def _model_ref(self, scratch: Path) -> str:
+        """What the probe's own process resolves to build the same twin."""
+        if self.source.kind != "config":
+            return self.source.ref
+        self.source.config.save_pretrained(scratch / "model")  # an in-memory config (families, tests)
+        return str(scratch / "model")
+
+    def _task(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str) -> GeneratedEntry:
+        record = self.recorder.add
+        record("task", task=task.path, replaces=task.module_class, layers=list(task.layers), why=task.why)
+        module_path = f"{spec.layers_path}.{task.twin_layers[0]}.{task.path}"
+        module = twin.model.get_submodule(module_path)
+        entry = GeneratedEntry(layers=list(task.layers), path=task.path, file="", replaces=task.module_class,
+                               policy=self.policy.name, reading="", hypothesis="")
+        history: list[dict] = []
+        proposals = self.policy.propose(task, module, history)
+        for number, candidate in enumerate(itertools.islice(proposals, self.rounds), 1):
+            record("candidate", task=task.path, round=number, policy=candidate.policy, reading=candidate.reading,
+                   hypothesis=candidate.hypothesis, code=candidate.code, sha256=sha256(candidate.code))
+            outcome = {"round": number, "reading": candidate.reading, "hypothesis": candidate.hypothesis}
+            if problems := guard.check(candidate.code):
+                record("guard", task=task.path, round=number, problems=problems)
+                outcome["outcome"] = "refused before running: " + "; ".join(problems[:3])
+            else:
+                path = staging / GENERATED_DIR / f"{task.name}.py"
+                path.parent.mkdir(exist_ok=True)
+                path.write_text(candidate.code)
+                result = run_probe({"model": model_ref, "trust_remote_code": self.source.trust_remote_code,
+                                    "module_path": module_path, "candidate": str(path)}, self.limits)
+                record("probe", task=task.path, round=number, result=result)
+                if result.get("passed"):
+                    outcome["outcome"] = "passed the probe"
+                    history.append(outcome)
+                    entry.file, entry.reading, entry.hypothesis = path.name, candidate.reading, candidate.hypothesis
+                    entry.policy, entry.probe, entry.rounds = candidate.policy, result, history
+                    record("accepted", task=task.path, round=number, file=f"{GENERATED_DIR}/{path.name}")
+                    return entry
+                path.unlink()
+                outcome["outcome"] = "failed the probe: " + (result.get("note") or "no reason given")
+            history.append(outcome)
+        entry.rounds = history
+        entry.refused = (f"no candidate passed in {len(history)} round(s)" if history
+                         else "no reading of the policy applies to this module")
+        record("left", task=task.path, why=entry.refused)
+        return entry
+
+    def finish(self, decision: Decision, verification, staging: Path) -> bool:
+        """Record what whole-twin verification said of each generated module, take out of the bundle the files
+        it did not keep (no unverified code ships), and write agent.jsonl. True when a module still in the
+        adapter was taken out (a bundle that failed verification as a whole): the adapter must be rendered
+        again."""
+        dropped = False
+        for entry in decision.generated:
+            if not entry.file:
+                continue
+            kept = entry.takes is not None and verification.passed
+            if not kept and entry.takes is not None:
+                entry.refused = f"the bundle did not verify with it ({verification.note or 'see verification'})"
+                dropped = True
+            self.recorder.add("verified", task=entry.path, kept=kept, why=entry.refused or "")
+            if not kept:
+                (staging / GENERATED_DIR / entry.file).unlink()
+                entry.file = ""
+        (staging / RECORD).write_text(self.recorder.text())
+        return dropped

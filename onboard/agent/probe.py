@@ -1,0 +1,150 @@
+"""Hold a candidate replacement against the live HuggingFace module it would replace (run by `sandbox`).
+
+    python -m onboard.agent.probe < request.json     # prints one JSON result line
+
+The request names the model (a reference `onboard.source.resolve` reads), the module's path in the twin and the
+candidate file. The probe builds the twin, records the module's real inputs from a forward pass of the twin
+per seed, redraws the module's parameters from the seed (whatever transformers' init left, every value
+matters), and for each seed and input scale runs the module and the candidate (built on a copy of the module,
+so neither sees the other's gradients) forward and backward with the same random output weights. It passes
+when every output, input gradient and parameter gradient is within TOLERANCE of the module's, relative to
+that tensor's largest value, and the module's outputs differ from one seed to the next (else the inputs
+exercised nothing). Network access is refused in this process before the candidate is imported.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import socket
+import sys
+
+TOLERANCE = 1e-4  # fp32, relative to the tensor's largest value: a reading of the wrong thing is off by O(1)
+SCALES = (1.0, 8.0)  # input scales: a candidate that only holds near the inputs' typical size fails the second
+
+
+def _no_network() -> None:
+    """Refuse every connection that is not to this machine (the candidate runs in this process)."""
+    connect = socket.socket.connect
+
+    def local_only(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if isinstance(host, str) and host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("/"):
+            raise OSError(f"the agent's probe has no network (tried {host})")
+        return connect(self, address)
+
+    socket.socket.connect = local_only
+
+
+def _floats(value) -> list:
+    """The floating tensors in a module's output (a tensor, or a tuple / list / dict of them), in order."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _floats(v)]
+    if isinstance(value, dict):
+        return [t for k in sorted(value) for t in _floats(value[k])]
+    return []
+
+
+def _redraw(module, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for _, param in sorted(module.named_parameters()):
+            std = 1 / math.sqrt(param.shape[-1]) if param.dim() >= 2 else 0.5
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * std)
+
+
+def _run(module, args, kwargs, weights_seed: int):
+    """Outputs, input gradients and parameter gradients (by name) of one forward + backward."""
+    import torch
+
+    module.zero_grad(set_to_none=True)
+    leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+              for a in args]
+    outputs = _floats(module(*leaves, **kwargs))
+    gen = torch.Generator().manual_seed(weights_seed)
+    loss = sum((out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum() for out in outputs)
+    loss.backward()
+    grads = {f"input {i}": leaf.grad for i, leaf in enumerate(leaves)
+             if isinstance(leaf, torch.Tensor) and leaf.grad is not None}
+    grads.update({name: p.grad for name, p in sorted(module.named_parameters()) if p.grad is not None})
+    return [o.detach() for o in outputs], grads
+
+
+def _error(ours, theirs) -> float:
+    scale = float(theirs.abs().max()) if theirs.numel() else 0.0
+    return float((ours.float() - theirs.float()).abs().max()) / max(scale, 1e-30) if theirs.numel() else 0.0
+
+
+def probe(request: dict) -> dict:
+    import torch
+
+    from onboard.source import resolve
+    from onboard.twin import build_twin
+    from runtime.generated import load_generated
+
+    torch.set_num_threads(1)
+    source = resolve(request["model"], trust_remote_code=request.get("trust_remote_code", False))
+    twin = build_twin(source)
+    module = twin.model.get_submodule(request["module_path"])
+    replacement = load_generated(request["candidate"])
+    cases, reference_outputs, problems = [], [], []
+    for seed in request.get("seeds", (0, 1, 2)):
+        seen = {}
+        hook = module.register_forward_pre_hook(
+            lambda _, args, kwargs: seen.setdefault("inputs", (args, kwargs)), with_kwargs=True)
+        with torch.no_grad():
+            twin.model(**{k: v for k, v in twin.example_batch(seed).items() if k != "labels"}, use_cache=False)
+        hook.remove()
+        if "inputs" not in seen:
+            return {"passed": False, "note": f"{request['module_path']} did not run in the twin's forward"}
+        args, kwargs = seen["inputs"]
+        _redraw(module, seed)
+        candidate = replacement(copy.deepcopy(module))
+        for scale in request.get("scales", SCALES):
+            scaled = [a * scale if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            theirs, their_grads = _run(module, scaled, kwargs, seed)
+            ours, our_grads = _run(candidate, scaled, kwargs, seed)
+            if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs)):
+                shapes = [tuple(t.shape) for t in ours], [tuple(t.shape) for t in theirs]
+                return {"passed": False, "cases": cases,
+                        "note": f"seed {seed}: output shapes {shapes[0]} where the module gives {shapes[1]}"}
+            if set(our_grads) != set(their_grads):
+                missing = sorted(set(their_grads) ^ set(our_grads))
+                return {"passed": False, "cases": cases,
+                        "note": f"seed {seed}: gradients differ in what they reach ({', '.join(missing[:4])})"}
+            out_err = max((_error(a, b) for a, b in zip(ours, theirs)), default=0.0)
+            grad_errs = {name: _error(our_grads[name], g) for name, g in their_grads.items()}
+            worst = max(grad_errs, key=grad_errs.get) if grad_errs else ""
+            case = {"seed": seed, "scale": scale, "output_error": out_err,
+                    "grad_error": grad_errs.get(worst, 0.0), "worst_grad": worst}
+            cases.append(case)
+            if out_err > TOLERANCE or case["grad_error"] > TOLERANCE:
+                problems.append(f"seed {seed} x{scale:g}: output error {out_err:.1e}, worst gradient {worst} "
+                                f"{case['grad_error']:.1e} (tolerance {TOLERANCE:.0e})")
+            if scale == 1.0:
+                reference_outputs.append(theirs)
+    if len(reference_outputs) > 1 and all(
+            _error(a, b) < 1e-3 for a, b in zip(reference_outputs[0], reference_outputs[1])):
+        problems.append("the module's outputs do not vary with its inputs: the probe would prove nothing")
+    return {"passed": not problems, "cases": cases, "note": "; ".join(problems[:3])}
+
+
+def main() -> None:
+    _no_network()
+    request = json.loads(sys.stdin.read())
+    try:
+        result = probe(request)
+    except Exception as exc:  # the candidate's own failure: reported to the policy as the round's outcome
+        result = {"passed": False, "note": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    print(json.dumps(result, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

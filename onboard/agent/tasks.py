@@ -1,0 +1,52 @@
+"""The leftovers of an inspection, as tasks for the agent: one per module path below a decoder layer.
+
+A module no pattern recognises shows up once per captured twin layer (`model.layers.0.attn_hc`,
+`model.layers.3.attn_hc`, ...); the task is the path below the layer (`attn_hc`), with the twin layers it was
+seen in and the full model's layers those stand for (`Layer.twin_layer`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from onboard.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Task:
+    path: str  # below a decoder layer
+    module_class: str
+    twin_layers: tuple[int, ...]
+    layers: tuple[int, ...]  # the full model's layers with this module
+    why: str  # why it was left over
+
+    @property
+    def name(self) -> str:
+        """A file name for its generated code."""
+        return re.sub(r"\W", "_", self.path)
+
+    @property
+    def target(self) -> str:
+        return f"generated:{self.path}"
+
+
+def leftovers(spec: ModelSpec, model) -> list[Task]:
+    """The unmatched modules below decoder layers of `model` (the twin), in path order."""
+    prefix = f"{spec.layers_path}."
+    seen: dict[str, dict] = {}
+    for unmatched in spec.unmatched:
+        if not unmatched.path.startswith(prefix):
+            continue
+        index, _, path = unmatched.path[len(prefix):].partition(".")
+        if not path or not index.isdigit():
+            continue  # a whole layer no pattern reads: not one module to replace
+        entry = seen.setdefault(path, {"twin_layers": [], "why": unmatched.reason})
+        entry["twin_layers"].append(int(index))
+    tasks = []
+    for path, entry in sorted(seen.items()):
+        twin_layers = tuple(sorted(set(entry["twin_layers"])))
+        module = model.get_submodule(f"{spec.layers_path}.{twin_layers[0]}.{path}")
+        layers = tuple(layer.index for layer in spec.layers if layer.twin_layer in twin_layers)
+        tasks.append(Task(path, type(module).__name__, twin_layers, layers, entry["why"]))
+    return tasks

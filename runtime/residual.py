@@ -1,0 +1,44 @@
+"""A residual sum with a learned affine map on each side (ZAYA's residual scaling):
+
+    out = (a + bias_a) * scale_a + (b + bias_b) * scale_b          scale, bias: (H,), broadcast over tokens
+
+as one autograd node. Written as five tensor ops, autograd keeps both shifted inputs (a + bias_a, b + bias_b)
+and makes four temporaries of the activations' size; here the forward makes one tensor (the output, built in
+place), the node keeps the two inputs, which the layer holds anyway, and the backward recomputes the shifts:
+
+    d_a = g * scale_a        d_bias_a = sum_tokens d_a        d_scale_a = sum_tokens g * (a + bias_a)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _AffineSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, scale_a, bias_a, scale_b, bias_b):
+        ctx.save_for_backward(a, b, scale_a, bias_a, scale_b, bias_b)
+        out = (a + bias_a).mul_(scale_a)
+        return out.addcmul_(b + bias_b, scale_b)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, b, scale_a, bias_a, scale_b, bias_b = ctx.saved_tensors
+        tokens = tuple(range(grad.dim() - 1))
+        d_a, d_b = grad * scale_a, grad * scale_b
+        d_scale_a = (grad * (a + bias_a)).sum(tokens)
+        d_scale_b = (grad * (b + bias_b)).sum(tokens)
+        grads = (d_a, d_b, d_scale_a, d_a.sum(tokens), d_scale_b, d_b.sum(tokens))
+        return tuple(g.to(x.dtype) for g, x in zip(grads, ctx.saved_tensors))
+
+
+def affine_sum(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, bias_a: torch.Tensor, scale_b: torch.Tensor,
+               bias_b: torch.Tensor) -> torch.Tensor:
+    """(a + bias_a) * scale_a + (b + bias_b) * scale_b for a, b (..., H) of one shape and dtype, the four
+    parameters (H,) (module docstring)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must match")
+    if any(p.shape != a.shape[-1:] for p in (scale_a, bias_a, scale_b, bias_b)):
+        raise ValueError(f"scales and biases must be ({a.shape[-1]},)")
+    return _AffineSum.apply(a, b, scale_a, bias_a, scale_b, bias_b)
