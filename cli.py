@@ -92,6 +92,27 @@ def cmd_adapt(args) -> int:
     return _print_verification(spec, verification, out)
 
 
+def cmd_agent(args) -> int:
+    from pathlib import Path
+
+    from onboard.agent.loop import run
+    from onboard.source import resolve
+
+    source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
+    notes: list[str] = []
+    spec, verification, agent = run(source, out, policy=args.policy, replay=Path(args.replay) if args.replay else None,
+                                    rounds=args.rounds, force=args.force, notes=notes)
+    for note in notes:
+        print(f"tidied: {note}")
+    if not agent.tasks:
+        print("agent: nothing left over: the bundle is what `onboard adapt` writes")
+    for entry in agent.decision_entries:
+        state = f"replaced by generated/{entry.file}" if entry.takes else f"stays HuggingFace code: {entry.refused}"
+        print(f"agent: {entry.path} ({entry.replaces}): {state}")
+    return _print_verification(spec, verification, out)
+
+
 RUNS_ADAPTER = "runs the bundle's adapter.py (generated Python: review it, as any code from a pull request)"
 
 
@@ -273,6 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(func=cmd_adapt)
 
+    p = verb("agent", help="adapt, then take on what no pattern matches: generated code, probed and verified, "
+                           "or left as HuggingFace code with what was tried")
+    _add_model_args(p)
+    p.add_argument("--out", help="bundle directory (default bundles/<model>)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument("--policy", default="rules", help="what proposes the code: rules (default; offline, deterministic)")
+    p.add_argument("--rounds", type=POSITIVE, default=3, help="candidates tried per leftover module (default 3)")
+    p.add_argument("--replay", help="agent.jsonl of an earlier session: propose what it proposed, no policy run")
+    p.set_defaults(func=cmd_agent)
+
     p = verb("verify", help=f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}")
     p.add_argument("bundle", help="bundle directory written by onboard adapt")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -281,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("families", help="inspect every MoE / hybrid family the installed transformers ships")
     p.add_argument("--markdown", action="store_true", help="print README's support table")
-    p.add_argument("--adapt", action="store_true", help="also adapt and verify each family (bundles in a temp dir)")
+    p.add_argument("--adapt", action="store_true", help="also adapt and verify each family, the agent's rules policy taking on what no "
+                        "pattern matches (bundles in a temp dir)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_families)
 

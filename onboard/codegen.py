@@ -89,16 +89,9 @@ def render_review(spec: ModelSpec, decision: Decision, verification, twin_size: 
         twin_full_width=twin_size.get("full_width", False),
         attention=decision.swapped_attention(), attention_kept=by_reason(decision.kept_attention()),
         core_names=CORE_NAMES, softmax_kinds=", ".join(softmax), refused=decision.refused,
-        generated=decision.generated, unmatched=_still_unmatched(spec, decision),
+        generated=decision.generated, unmatched=decision.still_unmatched(spec),
     )
 
-
-def _still_unmatched(spec: ModelSpec, decision: Decision) -> list:
-    """The unmatched modules no generated module of the agent replaced."""
-    taken = {e.path for e in decision.generated if e.takes}
-    prefix = f"{spec.layers_path}."
-    return [u for u in spec.unmatched
-            if not (u.path.startswith(prefix) and u.path[len(prefix):].partition(".")[2] in taken)]
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -301,6 +301,13 @@ class Decision:
         """{layer: why its linear / sparse attention stays HuggingFace code}."""
         return {i: f"{e.kind}: {e.why}" for e in self.attention if not e.takes and e.why for i in e.layers}
 
+    def still_unmatched(self, spec: ModelSpec) -> list:
+        """The spec's unmatched modules that no generated module of the agent replaced."""
+        taken = {e.path for e in self.generated if e.takes}
+        prefix = f"{spec.layers_path}."
+        return [u for u in spec.unmatched
+                if not (u.path.startswith(prefix) and u.path[len(prefix):].partition(".")[2] in taken)]
+
     def expected(self, depth: int) -> dict[str, int]:
         """Swaps an adapter must make in a model of `depth` decoder layers, by handle kind."""
         out = {MOE_BLOCK: 0, EXPERTS_SWAP: 0, LINEAR_CORE: 0, SPARSE_ATTENTION: 0, LOSS: int(self.loss.takes),

@@ -21,6 +21,7 @@ from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
 from onboard.agent.sandbox import Limits, run_probe
 from onboard.agent.tasks import Task, leftovers
 from onboard.decision import Decision, GeneratedEntry
+from onboard.errors import OnboardError
 from onboard.source import ModelSource
 from onboard.spec import ModelSpec
 from onboard.twin import Twin
@@ -38,13 +39,15 @@ class Agent:
         self.recorder.add("session", schema_version=SCHEMA_VERSION, policy=policy.name, model=source.name,
                           rounds=rounds, **(session or {}))
         self.tasks: list[Task] = []
+        self.decision_entries: list[GeneratedEntry] = []  # one per task, as the decision holds them
 
     def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> None:
         self.tasks = leftovers(spec, twin.model)
         with tempfile.TemporaryDirectory(prefix="onboard-agent-") as scratch:
             model_ref = self._model_ref(Path(scratch))
             for task in self.tasks:
-                decision.generated.append(self._task(task, spec, twin, staging, model_ref))
+                self.decision_entries.append(self.attempt(task, spec, twin, staging, model_ref))
+        decision.generated.extend(self.decision_entries)
 
     def _model_ref(self, scratch: Path) -> str:
         """What the probe's own process resolves to build the same twin."""
@@ -53,7 +56,8 @@ class Agent:
         self.source.config.save_pretrained(scratch / "model")  # an in-memory config (families, tests)
         return str(scratch / "model")
 
-    def _task(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str) -> GeneratedEntry:
+    def attempt(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str) -> GeneratedEntry:
+        """One task, round by round within the budget: the entry the decision gets (module docstring)."""
         record = self.recorder.add
         record("task", task=task.path, replaces=task.module_class, layers=list(task.layers), why=task.why)
         module_path = f"{spec.layers_path}.{task.twin_layers[0]}.{task.path}"
@@ -109,5 +113,35 @@ class Agent:
             if not kept:
                 (staging / GENERATED_DIR / entry.file).unlink()
                 entry.file = ""
-        (staging / RECORD).write_text(self.recorder.text())
+        if self.tasks:  # nothing left over: the bundle is exactly what adapt writes
+            (staging / RECORD).write_text(self.recorder.text())
         return dropped
+
+
+def policy_named(name: str, replay: Path | None = None):
+    """The policy `onboard agent --policy NAME` runs (or the recorded session of `--replay`)."""
+    from onboard.agent.record import ReplayPolicy, read_record
+    from onboard.agent.rules import RulesPolicy
+
+    if replay is not None:
+        return ReplayPolicy(read_record(replay))
+    if name == "rules":
+        return RulesPolicy()
+    raise OnboardError(f"unknown agent policy {name!r}: choose from {', '.join(POLICIES)}")
+
+
+POLICIES = ("rules",)
+
+
+def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path | None = None, rounds: int = ROUNDS,
+        force: bool = False, notes: list[str] | None = None):
+    """`onboard agent`: adapt `source` into `out` with the agent taking on the leftovers. Returns (spec,
+    verification, agent)."""
+    from onboard.bundle import adapt
+
+    chosen = policy_named(policy, replay)
+    if replay is not None and chosen.session.get("model") != source.name:
+        raise OnboardError(f"{replay} records a session on {chosen.session.get('model')!r}, not {source.name!r}")
+    agent = Agent(chosen, source, rounds=rounds)
+    spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
+    return spec, verification, agent

@@ -115,6 +115,9 @@ def probe(request: dict) -> dict:
                 shapes = [tuple(t.shape) for t in ours], [tuple(t.shape) for t in theirs]
                 return {"passed": False, "cases": cases,
                         "note": f"seed {seed}: output shapes {shapes[0]} where the module gives {shapes[1]}"}
+            if [a.dtype for a in ours] != [b.dtype for b in theirs]:
+                return {"passed": False, "cases": cases, "note": f"seed {seed}: output dtypes "
+                        f"{[str(a.dtype) for a in ours]} where the module gives {[str(b.dtype) for b in theirs]}"}
             if set(our_grads) != set(their_grads):
                 missing = sorted(set(their_grads) ^ set(our_grads))
                 return {"passed": False, "cases": cases,

@@ -1,0 +1,132 @@
+"""The runtime ops the agent's generated modules call, and the Generated base they build on.
+
+`hyper_connection_weights` against DeepSeek-V4's own `DeepseekV4HyperConnection` (which computes in fp32 whatever
+it is given) and `affine_sum` against ZAYA's own `ZayaResidualScaling` (fp64), transformers' modeling code with
+random weights, forward and backward;
+`Generated` keeps the original's tensors and state_dict keys and no way back to the original module."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+from transformers.models.zaya.modeling_zaya import ZayaResidualScaling
+
+from onboard.families import default_config
+from runtime.generated import Generated, load_generated, settings
+from runtime.hyper_connection import hyper_connection_weights
+from runtime.residual import affine_sum
+
+F64 = torch.float64
+
+
+def _randomised(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return module
+
+
+def _fwd_bwd(fn, inputs, params):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    for p in params:
+        p.grad = None
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(9)
+    sum((o * torch.randn(o.shape, generator=gen, dtype=F64).to(o.dtype)).sum() for o in outs).backward()
+    return [o.detach() for o in outs] + [x.grad for x in leaves] + [p.grad.clone() for p in params]
+
+
+def _max_rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_hyper_connection_weights_match_deepseek_v4():
+    config = default_config("deepseek_v4")
+    config.hidden_size = 32
+    hc = _randomised(DeepseekV4HyperConnection(config).double())
+    x = torch.randn(2, 7, config.hc_mult, 32, dtype=F64, generator=torch.Generator().manual_seed(1))
+    theirs = _fwd_bwd(hc, [x], list(hc.parameters()))
+
+    def ours(streams):
+        return hyper_connection_weights(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
+                                        eps=hc.hc_eps, norm_eps=hc.input_norm.eps)
+
+    mine = _fwd_bwd(ours, [x], list(hc.parameters()))
+    assert len(mine) == len(theirs) == 7
+    for a, b in zip(mine, theirs):  # both compute the mixes in fp32 (transformers' module casts fp64 down too)
+        assert _max_rel(a.double(), b.double()) < 1e-5
+
+
+def test_hyper_connection_weights_refuse_parameters_of_another_stream_count():
+    x = torch.randn(1, 3, 4, 8)
+    with pytest.raises(ValueError, match="4 streams of width 8"):
+        hyper_connection_weights(x, torch.zeros(15, 32), torch.zeros(15), torch.zeros(3), sinkhorn_iters=2,
+                                 eps=1e-6, norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+def test_affine_sum_matches_zaya_residual_scaling(dtype):
+    """In fp64 to rounding; with bf16 activations and fp32 parameters, the same dtypes as the module's."""
+    module = _randomised(ZayaResidualScaling(16)).to(F64 if dtype == F64 else torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(2, 5, 16, generator=gen, dtype=F64).to(dtype) for _ in range(2))
+    params = [module.hidden_states_scale, module.hidden_states_bias, module.residual_scale, module.residual_bias]
+    theirs = _fwd_bwd(module, [a, b], params)
+    mine = _fwd_bwd(lambda x, y: affine_sum(x, y, *params), [a, b], params)
+    for m, t in zip(mine, theirs):
+        assert m.dtype == t.dtype
+        assert _max_rel(m.double(), t.double()) < (1e-12 if dtype == F64 else 1e-2)
+
+
+def test_affine_sum_refuses_mismatched_inputs():
+    with pytest.raises(ValueError, match="must match"):
+        affine_sum(torch.zeros(2, 4), torch.zeros(3, 4), *[torch.zeros(4)] * 4)
+    with pytest.raises(ValueError, match=r"\(4,\)"):
+        affine_sum(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3), *[torch.zeros(4)] * 3)
+
+
+class _Original(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 4))
+        self.norm = torch.nn.Module()
+        self.norm.eps = 1e-5
+        self.norm.scale = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("table", torch.arange(4.0))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.heads, self.name, self.sizes = 2, "x", (1, 2)
+        self.helper = lambda x: x  # not plain: not copied
+
+
+def test_generated_holds_the_original_tensors_settings_and_names_only():
+    original = _Original()
+    generated = Generated(original)
+    assert generated.weight is original.weight and generated.norm.scale is original.norm.scale
+    assert generated.table is original.table
+    assert list(generated.state_dict()) == list(original.state_dict())  # checkpoints keep their keys
+    assert "scratch" not in generated.state_dict()
+    assert (generated.heads, generated.name, generated.sizes, generated.norm.eps) == (2, "x", (1, 2), 1e-5)
+    assert settings(original) == {"heads": 2, "name": "x", "sizes": (1, 2), "norm.eps": 1e-5}
+    # nothing reachable from the generated module is the original module or its class
+    reachable = [generated, *generated.modules()]
+    for holder in reachable:
+        for value in vars(holder).values():
+            assert value is not original and value is not type(original) and value is not original.helper
+
+
+def test_load_generated_takes_the_replacement_class_from_a_file(tmp_path):
+    path = tmp_path / "thing.py"
+    path.write_text("from runtime.generated import Generated\n\n\nclass Replacement(Generated):\n"
+                    "    def forward(self, x):\n        return x @ self.weight.T\n")
+    cls = load_generated(path)
+    original = _Original()
+    x = torch.randn(2, 4)
+    assert torch.equal(cls(copy.deepcopy(original))(x), x @ original.weight.T)
+    (tmp_path / "none.py").write_text("X = 1\n")
+    with pytest.raises(ValueError, match="no Replacement"):
+        load_generated(tmp_path / "none.py")
