@@ -2,6 +2,8 @@
 
     post, comb, collapsed = hyper_connection_weights(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6,
                                                      norm_eps=1e-6)
+    post, collapsed = hyper_connection_weights(streams, fn, base, scale, eps=1e-6, norm_eps=1e-6,
+                                               post_magnitude=2.0, post_eps=1e-6)      # no comb (HY-V4)
 
 A layer keeps N residual streams X (B, S, N, D) instead of one. Before each block the streams give, per token,
 
@@ -13,7 +15,9 @@ A layer keeps N residual streams X (B, S, N, D) instead of one. Before each bloc
     collapsed = sum_n pre_n X_n                             (B, S, D): the block's input
 
 and the layer then adds post * block(collapsed) to comb^T @ X. Sinkhorn makes comb doubly stochastic:
-normalise columns once, then (rows, columns) sinkhorn_iters - 1 times, each sum with eps added.
+normalise columns once, then (rows, columns) sinkhorn_iters - 1 times, each sum with eps added. HY-V4 keeps
+the form without comb: fn projects to pre and post only, post = post_magnitude * sigmoid(..) + post_eps, and the
+layer adds post * block(collapsed) to X itself.
 
 transformers normalises X_flat (all N*D values of every token) and then projects it; the norm is one scalar per
 token, so it commutes with the projection, and here it scales the 2N + N^2 projected values instead: the
@@ -37,22 +41,27 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hyper_connection_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-                             sinkhorn_iters: int, eps: float, norm_eps: float
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams (B, S, N, D); fn (2N + N^2, N*D), base (2N + N^2,), scale (3,). Returns (post (B, S, N),
-    comb (B, S, N, N)) in fp32 and the collapsed block input (B, S, D) in the streams' dtype (module docstring)."""
+                             eps: float, norm_eps: float, sinkhorn_iters: int = 0, post_magnitude: float = 2.0,
+                             post_eps: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """streams (B, S, N, D). With comb: fn (2N + N^2, N*D), base (2N + N^2,), scale (3,); returns (post (B, S, N),
+    comb (B, S, N, N)) in fp32 and the collapsed block input (B, S, D) in the streams' dtype (module docstring).
+    Without comb (HY-V4's form): fn (2N, N*D), base (2N,), scale (2,); returns (post, collapsed), post =
+    post_magnitude * sigmoid(...) + post_eps."""
     batch, seq, n, width = streams.shape
-    if fn.shape != ((2 + n) * n, n * width) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
+    rows = fn.shape[0]
+    with_comb = rows == (2 + n) * n and n > 0
+    if (not with_comb and rows != 2 * n) or fn.shape[1] != n * width or base.shape != (rows,) \
+            or scale.shape != (3 if with_comb else 2,):
         raise ValueError(f"fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not "
                          f"fit {n} streams of width {width}")
     flat = streams.reshape(batch, seq, n * width).float()
     inv_rms = torch.rsqrt(torch.linalg.vecdot(flat, flat).unsqueeze(-1) / (n * width) + norm_eps)
     mixes = F.linear(flat, fn.float()) * inv_rms
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    scale = scale.float()
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax((comb_w * scale[2] + comb_b).view(batch, seq, n, n), dim=-1) + eps
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
+    post = post_magnitude * torch.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n]) + post_eps
     collapsed = (pre.unsqueeze(-2) @ flat.view(batch, seq, n, width)).squeeze(-2).to(streams.dtype)
+    if not with_comb:
+        return post, collapsed
+    comb = torch.softmax((mixes[..., 2 * n:] * scale[2] + base[2 * n:]).view(batch, seq, n, n), dim=-1) + eps
     return post, sinkhorn(comb, sinkhorn_iters, eps), collapsed

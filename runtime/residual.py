@@ -1,4 +1,6 @@
-"""A residual sum with a learned affine map on each side (ZAYA's residual scaling):
+"""Residual paths with a learned map on them.
+
+`affine_sum`: a residual sum with a learned affine map on each side (ZAYA's residual scaling):
 
     out = (a + bias_a) * scale_a + (b + bias_b) * scale_b          scale, bias: (H,), broadcast over tokens
 
@@ -7,11 +9,19 @@ and makes four temporaries of the activations' size; here the forward makes one 
 place), the node keeps the two inputs, which the layer holds anyway, and the backward recomputes the shifts:
 
     d_a = g * scale_a        d_bias_a = sum_tokens d_a        d_scale_a = sum_tokens g * (a + bias_a)
+
+`short_conv_residual`: a depthwise causal short convolution around the identity (Inkling's short convolutions):
+
+    out = (causal_conv(x * mask) + x) * out_scale         x (B, T, C), computed in fp32
+
+on the runtime's `causal_conv1d` (packed sequences through `seq_idx`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from runtime.attention.conv import causal_conv1d
 
 
 class _AffineSum(torch.autograd.Function):
@@ -42,3 +52,14 @@ def affine_sum(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, bias_a: 
     if any(p.shape != a.shape[-1:] for p in (scale_a, bias_a, scale_b, bias_b)):
         raise ValueError(f"scales and biases must be ({a.shape[-1]},)")
     return _AffineSum.apply(a, b, scale_a, bias_a, scale_b, bias_b)
+
+
+def short_conv_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_scale: float, *,
+                        mask: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """(causal_conv(x * mask) + x) * out_scale in fp32, returned in x's dtype: x (B, T, C), weight (C, 1, W) or
+    (C, W) depthwise, mask (B, T) or None (padding tokens feed the conv nothing)."""
+    residual = x.float()
+    inputs = residual if mask is None else residual * mask[:, :, None]
+    conv = causal_conv1d(inputs.transpose(1, 2), weight.float(), None if bias is None else bias.float(),
+                         seq_idx=seq_idx)
+    return ((conv.transpose(1, 2) + residual) * out_scale).to(x.dtype)

@@ -8,10 +8,13 @@ calls a reviewed runtime op with the module's own tensors. Where the parameters 
 of two equal-shaped vectors is a scale and which a bias), a reading yields its assignments in order, names
 that say so first; the probe decides, and a refused assignment is the next round's repair. Readings:
 
-- `hyper_connection`: DeepSeek-V4's manifold-constrained hyper-connections (`runtime.hyper_connection`):
-  a (N(N+2), N*D) projection, an N(N+2) bias and 3 scales; an iteration count and two epsilons in its settings;
+- `hyper_connection`: hyper-connection weights (`runtime.hyper_connection`): DeepSeek-V4's form, a (N(N+2), N*D)
+  projection, an N(N+2) bias and 3 scales, an iteration count and two epsilons in its settings; HY-V4's form
+  without comb, a (2N, N*D) projection, 2N bias, 2 scales, a post magnitude;
 - `residual_affine_sum`: (a + bias_a) * scale_a + (b + bias_b) * scale_b of two inputs with four (H,) vectors
-  (`runtime.residual`), ZAYA's residual scaling.
+  (`runtime.residual`), ZAYA's residual scaling;
+- `short_conv_residual`: a depthwise causal short convolution around the identity, scaled by 1 / sqrt(W + 1) or
+  not (`runtime.residual`), Inkling's short convolutions.
 """
 
 from __future__ import annotations
@@ -48,35 +51,57 @@ def _render(reading: str, task: Task, hypothesis: str, **fields) -> Candidate:
     return Candidate(reading, hypothesis, code, POLICY)
 
 
+def _streams(rows: int, cols: int) -> list[tuple[int, bool]]:
+    """(stream count N, with comb) that a (rows, cols) hyper-connection projection fits: rows N(N+2) (pre,
+    post, comb) or 2N (pre, post), cols a multiple of N."""
+    out = []
+    n = round(math.sqrt(rows + 1) - 1)
+    if n >= 1 and n * (n + 2) == rows and cols % n == 0:
+        out.append((n, True))
+    if rows % 2 == 0 and cols % (rows // 2) == 0 and rows // 2 != n:
+        out.append((rows // 2, False))
+    return out
+
+
 def hyper_connection(task: Task, module: nn.Module) -> Iterator[Candidate]:
     params = dict(module.named_parameters())
     args = _forward_args(module)
     if len(args) != 1:
         return
+    found = settings(module)
+    own_floats = _ranked([k for k, v in found.items() if "." not in k and type(v) is float], "eps")
+    sub_floats = _ranked([k for k, v in found.items() if "." in k and type(v) is float], "norm", "eps")
     for fn_name, fn in params.items():
         if fn.dim() != 2:
             continue
-        n = round(math.sqrt(fn.shape[0] + 1) - 1)  # rows N(N+2) = (N+1)^2 - 1
-        if n < 1 or n * (n + 2) != fn.shape[0] or fn.shape[1] % n:
-            continue
-        bases = [k for k, p in params.items() if tuple(p.shape) == (fn.shape[0],)]
-        scales = [k for k, p in params.items() if tuple(p.shape) == (3,)]
-        found = settings(module)
-        ints = [k for k, v in found.items() if "." not in k and type(v) is int and v > 1 and v != n]
-        own_floats = [k for k, v in found.items() if "." not in k and type(v) is float]
-        sub_floats = [k for k, v in found.items() if "." in k and type(v) is float]
-        if not (bases and scales and ints and own_floats and sub_floats):
-            continue
-        for base, scale, iters, eps, norm_eps in itertools.product(
-                _ranked(bases, "base", "bias"), _ranked(scales, "scale"), _ranked(ints, "sinkhorn", "iter"),
-                _ranked(own_floats, "eps"), _ranked(sub_floats, "norm", "eps")):
-            hypothesis = (f"manifold-constrained hyper-connection weights (DeepSeek-V4 mHC) over {n} residual "
-                          f"streams of width {fn.shape[1] // n}: `{fn_name}` projects the RMS-normalised streams "
-                          f"(norm eps `{norm_eps}`) to pre / post / comb mixes, biased by `{base}` and scaled by "
-                          f"`{scale}`; comb made doubly stochastic by `{iters}` Sinkhorn iterations (eps "
-                          f"`{eps}`); returns (post, comb, the streams collapsed by pre)")
-            yield _render("hyper_connection", task, hypothesis, arg=args[0], fn=fn_name, base=base, scale=scale,
-                          iters=iters, eps=eps, norm_eps=norm_eps)
+        for n, with_comb in _streams(*fn.shape):
+            bases = _ranked([k for k, p in params.items() if tuple(p.shape) == (fn.shape[0],)], "base", "bias")
+            scales = _ranked([k for k, p in params.items() if tuple(p.shape) == (3 if with_comb else 2,)], "scale")
+            ints = _ranked([k for k, v in found.items() if "." not in k and type(v) is int and v > 1 and v != n],
+                           "sinkhorn", "iter")
+            if not (bases and scales and own_floats and sub_floats and (ints or not with_comb)):
+                continue
+            if with_comb:  # post = 2 sigmoid(..), no eps on it (DeepSeek-V4)
+                variants = [(iters, eps, [("sinkhorn_iters", f"self.{iters}")]) for iters in ints for eps in own_floats]
+            else:  # post = magnitude * sigmoid(..) + eps, the magnitude a setting or 2 (HY-V4)
+                magnitudes = [f"self.{k}" for k in _ranked(own_floats + [k for k, v in found.items()
+                                                                       if "." not in k and type(v) is int and v > 1
+                                                                       and v != n], "magnitude", "post")]
+                variants = [(None, eps, [("post_magnitude", magnitude), ("post_eps", post_eps)])
+                            for eps in own_floats for magnitude in [*magnitudes, "2.0"] if magnitude != f"self.{eps}"
+                            for post_eps in (f"self.{eps}", "0.0")]
+            for base, scale, norm_eps, (iters, eps, extra) in itertools.product(bases, scales, sub_floats, variants):
+                what = (f"comb made doubly stochastic by `{iters}` Sinkhorn iterations; returns (post, comb, the "
+                        f"streams collapsed by pre)" if with_comb else
+                        f"post = {dict(extra)['post_magnitude']} * sigmoid(..) + {dict(extra)['post_eps']}; "
+                        f"returns (post, the streams collapsed by pre)")
+                hypothesis = (f"hyper-connection weights over {n} residual streams of width {fn.shape[1] // n}"
+                              f"{' (DeepSeek-V4 mHC)' if with_comb else ' without comb (HY-V4 form)'}: `{fn_name}` "
+                              f"projects the streams, RMS-normalised (eps `{norm_eps}`), to the mixes, biased by "
+                              f"`{base}` and scaled by `{scale}` (eps `{eps}`); {what}")
+                options = [("eps", f"self.{eps}"), ("norm_eps", f"self.{norm_eps}"), *extra]
+                yield _render("hyper_connection", task, hypothesis, arg=args[0], fn=fn_name, base=base, scale=scale,
+                              options=options)
 
 
 def _side_hints(scale: str, bias: str, arg: str) -> int:
@@ -102,7 +127,51 @@ def residual_affine_sum(task: Task, module: nn.Module) -> Iterator[Candidate]:
                       scale_b=scale_b, bias_b=bias_b)
 
 
-READINGS = (hyper_connection, residual_affine_sum)
+def _signature(module: nn.Module) -> tuple[str, list[str], bool]:
+    """The forward's parameters as source (annotations dropped: they name transformers' types), their names, and
+    whether it takes **kwargs; defaults only of plain values."""
+    parts, names, var_kw = [], [], False
+    for p in inspect.signature(module.forward).parameters.values():
+        if p.kind == p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+            var_kw = True
+        elif p.kind == p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+        elif p.default is p.empty:
+            parts.append(p.name)
+        elif p.default is None or isinstance(p.default, int | float | bool | str):
+            parts.append(f"{p.name}={p.default!r}")
+        else:
+            return "", [], False
+        names.append(p.name)
+    return ", ".join(parts), names, var_kw
+
+
+def short_conv_residual(task: Task, module: nn.Module) -> Iterator[Candidate]:
+    convs = [(name, sub) for name, sub in module.named_modules()
+             if isinstance(sub, nn.Conv1d) and sub.groups == sub.in_channels == sub.out_channels]
+    signature, names, var_kw = _signature(module)
+    if len(convs) != 1 or not names or len(dict(module.named_parameters())) > 2:
+        return
+    conv_name, conv = convs[0]
+    width = conv.kernel_size[0]
+    prefix = f"{conv_name}." if conv_name else ""
+    found = settings(module)
+    width_setting = next((k for k, v in found.items() if "." not in k and v == width and type(v) is int), None)
+    width_expr = f"self.{width_setting}" if width_setting else str(width)
+    masks = [n for n in names[1:] if "mask" in n]
+    caches = [n for n in names[1:] if "cache" in n and inspect.signature(module.forward).parameters[n].default is None]
+    bias = f"self.{prefix}bias" if conv.bias is not None else "None"
+    for scale, said in ((f"1 / math.sqrt({width_expr} + 1)", f"1 / sqrt({width} + 1)"), ("1.0", "1")):
+        hypothesis = (f"a depthwise causal convolution of width {width} (`{prefix}weight`) around the identity: "
+                      f"(conv({names[0]}{' * ' + masks[0] if masks else ''}) + {names[0]}) * {said}, in fp32")
+        yield _render("short_conv_residual", task, hypothesis, signature=signature, x=names[0],
+                      weight=f"{prefix}weight", bias=bias, scale=scale, mask=masks[0] if masks else None,
+                      cache=caches[0] if caches else None,
+                      seq_idx=f"{names[-1]}.get('seq_idx')" if var_kw else "None")
+
+
+READINGS = (hyper_connection, residual_affine_sum, short_conv_residual)
 
 
 class RulesPolicy:

@@ -1,8 +1,9 @@
 """The leftovers of an inspection, as tasks for the agent: one per module path below a decoder layer.
 
 A module no pattern recognises shows up once per captured twin layer (`model.layers.0.attn_hc`,
-`model.layers.3.attn_hc`, ...); the task is the path below the layer (`attn_hc`), with the twin layers it was
-seen in and the full model's layers those stand for (`Layer.twin_layer`).
+`model.layers.3.attn_hc`, ...); the task is the layer's child that holds it (`attn_hc`; `input_layernorm` for
+`input_layernorm.mlp.fc1`, the gate inside a norm; `mlps.1` for `mlps.1.up_proj`), with the twin layers it
+was seen in and the full model's layers those stand for (`Layer.twin_layer`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ class Task:
         return f"generated:{self.path}"
 
 
+def _root(path: str, layer) -> str:
+    """The module a task replaces: the layer's child holding `path` (its entry, for a list of modules), so the
+    projections of one small MLP or the gate inside a norm are one task; `path` itself when that child holds
+    the layer's attention or MLP, which the runtime's own swaps own."""
+    parts = path.split(".")
+    root = ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
+    owned = [p for p in (layer.attention.path, layer.mlp.path) if p] if layer is not None else []
+    if any(root == p or p.startswith(root + ".") or root.startswith(p + ".") for p in owned):
+        return path
+    return root
+
+
 def leftovers(spec: ModelSpec, model) -> list[Task]:
     """The unmatched modules below decoder layers of `model` (the twin), in path order."""
     prefix = f"{spec.layers_path}."
@@ -41,6 +54,7 @@ def leftovers(spec: ModelSpec, model) -> list[Task]:
         index, _, path = unmatched.path[len(prefix):].partition(".")
         if not path or not index.isdigit():
             continue  # a whole layer no pattern reads: not one module to replace
+        path = _root(path, next((layer for layer in spec.layers if layer.twin_layer == int(index)), None))
         entry = seen.setdefault(path, {"twin_layers": [], "why": unmatched.reason})
         entry["twin_layers"].append(int(index))
     tasks = []

@@ -130,3 +130,51 @@ def test_load_generated_takes_the_replacement_class_from_a_file(tmp_path):
     (tmp_path / "none.py").write_text("X = 1\n")
     with pytest.raises(ValueError, match="no Replacement"):
         load_generated(tmp_path / "none.py")
+
+
+def test_hyper_connection_weights_without_comb_match_hy_v4():
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection
+
+    config = default_config("hy_v4")
+    config.hidden_size = 32
+    hc = _randomised(HYV4HyperConnection(config))
+    x = torch.randn(2, 7, config.hc_mult, 32, generator=torch.Generator().manual_seed(3))
+    theirs = _fwd_bwd(hc, [x], list(hc.parameters()))
+
+    def ours(streams):
+        return hyper_connection_weights(streams, hc.fn, hc.base, hc.scale, eps=hc.hc_eps, norm_eps=hc.input_norm.eps,
+                                        post_magnitude=hc.hc_post_magnitude, post_eps=hc.hc_eps)
+
+    mine = _fwd_bwd(ours, [x], list(hc.parameters()))
+    assert len(mine) == len(theirs) == 6
+    for a, b in zip(mine, theirs):
+        assert _max_rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["inkling_text", "inkling2_text"])
+def test_short_conv_residual_matches_inkling_short_convolutions(family):
+    """Inkling scales nothing, Inkling2 by 1 / sqrt(W + 1); with a padding mask. Packed sequences (which
+    transformers' fallback refuses without the causal_conv1d package) are kept apart."""
+    import math
+
+    from transformers.models.inkling.modeling_inkling import InklingShortConvolution
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2ShortConvolution
+
+    from runtime.residual import short_conv_residual
+
+    cls, scale = ((InklingShortConvolution, 1.0) if family == "inkling_text"
+                  else (Inkling2ShortConvolution, 1 / math.sqrt(5)))
+    conv = _randomised(cls(16, 4, layer_idx=0, conv_idx=0)).double()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 9, 16, generator=gen, dtype=F64)
+    mask = torch.ones(2, 9)
+    mask[1, :3] = 0
+    theirs = _fwd_bwd(lambda h: conv(h, conv_mask=mask), [x], [conv.conv1d.weight])
+    mine = _fwd_bwd(lambda h: short_conv_residual(h, conv.conv1d.weight, None, scale, mask=mask), [x],
+                    [conv.conv1d.weight])
+    for a, b in zip(mine, theirs):  # both compute in fp32
+        assert a.dtype == b.dtype and _max_rel(a, b) < 1e-5
+    seq_idx = torch.tensor([[0] * 5 + [1] * 4, [0] * 9], dtype=torch.int32)
+    packed = short_conv_residual(x, conv.conv1d.weight, None, scale, seq_idx=seq_idx)
+    alone = short_conv_residual(x[:1, 5:], conv.conv1d.weight, None, scale)
+    assert _max_rel(packed[:1, 5:], alone) < 1e-6
