@@ -12,11 +12,11 @@ agent.jsonl.
 
 from __future__ import annotations
 
-import itertools
 import tempfile
 from pathlib import Path
 
 from onboard.agent import guard
+from onboard.agent.candidate import Candidate
 from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
 from onboard.agent.sandbox import Limits, run_probe
 from onboard.agent.tasks import Task, leftovers
@@ -57,7 +57,8 @@ class Agent:
         return str(scratch / "model")
 
     def attempt(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str) -> GeneratedEntry:
-        """One task, round by round within the budget: the entry the decision gets (module docstring)."""
+        """One task: the policy proposes through `trial` until one passes or the budget of rounds is spent; the
+        entry the decision gets (module docstring)."""
         record = self.recorder.add
         record("task", task=task.path, replaces=task.module_class, layers=list(task.layers), why=task.why)
         module_path = f"{spec.layers_path}.{task.twin_layers[0]}.{task.path}"
@@ -65,8 +66,12 @@ class Agent:
         entry = GeneratedEntry(layers=list(task.layers), path=task.path, file="", replaces=task.module_class,
                                policy=self.policy.name, reading="", hypothesis="")
         history: list[dict] = []
-        proposals = self.policy.propose(task, module, history)
-        for number, candidate in enumerate(itertools.islice(proposals, self.rounds), 1):
+
+        def trial(candidate: Candidate) -> dict:
+            """Check, write and probe one candidate; its outcome (`stop`: the task is settled or out of rounds)."""
+            if entry.file or len(history) >= self.rounds:
+                return {"outcome": "no more rounds: the task is settled or its budget is spent", "stop": True}
+            number = len(history) + 1
             record("candidate", task=task.path, round=number, policy=candidate.policy, reading=candidate.reading,
                    hypothesis=candidate.hypothesis, code=candidate.code, sha256=sha256(candidate.code))
             outcome = {"round": number, "reading": candidate.reading, "hypothesis": candidate.hypothesis}
@@ -82,18 +87,21 @@ class Agent:
                 record("probe", task=task.path, round=number, result=result)
                 if result.get("passed"):
                     outcome["outcome"] = "passed the probe"
-                    history.append(outcome)
                     entry.file, entry.reading, entry.hypothesis = path.name, candidate.reading, candidate.hypothesis
-                    entry.policy, entry.probe, entry.rounds = candidate.policy, result, history
+                    entry.policy, entry.probe = candidate.policy, result
                     record("accepted", task=task.path, round=number, file=f"{GENERATED_DIR}/{path.name}")
-                    return entry
-                path.unlink()
-                outcome["outcome"] = "failed the probe: " + (result.get("note") or "no reason given")
+                else:
+                    path.unlink()
+                    outcome["outcome"] = "failed the probe: " + (result.get("note") or "no reason given")
             history.append(outcome)
+            return {**outcome, "stop": bool(entry.file) or len(history) >= self.rounds}
+
+        self.policy.run(task, module, trial)
         entry.rounds = history
-        entry.refused = (f"no candidate passed in {len(history)} round(s)" if history
-                         else "no reading of the policy applies to this module")
-        record("left", task=task.path, why=entry.refused)
+        if not entry.file:
+            entry.refused = (f"no candidate passed in {len(history)} round(s)" if history
+                             else f"the {self.policy.name} policy proposed nothing for this module")
+            record("left", task=task.path, why=entry.refused)
         return entry
 
     def finish(self, decision: Decision, verification, staging: Path) -> bool:

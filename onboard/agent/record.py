@@ -17,7 +17,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from onboard.agent.candidate import Candidate
+from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.errors import OnboardError
 
 SCHEMA_VERSION = 1
@@ -83,5 +83,5 @@ class ReplayPolicy:
         self.name = self.session.get("policy", "replay")
         self.candidates = replayed(events)
 
-    def propose(self, task, module, history):
-        yield from self.candidates.get(task.path, [])
+    def run(self, task, module, trial) -> None:
+        propose_in_order(self.candidates.get(task.path, []), trial)

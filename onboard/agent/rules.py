@@ -1,6 +1,6 @@
 """The `rules` policy: readings of a module rendered from templates/generated/, offline and deterministic.
 
-    for candidate in RulesPolicy().propose(task, module, history): ...
+    RulesPolicy().run(task, module, trial)      # trial(candidate) -> outcome, from onboard.agent.loop
 
 Each reading looks at the module's parameters (by shape), its plain settings (`runtime.generated.settings`) and
 its forward's signature, and either declines (None) or fills its template: a thin `Generated` subclass that
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from onboard.agent.candidate import Candidate
+from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.tasks import Task
 from onboard.codegen import environment
 from runtime.generated import settings
@@ -179,6 +179,5 @@ class RulesPolicy:
 
     name = POLICY
 
-    def propose(self, task: Task, module: nn.Module, history: list[dict]) -> Iterator[Candidate]:
-        for reading in READINGS:
-            yield from reading(task, module)
+    def run(self, task: Task, module: nn.Module, trial) -> None:
+        propose_in_order((c for reading in READINGS for c in reading(task, module)), trial)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from onboard.agent.candidate import Candidate
+from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.loop import RECORD, Agent, run
 from onboard.agent.sandbox import Limits
 from onboard.agent.tasks import leftovers
@@ -55,9 +55,9 @@ class Scripted:
     def __init__(self, *codes: str):
         self.codes = codes
 
-    def propose(self, task, module, history):
-        for i, code in enumerate(self.codes):
-            yield Candidate(f"scripted {i + 1}", "a residual sum with an affine map per side", code, self.name)
+    def run(self, task, module, trial):
+        propose_in_order([Candidate(f"scripted {i + 1}", "a residual sum with an affine map per side", code, self.name)
+                          for i, code in enumerate(self.codes)], trial)
 
 
 def bundle_files_are_verified(bundle: Path) -> None:
