@@ -101,8 +101,9 @@ def cmd_agent(args) -> int:
     source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
     notes: list[str] = []
+    llm = {"base_url": args.base_url, "llm_model": args.llm_model, "key_env": args.key_env, "calls": args.calls}
     spec, verification, agent = run(source, out, policy=args.policy, replay=Path(args.replay) if args.replay else None,
-                                    rounds=args.rounds, force=args.force, notes=notes)
+                                    rounds=args.rounds, force=args.force, notes=notes, **llm)
     for note in notes:
         print(f"tidied: {note}")
     if not agent.tasks:
@@ -299,9 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
-    p.add_argument("--policy", default="rules", help="what proposes the code: rules (default; offline, deterministic)")
+    p.add_argument("--policy", default="rules",
+                   help="what proposes the code: rules (default; offline, deterministic) or llm (a model endpoint)")
     p.add_argument("--rounds", type=POSITIVE, default=3, help="candidates tried per leftover module (default 3)")
-    p.add_argument("--replay", help="agent.jsonl of an earlier session: propose what it proposed, no policy run")
+    p.add_argument("--replay", help="agent.jsonl of an earlier session: propose what it proposed, no endpoint")
+    p.add_argument("--base-url", help="llm policy: an OpenAI-compatible endpoint (OpenAI, DeepSeek, vLLM, llama.cpp)")
+    p.add_argument("--llm-model", help="llm policy: the model name the endpoint serves")
+    p.add_argument("--key-env", default="OPENAI_API_KEY",
+                   help="llm policy: the environment variable holding the endpoint's key (default OPENAI_API_KEY)")
+    p.add_argument("--calls", type=POSITIVE, help="llm policy: model calls per leftover module (default 12)")
     p.set_defaults(func=cmd_agent)
 
     p = verb("verify", help=f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}")

@@ -1,9 +1,10 @@
 """A candidate replacement (what a policy proposes for one task in one round), and how policies propose.
 
-A policy has a `name` and `run(task, module, trial)`: it proposes candidates by calling `trial(candidate)`,
-which checks, probes and records each one and answers with its outcome (`outcome` in words, `stop` when the
-task is settled or its rounds are spent); the loop, not the policy, decides what a round costs and when it
-ends. `propose_in_order` runs a policy whose candidates are a list worked through in order.
+A policy has a `name` and `run(task, module, trial, record)`: it proposes candidates by calling
+`trial(candidate)`, which checks, probes and records each one and answers with its outcome (`outcome` in
+words, `stop` when the task is settled or its rounds are spent); the loop, not the policy, decides what a
+round costs and when it ends. `record(event, **fields)` adds to the session's record what only the policy
+sees (a model's requests and replies). `propose_in_order` runs a policy whose candidates are a list worked through in order.
 """
 
 from __future__ import annotations

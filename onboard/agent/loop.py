@@ -96,7 +96,7 @@ class Agent:
             history.append(outcome)
             return {**outcome, "stop": bool(entry.file) or len(history) >= self.rounds}
 
-        self.policy.run(task, module, trial)
+        self.policy.run(task, module, trial, record)
         entry.rounds = history
         if not entry.file:
             entry.refused = (f"no candidate passed in {len(history)} round(s)" if history
@@ -126,30 +126,43 @@ class Agent:
         return dropped
 
 
-def policy_named(name: str, replay: Path | None = None):
-    """The policy `onboard agent --policy NAME` runs (or the recorded session of `--replay`)."""
-    from onboard.agent.record import ReplayPolicy, read_record
+POLICIES = ("rules", "llm")
+
+
+def policy_named(name: str, *, base_url: str | None = None, llm_model: str | None = None,
+                 key_env: str = "OPENAI_API_KEY", calls: int | None = None):
+    """The policy `onboard agent --policy NAME` runs, and the fields its session line records."""
     from onboard.agent.rules import RulesPolicy
 
-    if replay is not None:
-        return ReplayPolicy(read_record(replay))
     if name == "rules":
-        return RulesPolicy()
+        return RulesPolicy(), {}
+    if name == "llm":
+        from onboard.agent.llm import CALLS, LLMPolicy, chat_model
+
+        if not base_url or not llm_model:
+            raise OnboardError("the llm policy needs --base-url (an OpenAI-compatible endpoint) and --llm-model")
+        calls = calls or CALLS
+        return (LLMPolicy(chat_model(base_url, llm_model, key_env), calls=calls, endpoint=base_url),
+                {"endpoint": base_url, "model_name": llm_model, "calls": calls})
     raise OnboardError(f"unknown agent policy {name!r}: choose from {', '.join(POLICIES)}")
 
 
-POLICIES = ("rules",)
-
-
 def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path | None = None, rounds: int = ROUNDS,
-        force: bool = False, notes: list[str] | None = None):
-    """`onboard agent`: adapt `source` into `out` with the agent taking on the leftovers. Returns (spec,
-    verification, agent)."""
+        force: bool = False, notes: list[str] | None = None, **llm):
+    """`onboard agent`: adapt `source` into `out` with the agent taking on the leftovers (`llm`: base_url,
+    llm_model, key_env, calls for the llm policy). A replay proposes what the record proposed, with the
+    record's own budget. Returns (spec, verification, agent)."""
+    from onboard.agent.record import ReplayPolicy, read_record
     from onboard.bundle import adapt
 
-    chosen = policy_named(policy, replay)
-    if replay is not None and chosen.session.get("model") != source.name:
-        raise OnboardError(f"{replay} records a session on {chosen.session.get('model')!r}, not {source.name!r}")
-    agent = Agent(chosen, source, rounds=rounds)
+    if replay is not None:
+        chosen = ReplayPolicy(read_record(replay))
+        if chosen.session.get("model") != source.name:
+            raise OnboardError(f"{replay} records a session on {chosen.session.get('model')!r}, not {source.name!r}")
+        rounds = chosen.session.get("rounds", rounds)
+        session = {k: v for k, v in chosen.session.items() if k in ("endpoint", "model_name", "calls")}
+    else:
+        chosen, session = policy_named(policy, **llm)
+    agent = Agent(chosen, source, rounds=rounds, session=session)
     spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
     return spec, verification, agent

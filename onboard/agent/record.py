@@ -76,12 +76,25 @@ def replayed(events: list[dict]) -> dict[str, list[Candidate]]:
 
 
 class ReplayPolicy:
-    """Proposes what a recorded session proposed, task by task, in the same order (no endpoint, no rules)."""
+    """What a recorded session proposed, task by task: its candidates in the same order, or, for a session with
+    a model (`llm`), the model's recorded replies to a LangChain agent run again (`llm.scripted_chat`), so the
+    tools, the guard and the probe all run again and no endpoint is needed."""
 
     def __init__(self, events: list[dict]):
         self.session = events[0]
         self.name = self.session.get("policy", "replay")
         self.candidates = replayed(events)
+        self.replies: dict[str, list[dict]] = {}
+        for event in events:
+            if event["event"] == "chat" and "reply" in event:
+                self.replies.setdefault(event.get("task", ""), []).append(event["reply"])
 
-    def run(self, task, module, trial) -> None:
-        propose_in_order(self.candidates.get(task.path, []), trial)
+    def run(self, task, module, trial, record) -> None:
+        if self.name != "llm":
+            propose_in_order(self.candidates.get(task.path, []), trial)
+            return
+        from onboard.agent.llm import LLMPolicy, scripted_chat
+
+        policy = LLMPolicy(scripted_chat(self.replies.get(task.path, [])), calls=self.session.get("calls", 12),
+                           endpoint=self.session.get("endpoint", ""))
+        policy.run(task, module, trial, record)

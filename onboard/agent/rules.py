@@ -1,6 +1,6 @@
 """The `rules` policy: readings of a module rendered from templates/generated/, offline and deterministic.
 
-    RulesPolicy().run(task, module, trial)      # trial(candidate) -> outcome, from onboard.agent.loop
+    RulesPolicy().run(task, module, trial, record)      # trial(candidate) -> outcome, from onboard.agent.loop
 
 Each reading looks at the module's parameters (by shape), its plain settings (`runtime.generated.settings`) and
 its forward's signature, and either declines (None) or fills its template: a thin `Generated` subclass that
@@ -179,5 +179,5 @@ class RulesPolicy:
 
     name = POLICY
 
-    def run(self, task: Task, module: nn.Module, trial) -> None:
+    def run(self, task: Task, module: nn.Module, trial, record) -> None:
         propose_in_order((c for reading in READINGS for c in reading(task, module)), trial)

@@ -1,0 +1,83 @@
+"""What the agent's tests share: candidate files for ZAYA's residual scaling (right, wrong, cheating, endless),
+a scripted policy, a tiny ZAYA twin and a way to run one task on it, and the check that a bundle ships no
+unverified generated file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from onboard.agent.candidate import Candidate, propose_in_order
+from onboard.agent.loop import Agent
+from onboard.agent.sandbox import Limits
+from onboard.agent.tasks import leftovers
+from onboard.capture import capture
+from onboard.families import default_config
+from onboard.inspection import build_spec
+from onboard.source import resolve
+from onboard.twin import build_twin
+
+RIGHT_ZAYA = '''from runtime.generated import Generated
+from runtime.residual import affine_sum
+
+
+class Replacement(Generated):
+    def forward(self, hidden_states, residual):
+        return affine_sum(hidden_states, residual, self.hidden_states_scale, self.hidden_states_bias,
+                          self.residual_scale, self.residual_bias)
+'''
+WRONG_ZAYA = RIGHT_ZAYA.replace("self.hidden_states_scale, self.hidden_states_bias",
+                                "self.hidden_states_bias, self.hidden_states_scale")  # scale and bias swapped
+FALLBACK = '''from runtime.generated import Generated
+from transformers.models.zaya.modeling_zaya import ZayaResidualScaling
+
+
+class Replacement(Generated):
+    def forward(self, hidden_states, residual):
+        return ZayaResidualScaling.forward(self, hidden_states, residual)
+'''
+LOOPS = RIGHT_ZAYA.replace("        return affine_sum(", "        while True:\n            pass\n        return affine_sum(")
+
+
+class Scripted:
+    """A policy that proposes fixed code, round by round (what a model's replies would be)."""
+
+    name = "scripted"
+
+    def __init__(self, *codes: str):
+        self.codes = codes
+
+    def run(self, task, module, trial, record):
+        propose_in_order([Candidate(f"scripted {i + 1}", "a residual sum with an affine map per side", code, self.name)
+                          for i, code in enumerate(self.codes)], trial)
+
+
+def bundle_files_are_verified(bundle: Path) -> None:
+    """Every generated file in a bundle has a decision entry that takes it and the bundle verified."""
+    decision = json.loads((bundle / "decision.json").read_text())
+    verification = json.loads((bundle / "verification.json").read_text())
+    taken = {e["file"] for e in decision["generated"] if e["takes"]}
+    files = {p.name for p in (bundle / "generated").glob("*")} if (bundle / "generated").exists() else set()
+    assert files == taken
+    assert not files or verification["passed"]
+
+
+def zaya_twin(folder: Path):
+    """ZAYA's default config saved in `folder`: (source, twin, spec)."""
+    default_config("zaya").save_pretrained(folder)
+    source = resolve(str(folder))
+    twin = build_twin(source)
+    spec = build_spec(source, twin, capture(twin))
+    return source, twin, spec
+
+
+def take_on(zaya, policy, tmp_path, rounds=3, limits=Limits()):
+    """Run the first of ZAYA's tasks (post_attention_residual_scale) with `policy`: (entry, agent, staging)."""
+    source, twin, spec = zaya
+    agent = Agent(policy, source, rounds=rounds, limits=limits)
+    task = leftovers(spec, twin.model)[0]
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    return agent.attempt(task, spec, twin, staging, source.ref), agent, staging
+
+
