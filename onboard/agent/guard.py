@@ -11,8 +11,9 @@ with a `forward` and helper methods. Refused, whatever a policy (or a model's re
   class, the caller's frame or the file system;
 - frame and code introspection (`f_back`, `f_globals`, `gi_frame`, `_getframe`, ...), and torch's own file
   and extension loaders (`torch.load`, `torch.save`, `torch.hub`, `load_library`, `cpp_extension`);
-- an `__init__`, `global` / `nonlocal`, and module-level statements other than imports, constants, functions
-  and classes: `runtime.generated.Generated` builds the module from the original's state, nothing else does.
+- an `__init__`, `global` / `nonlocal`, assignments to attributes of anything but `self` (`torch.x = ...`), and
+  module-level statements other than imports, constants, functions and classes: `runtime.generated.Generated`
+  builds the module from the original's state, nothing else does.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def _imports(node: ast.AST) -> list[str]:
     if isinstance(node, ast.ImportFrom):
         return ["." * node.level + (node.module or "")]
     return []
+
+
+def _foreign_attribute(target: ast.AST) -> bool:
+    """An assignment target through an attribute of anything but `self`: torch.x = ..., probe.TOLERANCE[0] = ...
+    (a local tensor's items, out[..., :n] = ..., are the candidate's own)."""
+    through_attribute = False
+    while isinstance(target, ast.Attribute | ast.Subscript):
+        through_attribute |= isinstance(target, ast.Attribute)
+        target = target.value
+    return through_attribute and not (isinstance(target, ast.Name) and target.id == "self")
 
 
 def check(source: str) -> list[str]:
@@ -62,6 +73,9 @@ def check(source: str) -> list[str]:
                 refuse(node, f"import of {name or 'a relative module'}: only torch, math and runtime")
         if isinstance(node, ast.Try | ast.TryStar):
             refuse(node, "try/except: a candidate that fails must fail, not fall back")
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and any(
+                _foreign_attribute(t) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            refuse(node, "assignment to an attribute of something other than self (a module, a tolerance)")
         elif isinstance(node, ast.Global | ast.Nonlocal):
             refuse(node, f"{type(node).__name__.lower()} statement")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:

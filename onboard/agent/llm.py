@@ -3,7 +3,8 @@
     policy = LLMPolicy(chat_model(base_url, model, key_env))      # needs the `agent` extra
     policy.run(task, module, trial, record)
 
-For each task the model gets the task and these tools (`langchain_core.tools`), built around the task:
+Rules first: the `rules` policy's readings are tried, and only a task they do not settle goes to the model.
+For such a task the model gets the task and these tools (`langchain_core.tools`), built around the task:
 `show_module` (the HuggingFace class's source, the module's parameters, buffers, settings and forward
 signature), `show_runtime_api` (what generated code may import and call), `render_template` (a reading of
 templates/generated/ filled with the model's fields, to start from), and `submit_candidate` (hypothesis and
@@ -149,6 +150,20 @@ class LLMPolicy:
         self.chat, self.calls, self.endpoint = chat, calls, endpoint
 
     def run(self, task: Task, module: nn.Module, trial, record) -> None:
+        """Rules first; the model only where the rules' readings did not settle the task."""
+        from onboard.agent.rules import RulesPolicy
+
+        last: dict = {}
+
+        def remembered(candidate):
+            last.update(trial(candidate))
+            return last
+
+        RulesPolicy().run(task, module, remembered, record)
+        if not last.get("stop"):
+            self._ask(task, module, trial, record)
+
+    def _ask(self, task: Task, module: nn.Module, trial, record) -> None:
         from langchain.agents import create_agent
         from langchain.agents.middleware import ModelCallLimitMiddleware
         from langchain_core.messages import HumanMessage

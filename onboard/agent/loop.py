@@ -18,7 +18,7 @@ from pathlib import Path
 from onboard.agent import guard
 from onboard.agent.candidate import Candidate
 from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
-from onboard.agent.sandbox import Limits, run_probe
+from onboard.agent.sandbox import Limits, Sandbox
 from onboard.agent.tasks import Task, leftovers
 from onboard.decision import Decision, GeneratedEntry
 from onboard.errors import OnboardError
@@ -43,10 +43,10 @@ class Agent:
 
     def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> None:
         self.tasks = leftovers(spec, twin.model)
-        with tempfile.TemporaryDirectory(prefix="onboard-agent-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="onboard-agent-") as scratch, Sandbox(self.limits) as sandbox:
             model_ref = self._model_ref(Path(scratch))
             for task in self.tasks:
-                self.decision_entries.append(self.attempt(task, spec, twin, staging, model_ref))
+                self.decision_entries.append(self.attempt(task, spec, twin, staging, model_ref, sandbox))
         decision.generated.extend(self.decision_entries)
 
     def _model_ref(self, scratch: Path) -> str:
@@ -56,7 +56,8 @@ class Agent:
         self.source.config.save_pretrained(scratch / "model")  # an in-memory config (families, tests)
         return str(scratch / "model")
 
-    def attempt(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str) -> GeneratedEntry:
+    def attempt(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str,
+                sandbox: Sandbox) -> GeneratedEntry:
         """One task: the policy proposes through `trial` until one passes or the budget of rounds is spent; the
         entry the decision gets (module docstring)."""
         record = self.recorder.add
@@ -82,8 +83,8 @@ class Agent:
                 path = staging / GENERATED_DIR / f"{task.name}.py"
                 path.parent.mkdir(exist_ok=True)
                 path.write_text(candidate.code)
-                result = run_probe({"model": model_ref, "trust_remote_code": self.source.trust_remote_code,
-                                    "module_path": module_path, "candidate": str(path)}, self.limits)
+                result = sandbox.probe({"model": model_ref, "trust_remote_code": self.source.trust_remote_code,
+                                        "module_path": module_path, "candidate": str(path)})
                 record("probe", task=task.path, round=number, result=result)
                 if result.get("passed"):
                     outcome["outcome"] = "passed the probe"

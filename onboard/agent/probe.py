@@ -1,12 +1,13 @@
 """Hold a candidate replacement against the live HuggingFace module it would replace (run by `sandbox`).
 
-    python -m onboard.agent.probe < request.json     # prints one JSON result line
+    python -m onboard.agent.probe < requests.jsonl     # one JSON result line per request line
 
-The request names the model (a reference `onboard.source.resolve` reads), the module's path in the twin and the
-candidate file. The probe builds the twin, records the module's real inputs from a forward pass of the twin
-per seed, redraws the module's parameters from the seed (whatever transformers' init left, every value
-matters), and for each seed and input scale runs the module and the candidate (built on a copy of the module,
-so neither sees the other's gradients) forward and backward with the same random output weights. It passes
+A request names the model (a reference `onboard.source.resolve` reads), the module's path in the twin and the
+candidate file. The probe builds the twin (once per process: it is never changed, so a later probe sees what a
+fresh process would), records the module's real inputs from a forward pass of the twin per seed, redraws a
+copy of the module's parameters from the seed (whatever transformers' init left, every value matters), and for
+each seed and input scale runs that copy and the candidate (built on another copy, so neither sees the
+other's gradients) forward and backward with the same random output weights. It passes
 when every output, input gradient and parameter gradient is within TOLERANCE of the module's, relative to
 that tensor's largest value, and the module's outputs differ from one seed to the next (else the inputs
 exercised nothing). Network access is refused in this process before the candidate is imported.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import resource
 import socket
 import sys
 
@@ -82,22 +84,32 @@ def _error(ours, theirs) -> float:
     return float((ours.float() - theirs.float()).abs().max()) / max(scale, 1e-30) if theirs.numel() else 0.0
 
 
+_TWINS: dict = {}  # model reference -> its twin, built once per probe process and never changed
+
+
+def _twin(request: dict):
+    from onboard.source import resolve
+    from onboard.twin import build_twin
+
+    key = (request["model"], request.get("trust_remote_code", False))
+    if key not in _TWINS:
+        _TWINS[key] = build_twin(resolve(key[0], trust_remote_code=key[1]))
+    return _TWINS[key]
+
+
 def probe(request: dict) -> dict:
     import torch
 
-    from onboard.source import resolve
-    from onboard.twin import build_twin
     from runtime.generated import load_generated
 
     torch.set_num_threads(1)
-    source = resolve(request["model"], trust_remote_code=request.get("trust_remote_code", False))
-    twin = build_twin(source)
-    module = twin.model.get_submodule(request["module_path"])
+    twin = _twin(request)
+    live = twin.model.get_submodule(request["module_path"])
     replacement = load_generated(request["candidate"])
     cases, reference_outputs, problems = [], [], []
     for seed in request.get("seeds", (0, 1, 2)):
         seen = {}
-        hook = module.register_forward_pre_hook(
+        hook = live.register_forward_pre_hook(
             lambda _, args, kwargs: seen.setdefault("inputs", (args, kwargs)), with_kwargs=True)
         with torch.no_grad():
             twin.model(**{k: v for k, v in twin.example_batch(seed).items() if k != "labels"}, use_cache=False)
@@ -105,6 +117,7 @@ def probe(request: dict) -> dict:
         if "inputs" not in seen:
             return {"passed": False, "note": f"{request['module_path']} did not run in the twin's forward"}
         args, kwargs = seen["inputs"]
+        module = copy.deepcopy(live)  # redrawn on a copy: the twin, and the next probe's inputs, stay as built
         _redraw(module, seed)
         candidate = replacement(copy.deepcopy(module))
         for scale in request.get("scales", SCALES):
@@ -140,13 +153,18 @@ def probe(request: dict) -> dict:
 
 
 def main() -> None:
+    """One request per input line, one JSON result line each, until the input ends."""
     _no_network()
-    request = json.loads(sys.stdin.read())
-    try:
-        result = probe(request)
-    except Exception as exc:  # the candidate's own failure: reported to the policy as the round's outcome
-        result = {"passed": False, "note": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    print(json.dumps(result, sort_keys=True))
+    for line in sys.stdin:
+        request = json.loads(line)
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        budget = int(used.ru_utime + used.ru_stime) + int(request.get("cpu_seconds", 300))
+        resource.setrlimit(resource.RLIMIT_CPU, (budget, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+        try:
+            result = probe(request)
+        except Exception as exc:  # the candidate's own failure: reported to the policy as the round's outcome
+            result = {"passed": False, "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+        print(json.dumps(result, sort_keys=True), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""What the agent's tests share: candidate files for ZAYA's residual scaling (right, wrong, cheating, endless),
-a scripted policy, a tiny ZAYA twin and a way to run one task on it, and the check that a bundle ships no
-unverified generated file."""
+"""What the agent's tests share: candidate files for ZAYA's residual scaling and LongCat-Flash's second MLP
+(right, wrong, cheating, endless), a scripted policy, tiny twins and a way to run one task on them, and the
+check that a bundle ships no unverified generated file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.loop import Agent
-from onboard.agent.sandbox import Limits
+from onboard.agent.sandbox import Limits, Sandbox
 from onboard.agent.tasks import leftovers
 from onboard.capture import capture
 from onboard.families import default_config
@@ -28,6 +28,27 @@ class Replacement(Generated):
 '''
 WRONG_ZAYA = RIGHT_ZAYA.replace("self.hidden_states_scale, self.hidden_states_bias",
                                 "self.hidden_states_bias, self.hidden_states_scale")  # scale and bias swapped
+# LongCat-Flash's second dense MLP (mlps.1), which no rules reading takes: what the llm tests ask a model for
+RIGHT_LONGCAT = '''import torch.nn.functional as F
+
+from runtime.generated import Generated
+
+
+class Replacement(Generated):
+    def forward(self, x):
+        return F.linear(F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
+                        self.down_proj.weight)
+'''
+WRONG_LONGCAT = RIGHT_LONGCAT.replace("self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)",
+                                      "self.up_proj.weight)) * F.linear(x, self.gate_proj.weight)")  # gate and up swapped
+FALLBACK_LONGCAT = '''from runtime.generated import Generated
+from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLP
+
+
+class Replacement(Generated):
+    def forward(self, x):
+        return LongcatFlashMLP.forward(self, x)
+'''
 FALLBACK = '''from runtime.generated import Generated
 from transformers.models.zaya.modeling_zaya import ZayaResidualScaling
 
@@ -62,22 +83,23 @@ def bundle_files_are_verified(bundle: Path) -> None:
     assert not files or verification["passed"]
 
 
-def zaya_twin(folder: Path):
-    """ZAYA's default config saved in `folder`: (source, twin, spec)."""
-    default_config("zaya").save_pretrained(folder)
+def family_twin(family: str, folder: Path):
+    """The family's default config saved in `folder`: (source, twin, spec)."""
+    default_config(family).save_pretrained(folder)
     source = resolve(str(folder))
     twin = build_twin(source)
     spec = build_spec(source, twin, capture(twin))
     return source, twin, spec
 
 
-def take_on(zaya, policy, tmp_path, rounds=3, limits=Limits()):
-    """Run the first of ZAYA's tasks (post_attention_residual_scale) with `policy`: (entry, agent, staging)."""
-    source, twin, spec = zaya
+def take_on(model, policy, tmp_path, rounds=3, limits=Limits()):
+    """Run the first task of `model` (a `family_twin`) with `policy`: (entry, agent, staging)."""
+    source, twin, spec = model
     agent = Agent(policy, source, rounds=rounds, limits=limits)
     task = leftovers(spec, twin.model)[0]
     staging = tmp_path / "staging"
     staging.mkdir()
-    return agent.attempt(task, spec, twin, staging, source.ref), agent, staging
+    with Sandbox(limits) as sandbox:
+        return agent.attempt(task, spec, twin, staging, source.ref, sandbox), agent, staging
 
 

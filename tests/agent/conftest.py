@@ -2,9 +2,14 @@
 
 import pytest
 
-from tests.agent.common import zaya_twin
+from tests.agent.common import family_twin
 
 
 @pytest.fixture(scope="session")
 def zaya(tmp_path_factory):
-    return zaya_twin(tmp_path_factory.mktemp("zaya"))
+    return family_twin("zaya", tmp_path_factory.mktemp("zaya"))
+
+
+@pytest.fixture(scope="session")
+def longcat(tmp_path_factory):
+    return family_twin("longcat_flash", tmp_path_factory.mktemp("longcat_flash"))

@@ -44,6 +44,9 @@ CHEATS = {
                          "__init__"),
     "module-level code": ("print('hello')\n", "        return a + b\n", "Expr at module level"),
     "a global": ("", "        global SCALE\n        return a + b\n", "global statement"),
+    "patching torch": ("", "        torch.sigmoid = torch.tanh\n        return a + b\n", "assignment to an attribute"),
+    "loosening the probe": ("import runtime.generated as g\n", "        g.PLAIN[0] = float\n        return a + b\n",
+                            "assignment to an attribute"),
 }
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from onboard.agent.llm import LLMPolicy, chat_model, scripted_chat
 from onboard.agent.loop import RECORD, run
-from tests.agent.common import FALLBACK, RIGHT_ZAYA, WRONG_ZAYA, bundle_files_are_verified, take_on
+from tests.agent.common import (FALLBACK_LONGCAT, RIGHT_LONGCAT, WRONG_LONGCAT, bundle_files_are_verified,
+                                take_on)
 from tests.agent.openai_server import ScriptedEndpoint
 
 pytest.importorskip("langchain_openai")
@@ -26,44 +27,42 @@ def _call(name: str, args: dict, call_id: str) -> dict:
 
 
 def _submit(code: str, call_id: str) -> dict:
-    return _call("submit_candidate", {"hypothesis": "(a + bias_a) * scale_a + (b + bias_b) * scale_b", "code": code},
+    return _call("submit_candidate", {"hypothesis": "a gated MLP: down(silu(gate(x)) * up(x))", "code": code},
                  call_id)
 
 
-WRONG_THEN_RIGHT = [_call("show_module", {}, "c1"), _submit(WRONG_ZAYA, "c2"), _submit(RIGHT_ZAYA, "c3")]
+WRONG_THEN_RIGHT = [_call("show_module", {}, "c1"), _submit(WRONG_LONGCAT, "c2"), _submit(RIGHT_LONGCAT, "c3")]
 
 
 def test_through_chatopenai_a_wrong_candidate_then_a_right_one_and_the_replay_is_byte_for_byte(
-        zaya, tmp_path, monkeypatch):
-    """`onboard agent --policy llm` end to end on ZAYA: the endpoint's model reads the module, submits a wrong
-    candidate (scale and bias swapped), is shown the probe's failure, submits the right one; it says nothing
-    for the second task, which stays HuggingFace code. Replaying agent.jsonl, with no endpoint, writes the same
-    bundle byte for byte."""
-    source = zaya[0]
+        longcat, tmp_path, monkeypatch):
+    """`onboard agent --policy llm` end to end on LongCat-Flash, whose second MLP no rules reading takes: the
+    endpoint's model reads the module, submits a wrong candidate (gate and up swapped), is shown the probe's
+    failure, and submits the right one, which ends the session. Replaying agent.jsonl, with no endpoint,
+    writes the same bundle byte for byte."""
+    source = longcat[0]
     monkeypatch.setenv("TEST_ENDPOINT_KEY", "sk-test")
-    with ScriptedEndpoint(WRONG_THEN_RIGHT + [{"content": "Nothing to add."}], max_requests=10) as endpoint:
+    with ScriptedEndpoint(WRONG_THEN_RIGHT, max_requests=10) as endpoint:
         spec, verification, agent = run(source, tmp_path / "bundle", policy="llm", base_url=endpoint.url,
                                         llm_model="scripted-model", key_env="TEST_ENDPOINT_KEY")
-    # task 1: show_module, the wrong submission, the right one (which ends its session); task 2: one reply
-    assert len(endpoint.requests) == 4 and all(r["auth"] == "Bearer sk-test" for r in endpoint.requests)
+    assert len(endpoint.requests) == 3 and all(r["auth"] == "Bearer sk-test" for r in endpoint.requests)
     first = endpoint.requests[0]["body"]
     assert first["model"] == "scripted-model" and not first.get("stream")
     assert sorted(t["function"]["name"] for t in first["tools"]) == sorted(TOOLS)
     shown = [m for m in endpoint.requests[1]["body"]["messages"] if m["role"] == "tool"]
-    assert "class ZayaResidualScaling" in shown[0]["content"]  # show_module's answer reached the model
+    assert "class LongcatFlashMLP" in shown[0]["content"]  # show_module's answer reached the model
     failed = [m for m in endpoint.requests[2]["body"]["messages"] if m["role"] == "tool"][-1]["content"]
     assert failed.startswith("failed the probe: seed 0")
     assert verification.passed, verification.note
-    entries = {e.path: e for e in agent.decision_entries}
-    scale = entries["post_attention_residual_scale"]
-    assert scale.takes and scale.policy == "llm" and [r["round"] for r in scale.rounds] == [1, 2]
-    assert entries["post_mlp_residual_scale"].takes is None
+    (entry,) = agent.decision_entries
+    assert entry.path == "mlps.1" and entry.takes and entry.policy == "llm"
+    assert [r["round"] for r in entry.rounds] == [1, 2]
     review = (tmp_path / "bundle" / "REVIEW.md").read_text()
     assert "round 1 (llm): failed the probe" in review and "round 2 (llm): passed the probe" in review
     bundle_files_are_verified(tmp_path / "bundle")
     events = [json.loads(line) for line in (tmp_path / "bundle" / RECORD).read_text().splitlines()]
     assert events[0]["endpoint"] == endpoint.url and events[0]["model_name"] == "scripted-model"
-    assert sum(1 for e in events if e["event"] == "chat" and "reply" in e) == 4
+    assert sum(1 for e in events if e["event"] == "chat" and "reply" in e) == 3
 
     run(source, tmp_path / "again", replay=tmp_path / "bundle" / RECORD)
     files = sorted(p.relative_to(tmp_path / "bundle") for p in (tmp_path / "bundle").rglob("*") if p.is_file())
@@ -72,33 +71,33 @@ def test_through_chatopenai_a_wrong_candidate_then_a_right_one_and_the_replay_is
         assert (tmp_path / "bundle" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 
 
-def test_streaming_chat_completions_with_tool_calls(zaya, tmp_path, monkeypatch):
+def test_streaming_chat_completions_with_tool_calls(longcat, tmp_path, monkeypatch):
     """The same client streaming: tool-call arguments arrive split over chunks and are put back together."""
     monkeypatch.setenv("TEST_ENDPOINT_KEY", "sk-test")
     script = [_call("render_template", {"reading": "residual_affine_sum", "fields_json": json.dumps({
         "hypothesis": "an affine residual sum", "args": ["hidden_states", "residual"],
         "scale_a": "hidden_states_scale", "bias_a": "hidden_states_bias", "scale_b": "residual_scale",
-        "bias_b": "residual_bias"})}, "s1"), _submit(RIGHT_ZAYA, "s2"), {"content": "done"}]
+        "bias_b": "residual_bias"})}, "s1"), _submit(RIGHT_LONGCAT, "s2")]
     with ScriptedEndpoint(script, max_requests=6) as endpoint:
         chat = chat_model(endpoint.url, "scripted-model", "TEST_ENDPOINT_KEY", streaming=True)
-        entry, agent, _ = take_on(zaya, LLMPolicy(chat, endpoint=endpoint.url), tmp_path)
+        entry, agent, _ = take_on(longcat, LLMPolicy(chat, endpoint=endpoint.url), tmp_path)
     assert all(r["body"].get("stream") for r in endpoint.requests) and len(endpoint.requests) == 2
     rendered = [m for m in endpoint.requests[1]["body"]["messages"] if m["role"] == "tool"][-1]["content"]
     assert "class Replacement(Generated)" in rendered and "affine_sum(hidden_states, residual" in rendered
     assert entry.takes and entry.rounds[0]["outcome"] == "passed the probe"
 
 
-def test_cheats_are_refused_before_anything_runs(zaya, tmp_path):
+def test_cheats_are_refused_before_anything_runs(longcat, tmp_path):
     """A fallback to the HuggingFace forward, a try/except, a forbidden import, writing a file, touching a
     tolerance: each refused by the guard (no probe runs), each refusal shown to the model; then a right one."""
-    cheats = [FALLBACK,
-              RIGHT_ZAYA.replace("        return affine_sum(", "        try:\n            pass\n        except Exception:\n"
-                                 "            pass\n        return affine_sum("),
-              "import os\n" + RIGHT_ZAYA,
-              RIGHT_ZAYA.replace("        return affine_sum(", "        open('x', 'w')\n        return affine_sum("),
-              "import onboard.agent.probe as probe\nprobe.TOLERANCE = 1.0\n" + RIGHT_ZAYA]
-    script = [_submit(code, f"x{i}") for i, code in enumerate(cheats)] + [_submit(RIGHT_ZAYA, "ok")]
-    entry, agent, _ = take_on(zaya, LLMPolicy(scripted_chat(script)), tmp_path, rounds=6)
+    body = "        return F.linear("
+    cheats = [FALLBACK_LONGCAT,
+              RIGHT_LONGCAT.replace(body, "        try:\n            pass\n        except Exception:\n            pass\n" + body),
+              "import os\n" + RIGHT_LONGCAT,
+              RIGHT_LONGCAT.replace(body, "        open('x', 'w')\n" + body),
+              "import onboard.agent.probe as probe\nprobe.TOLERANCE = 1.0\n" + RIGHT_LONGCAT]
+    script = [_submit(code, f"x{i}") for i, code in enumerate(cheats)] + [_submit(RIGHT_LONGCAT, "ok")]
+    entry, agent, _ = take_on(longcat, LLMPolicy(scripted_chat(script)), tmp_path, rounds=6)
     outcomes = [r["outcome"] for r in entry.rounds]
     assert all(o.startswith("refused before running") for o in outcomes[:5]), outcomes
     for what, outcome in zip(("import of transformers", "try/except", "import of os", "call of open()",
@@ -109,17 +108,17 @@ def test_cheats_are_refused_before_anything_runs(zaya, tmp_path):
     assert events.count("guard") == 5 and events.count("probe") == 1
 
 
-def test_endless_failure_stops_at_the_budget_and_the_module_stays_huggingface_code(zaya, tmp_path):
-    script = [_submit(WRONG_ZAYA, f"w{i}") for i in range(10)]
-    entry, agent, staging = take_on(zaya, LLMPolicy(scripted_chat(script), calls=12), tmp_path, rounds=2)
+def test_endless_failure_stops_at_the_budget_and_the_module_stays_huggingface_code(longcat, tmp_path):
+    script = [_submit(WRONG_LONGCAT, f"w{i}") for i in range(10)]
+    entry, agent, staging = take_on(longcat, LLMPolicy(scripted_chat(script), calls=12), tmp_path, rounds=2)
     assert entry.takes is None and "no candidate passed in 2 round(s)" in entry.refused
     replies = [e for e in agent.recorder.events if e["event"] == "chat" and "reply" in e]
     assert len(replies) == 2  # the second failure spends the rounds: the session ends, the model is not asked again
     assert not list((staging / "generated").glob("*.py"))
 
 
-def test_the_model_call_budget_ends_a_session_that_never_submits(zaya, tmp_path):
+def test_the_model_call_budget_ends_a_session_that_never_submits(longcat, tmp_path):
     script = [_call("show_runtime_api", {}, f"a{i}") for i in range(10)]
-    entry, agent, _ = take_on(zaya, LLMPolicy(scripted_chat(script), calls=3), tmp_path)
+    entry, agent, _ = take_on(longcat, LLMPolicy(scripted_chat(script), calls=3), tmp_path)
     replies = [e for e in agent.recorder.events if e["event"] == "chat" and "reply" in e]
     assert len(replies) == 3 and entry.takes is None and entry.rounds == []
