@@ -83,6 +83,16 @@ def cmd_adapt(args) -> int:
     from onboard.bundle import adapt
     from onboard.source import resolve
 
+    if args.agent == "llm":
+        from onboard.errors import OnboardError
+
+        raise OnboardError("the llm policy needs an endpoint: onboard agent MODEL --policy llm --base-url URL "
+                           "--llm-model NAME")
+    if args.agent:
+        args.policy, args.replay, args.rounds = args.agent, None, 3
+        args.base_url = args.llm_model = args.calls = None
+        args.key_env = "OPENAI_API_KEY"
+        return cmd_agent(args)
     source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
     notes: list[str] = []
@@ -293,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument("--agent", metavar="POLICY",
+                   help="let the onboarding agent take on what no pattern matches (rules; as `onboard agent`)")
     p.set_defaults(func=cmd_adapt)
 
     p = verb("agent", help="adapt, then take on what no pattern matches: generated code, probed and verified, "

@@ -124,6 +124,10 @@ class Agent:
                 entry.file = ""
         if self.tasks:  # nothing left over: the bundle is exactly what adapt writes
             (staging / RECORD).write_text(self.recorder.text())
+        shipped = {p.name for p in (staging / GENERATED_DIR).glob("*")} if (staging / GENERATED_DIR).exists() else set()
+        kept = {e.file for e in decision.generated if e.file}
+        if shipped != kept:  # an invariant, not a user error: no unverified generated file may ship
+            raise AssertionError(f"generated files {sorted(shipped)} differ from the verified ones {sorted(kept)}")
         return dropped
 
 
