@@ -89,7 +89,7 @@ def cmd_adapt(args) -> int:
         raise OnboardError("the llm policy needs an endpoint: onboard agent MODEL --policy llm --base-url URL "
                            "--llm-model NAME")
     if args.agent:
-        args.policy, args.replay, args.rounds = args.agent, None, 3
+        args.policy, args.replay, args.rounds, args.keep_slower = args.agent, None, 3, False
         args.base_url = args.llm_model = args.calls = None
         args.key_env = "OPENAI_API_KEY"
         return cmd_agent(args)
@@ -113,7 +113,8 @@ def cmd_agent(args) -> int:
     notes: list[str] = []
     llm = {"base_url": args.base_url, "llm_model": args.llm_model, "key_env": args.key_env, "calls": args.calls}
     spec, verification, agent = run(source, out, policy=args.policy, replay=Path(args.replay) if args.replay else None,
-                                    rounds=args.rounds, force=args.force, notes=notes, **llm)
+                                    rounds=args.rounds, force=args.force, notes=notes,
+                                    keep_slower=args.keep_slower, **llm)
     for note in notes:
         print(f"tidied: {note}")
     if not agent.tasks:
@@ -316,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what proposes the code: rules (default; offline, deterministic) or llm (a model endpoint)")
     p.add_argument("--rounds", type=POSITIVE, default=3, help="candidates tried per leftover module (default 3)")
     p.add_argument("--replay", help="agent.jsonl of an earlier session: propose what it proposed, no endpoint")
+    p.add_argument("--keep-slower", action="store_true",
+                   help="swap in a generated module that passed the probe even when it runs slower than the "
+                        "HuggingFace module (by default it is timed and left out)")
     p.add_argument("--base-url", help="llm policy: an OpenAI-compatible endpoint (OpenAI, DeepSeek, vLLM, llama.cpp)")
     p.add_argument("--llm-model", help="llm policy: the model name the endpoint serves")
     p.add_argument("--key-env", default="OPENAI_API_KEY",

@@ -5,7 +5,7 @@ and Inkling2, and the recorded llm sessions of tests/agent/sessions replayed on 
 into a scratch folder), the model is built at the bundle twin's config made `--width` times wider (more heads of
 the same size, wider MLPs), one forward records the module's real inputs at `--tokens` tokens, and the module and
 its replacement (on a copy of the same parameters) are timed alternately, fp32, forward + backward with the same
-output weights. Prints median times, the ratio (above 1: the replacement is faster) and the largest error of
+output weights (`onboard.agent.probe.speed`, what `onboard agent` measures before it swaps a module in). Prints median times, the ratio (above 1: the replacement is faster) and the largest error of
 the outputs and input gradients relative to each tensor's largest value.
 
     python bench/generated_ops.py [BUNDLE ...] [--width 16] [--tokens 2048] [--repeats 5] [--threads 2]
@@ -13,11 +13,8 @@ the outputs and input gradients relative to each tensor's largest value.
 
 from __future__ import annotations
 
-import copy
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -43,67 +40,21 @@ def default_bundles(scratch: Path) -> list[Path]:
     return bundles
 
 
-def _floats(value) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _floats(v)]
-    return []
-
-
-def fwd_bwd(module, args, kwargs, weights):
-    module.zero_grad(set_to_none=True)
-    leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-              for a in args]
-    start = time.perf_counter()
-    outs = _floats(module(*leaves, **kwargs))
-    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
-    seconds = time.perf_counter() - start
-    return seconds, [o.detach() for o in outs] + [a.grad for a in leaves if isinstance(a, torch.Tensor) and
-                                                  a.grad is not None]
-
-
-def bench_bundle(bundle: Path, width: int, tokens: int, repeats: int) -> list[dict]:
-    from onboard.bundle_files import bundle_source, read_bundle, read_decision
-    from onboard.train import train_config
-    from runtime.generated import load_generated
+def bench_bundle(bundle: Path, width: int, tokens: int, repeats: int, threads: int) -> list[dict]:
+    from onboard.agent.probe import speed
+    from onboard.bundle_files import read_bundle, read_decision
 
     bundle, spec, origin = read_bundle(bundle)
-    source = bundle_source(origin, False)
     rows = []
     for entry in read_decision(bundle).generated:
         if not entry.takes:
             continue
-        layer = min(entry.layers)
-        cfg = train_config(bundle, layers=layer + 1, width=width)
-        model = source.build(type(source.config).from_dict(cfg)).eval()
-        module = model.get_submodule(f"{spec['layers_path']}.{layer}.{entry.path}")
-        seen = {}
-        hook = module.register_forward_pre_hook(lambda _, a, k: seen.setdefault("in", (a, k)), with_kwargs=True)
-        ids = torch.randint(3, min(cfg.get("vocab_size", 1000), 1000), (1, tokens),
-                            generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-        hook.remove()
-        args, kwargs = seen["in"]
-        replacement = load_generated(bundle / "generated" / entry.file)(copy.deepcopy(module))
-        outs = _floats(module(*args, **kwargs))
-        gen = torch.Generator().manual_seed(1)
-        weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
-        times = {"hf": [], "generated": []}
-        results = {}
-        for mod in (module, replacement):  # once each untimed: first-touch allocations fall on neither
-            fwd_bwd(mod, args, kwargs, weights)
-        for _ in range(repeats):  # alternating, so drift in the machine's speed falls on both alike
-            for name, mod in (("hf", module), ("generated", replacement)):
-                seconds, results[name] = fwd_bwd(mod, args, kwargs, weights)
-                times[name].append(seconds)
-        hf, ours = (statistics.median(times[n]) for n in ("hf", "generated"))
-        error = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-                    for a, b in zip(results["generated"], results["hf"]))
+        result = speed({"model": origin["ref"], "trust_remote_code": False, "layers_path": spec["layers_path"],
+                        "layer": min(entry.layers), "path": entry.path,
+                        "candidate": str(bundle / "generated" / entry.file), "width": width, "tokens": tokens,
+                        "repeats": repeats, "threads": threads})
         rows.append({"bundle": bundle.name, "module": entry.path, "replaces": entry.replaces, "policy": entry.policy,
-                     "hf_ms": hf * 1e3, "generated_ms": ours * 1e3, "ratio": hf / ours, "max_rel_error": error,
-                     "shape": [list(a.shape) for a in args if isinstance(a, torch.Tensor)]})
+                     **result})
     return rows
 
 
@@ -117,7 +68,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-generated-") as scratch:
         common.scratch_kernel_store(Path(scratch) / "kernels")
         bundles = [Path(b) for b in args.bundles] or default_bundles(Path(scratch))
-        rows = [row for bundle in bundles for row in bench_bundle(bundle, args.width, args.tokens, args.repeats)]
+        rows = [row for bundle in bundles
+                for row in bench_bundle(bundle, args.width, args.tokens, args.repeats, args.threads)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return

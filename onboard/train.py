@@ -41,6 +41,12 @@ def read_plan(path) -> Plan:
 def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_remote_code: bool = False) -> dict:
     """The config the loop trains: the bundle's tiny twin, or its first `layers` layers at twin width,
     `width` times wider (more heads of the same size, wider MLPs)."""
+    bundle, _, origin = read_bundle(bundle)
+    return scaled_config(bundle_source(origin, trust_remote_code), layers=layers, width=width, name=str(bundle))
+
+
+def scaled_config(source, *, layers: int | None = None, width: int = 1, name: str = "") -> dict:
+    """`source`'s tiny twin config, or its first `layers` layers at twin width, `width` times wider."""
     from onboard.config_dict import get, put, truncate_layers, walk
     from onboard.shrink import meaning_of
     from onboard.twin import build_twin
@@ -48,8 +54,7 @@ def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_rem
 
     if width < 1 or (layers is not None and layers < 1):
         raise OnboardError("--layers and --width must be at least 1")
-    bundle, _, origin = read_bundle(bundle)
-    source = bundle_source(origin, trust_remote_code)
+    bundle = name or source.name
     if layers is None:
         twin = build_twin(source, run_check=False)
         cfg, shrinks = twin.config.to_dict(), twin.shrinks

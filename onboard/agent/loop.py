@@ -13,6 +13,7 @@ agent.jsonl.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from onboard.agent import guard
@@ -27,14 +28,28 @@ from onboard.spec import ModelSpec
 from onboard.twin import Twin
 
 ROUNDS = 3  # candidates tried per task before it stays HuggingFace code
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """How a candidate that passed the probe is timed against the module (`probe.speed`): at `width` times the
+    twin's width and `tokens` tokens, the fastest of `repeats` samples; below `slower_than` times the module's
+    speed it is not swapped in (the round fails, saying so). The margin keeps a replacement doing the same
+    operations as the module from being refused by the noise of a shared machine (such pairs measure 0.93x to
+    1.07x on this 2-core machine)."""
+    width: int = 8
+    tokens: int = 1024
+    repeats: int = 3
+    slower_than: float = 0.8
 GENERATED_DIR = "generated"
 RECORD = "agent.jsonl"
 
 
 class Agent:
     def __init__(self, policy, source: ModelSource, *, rounds: int = ROUNDS, limits: Limits = Limits(),
-                 session: dict | None = None):
-        self.policy, self.source, self.rounds, self.limits = policy, source, rounds, limits
+                 session: dict | None = None, speed: SpeedCheck | None = SpeedCheck()):
+        """`speed` None swaps in a candidate that passed the probe however fast it runs (--keep-slower)."""
+        self.policy, self.source, self.rounds, self.limits, self.speed = policy, source, rounds, limits, speed
         self.recorder = Recorder()
         self.recorder.add("session", schema_version=SCHEMA_VERSION, policy=policy.name, model=source.name,
                           rounds=rounds, **(session or {}))
@@ -86,7 +101,11 @@ class Agent:
                 result = sandbox.probe({"model": model_ref, "trust_remote_code": self.source.trust_remote_code,
                                         "module_path": module_path, "candidate": str(path)})
                 record("probe", task=task.path, round=number, result=result)
-                if result.get("passed"):
+                slower = result.get("passed") and self._slower(task, spec, path, model_ref, sandbox, number)
+                if slower:
+                    path.unlink()
+                    outcome["outcome"] = slower
+                elif result.get("passed"):
                     outcome["outcome"] = "passed the probe"
                     entry.file, entry.reading, entry.hypothesis = path.name, candidate.reading, candidate.hypothesis
                     entry.policy, entry.probe = candidate.policy, result
@@ -104,6 +123,29 @@ class Agent:
                              else f"the {self.policy.name} policy proposed nothing for this module")
             record("left", task=task.path, why=entry.refused)
         return entry
+
+    def _slower(self, task: Task, spec: ModelSpec, path: Path, model_ref: str, sandbox: Sandbox,
+                number: int) -> str:
+        """Why a candidate that passed the probe is not swapped in for being slower ("" when it is not). Only
+        the verdict goes into the record (timings differ from run to run; the verdict, away from the margin,
+        does not)."""
+        if self.speed is None:
+            return ""
+        check = self.speed
+        timed = sandbox.probe({"op": "speed", "model": model_ref, "trust_remote_code": self.source.trust_remote_code,
+                               "layers_path": spec.layers_path, "layer": task.twin_layers[0], "path": task.path,
+                               "candidate": str(path), "width": check.width, "tokens": check.tokens,
+                               "repeats": check.repeats})
+        if "ratio" not in timed:
+            verdict = f"passed the probe, but timing it failed: {timed.get('note', 'no reason given')}"
+        elif timed["ratio"] < check.slower_than:
+            verdict = (f"passed the probe, but ran at {timed['ratio']:.2f}x the HuggingFace module's speed "
+                       f"(forward + backward, {check.width}x the twin's width, {check.tokens} tokens): not swapped "
+                       f"in (--keep-slower swaps it in)")
+        else:
+            verdict = ""
+        self.recorder.add("speed", task=task.path, round=number, slower=bool(verdict))
+        return verdict
 
     def finish(self, decision: Decision, verification, staging: Path) -> bool:
         """Record what whole-twin verification said of each generated module, take out of the bundle the files
@@ -153,7 +195,7 @@ def policy_named(name: str, *, base_url: str | None = None, llm_model: str | Non
 
 
 def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path | None = None, rounds: int = ROUNDS,
-        force: bool = False, notes: list[str] | None = None, **llm):
+        force: bool = False, notes: list[str] | None = None, keep_slower: bool = False, **llm):
     """`onboard agent`: adapt `source` into `out` with the agent taking on the leftovers (`llm`: base_url,
     llm_model, key_env, calls for the llm policy). A replay proposes what the record proposed, with the
     record's own budget. Returns (spec, verification, agent)."""
@@ -168,6 +210,6 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
         session = {k: v for k, v in chosen.session.items() if k in ("endpoint", "model_name", "calls")}
     else:
         chosen, session = policy_named(policy, **llm)
-    agent = Agent(chosen, source, rounds=rounds, session=session)
+    agent = Agent(chosen, source, rounds=rounds, session=session, speed=None if keep_slower else SpeedCheck())
     spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
     return spec, verification, agent

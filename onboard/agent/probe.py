@@ -1,6 +1,7 @@
 """Hold a candidate replacement against the live HuggingFace module it would replace (run by `sandbox`).
 
     python -m onboard.agent.probe < requests.jsonl     # one JSON result line per request line
+    {"op": "speed", ...}                                 # time a candidate that passed (`speed`)
 
 A request names the model (a reference `onboard.source.resolve` reads), the module's path in the twin and the
 candidate file. The probe builds the twin (once per process: it is never changed, so a later probe sees what a
@@ -152,6 +153,77 @@ def probe(request: dict) -> dict:
     return {"passed": not problems, "cases": cases, "note": "; ".join(problems[:3])}
 
 
+SAMPLE_SECONDS = 0.05  # each timing sample repeats a call this long: a millisecond call alone is mostly noise
+
+
+def time_against(module, replacement, args, kwargs, repeats: int) -> dict:
+    """Forward + backward times (ms) of `module` and `replacement` on the same inputs and output weights: the
+    fastest of `repeats` samples each (on a shared machine interference only ever adds time), a sample being
+    as many calls as fill SAMPLE_SECONDS, sampled alternately after two untimed calls each; their ratio (above
+    1: the replacement is faster) and the largest error of the outputs relative to each one's largest value."""
+    import time
+
+    import torch
+
+    outs = _floats(module(*args, **kwargs))
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+
+    def fwd_bwd(mod):
+        mod.zero_grad(set_to_none=True)
+        leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                  else a for a in args]
+        start = time.perf_counter()
+        got = _floats(mod(*leaves, **kwargs))
+        sum((o * w).sum() for o, w in zip(got, weights)).backward()
+        return time.perf_counter() - start, [o.detach() for o in got]
+
+    results: dict = {}
+    for _ in range(2):  # untimed: the allocator's first growth falls on neither
+        (first, results["hf"]), results["generated"] = fwd_bwd(module), fwd_bwd(replacement)[1]
+    calls = max(1, int(SAMPLE_SECONDS / max(first, 1e-5)))
+    times: dict = {"hf": [], "generated": []}
+    for _ in range(repeats):
+        for name, mod in (("hf", module), ("generated", replacement)):
+            total = 0.0
+            for _ in range(calls):
+                seconds, results[name] = fwd_bwd(mod)
+                total += seconds
+            times[name].append(total / calls)
+    hf, ours = (min(times[n]) for n in ("hf", "generated"))
+    error = max((_error(a, b) for a, b in zip(results["generated"], results["hf"])), default=0.0)
+    return {"hf_ms": hf * 1e3, "generated_ms": ours * 1e3, "ratio": hf / ours, "max_rel_error": error}
+
+
+def speed(request: dict) -> dict:
+    """The candidate against the module at `width` times the twin's width and `tokens` tokens (the module's real
+    inputs from one forward of the first layer + 1 layers of that model), `time_against`; plus the input shapes."""
+    import torch
+
+    from onboard.source import resolve
+    from onboard.train import scaled_config
+    from runtime.generated import load_generated
+
+    torch.set_num_threads(request.get("threads", 1))
+    source = resolve(request["model"], trust_remote_code=request.get("trust_remote_code", False))
+    layer = request["layer"]
+    cfg = scaled_config(source, layers=layer + 1, width=request.get("width", 8))
+    model = source.build(type(source.config).from_dict(cfg)).eval()
+    module = model.get_submodule(f"{request['layers_path']}.{layer}.{request['path']}")
+    seen = {}
+    hook = module.register_forward_pre_hook(lambda _, a, k: seen.setdefault("in", (a, k)), with_kwargs=True)
+    vocab = min(int(cfg.get("vocab_size") or 1000), 1000)
+    ids = torch.randint(3, vocab, (1, request.get("tokens", 1024)), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    hook.remove()
+    args, kwargs = seen["in"]
+    replacement = load_generated(request["candidate"])(copy.deepcopy(module))
+    result = time_against(module, replacement, args, kwargs, request.get("repeats", 3))
+    result["shapes"] = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    return result
+
+
 def main() -> None:
     """One request per input line, one JSON result line each, until the input ends."""
     _no_network()
@@ -161,7 +233,7 @@ def main() -> None:
         budget = int(used.ru_utime + used.ru_stime) + int(request.get("cpu_seconds", 300))
         resource.setrlimit(resource.RLIMIT_CPU, (budget, resource.getrlimit(resource.RLIMIT_CPU)[1]))
         try:
-            result = probe(request)
+            result = speed(request) if request.get("op") == "speed" else probe(request)
         except Exception as exc:  # the candidate's own failure: reported to the policy as the round's outcome
             result = {"passed": False, "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
         print(json.dumps(result, sort_keys=True), flush=True)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from onboard.agent.candidate import Candidate, propose_in_order
-from onboard.agent.loop import Agent
+from onboard.agent.loop import Agent, SpeedCheck
 from onboard.agent.sandbox import Limits, Sandbox
 from onboard.agent.tasks import leftovers
 from onboard.capture import capture
@@ -57,6 +57,9 @@ class Replacement(Generated):
     def forward(self, hidden_states, residual):
         return ZayaResidualScaling.forward(self, hidden_states, residual)
 '''
+SLOW_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        waste = hidden_states\n        for _ in range(12):\n"
+                               "            waste = torch.tanh(waste)\n        return affine_sum(").replace(
+    "from runtime.generated import Generated", "import torch\n\nfrom runtime.generated import Generated")  # right, slow
 LOOPS = RIGHT_ZAYA.replace("        return affine_sum(", "        while True:\n            pass\n        return affine_sum(")
 
 
@@ -92,13 +95,13 @@ def family_twin(family: str, folder: Path):
     return source, twin, spec
 
 
-def take_on(model, policy, tmp_path, rounds=3, limits=Limits()):
+def take_on(model, policy, tmp_path, rounds=3, limits=Limits(), speed=SpeedCheck()):
     """Run the first task of `model` (a `family_twin`) with `policy`: (entry, agent, staging)."""
     source, twin, spec = model
-    agent = Agent(policy, source, rounds=rounds, limits=limits)
+    agent = Agent(policy, source, rounds=rounds, limits=limits, speed=speed)
     task = leftovers(spec, twin.model)[0]
     staging = tmp_path / "staging"
-    staging.mkdir()
+    staging.mkdir(parents=True)
     with Sandbox(limits) as sandbox:
         return agent.attempt(task, spec, twin, staging, source.ref, sandbox), agent, staging
 

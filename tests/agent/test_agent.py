@@ -16,7 +16,7 @@ from onboard.agent.sandbox import Limits
 from onboard.errors import OnboardError
 from onboard.families import default_config
 from onboard.source import from_config, resolve
-from tests.agent.common import LOOPS, Scripted, bundle_files_are_verified, take_on
+from tests.agent.common import LOOPS, RIGHT_ZAYA, SLOW_ZAYA, Scripted, bundle_files_are_verified, take_on
 
 pytestmark = pytest.mark.slow  # adapts and probes whole twins: about half a minute
 
@@ -44,7 +44,8 @@ def test_rules_policy_replaces_deepseek_v4_hyper_connections(deepseek_v4_bundle)
     assert "model.layers.0.attn_hc" not in review.split("## Generated code")[0]  # no longer listed as staying
     events = [json.loads(line) for line in (bundle / RECORD).read_text().splitlines()]
     assert [e["event"] for e in events if e["event"] != "probe"] == [
-        "session", "task", "candidate", "accepted", "task", "candidate", "accepted", "verified", "verified"]
+        "session", "task", "candidate", "speed", "accepted", "task", "candidate", "speed", "accepted", "verified",
+        "verified"]
 
 
 def test_replay_refuses_a_record_of_another_model_and_keeps_the_bundle(deepseek_v4_bundle, tmp_path):
@@ -70,3 +71,15 @@ def test_the_probe_process_has_no_network():
             "except OSError as exc:\n    print(exc)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "has no network (tried 192.0.2.1)" in done.stdout
+
+
+def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_path):
+    """Right (it passes the probe) but slower than the module at 8x the twin's width: the round fails saying
+    so, and the next, as fast as the module, is taken. With the speed check off (--keep-slower) the slow one is."""
+    entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path / "a")
+    first, second = entry.rounds
+    assert "passed the probe, but ran at" in first["outcome"] and "not swapped in" in first["outcome"]
+    assert second["outcome"] == "passed the probe" and entry.takes
+    assert [e["slower"] for e in agent.recorder.events if e["event"] == "speed"] == [True, False]
+    kept, _, _ = take_on(zaya, Scripted(SLOW_ZAYA), tmp_path / "b", speed=None)
+    assert kept.takes and kept.rounds[0]["outcome"] == "passed the probe"

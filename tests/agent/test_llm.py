@@ -18,6 +18,8 @@ from tests.agent.openai_server import ScriptedEndpoint
 
 pytest.importorskip("langchain_openai")
 pytestmark = pytest.mark.slow  # probes build twins in child processes: about a minute in all
+# The speed check (`SpeedCheck`, tested in test_agent.py) is off here: LongCat-Flash's MLP written by hand runs the
+# module's own operations, and a timing verdict near 1.0x on a loaded machine is not what these tests are about.
 
 TOOLS = ("show_module", "show_runtime_api", "render_template", "submit_candidate")
 
@@ -44,7 +46,7 @@ def test_through_chatopenai_a_wrong_candidate_then_a_right_one_and_the_replay_is
     monkeypatch.setenv("TEST_ENDPOINT_KEY", "sk-test")
     with ScriptedEndpoint(WRONG_THEN_RIGHT, max_requests=10) as endpoint:
         spec, verification, agent = run(source, tmp_path / "bundle", policy="llm", base_url=endpoint.url,
-                                        llm_model="scripted-model", key_env="TEST_ENDPOINT_KEY")
+                                        llm_model="scripted-model", key_env="TEST_ENDPOINT_KEY", keep_slower=True)
     assert len(endpoint.requests) == 3 and all(r["auth"] == "Bearer sk-test" for r in endpoint.requests)
     first = endpoint.requests[0]["body"]
     assert first["model"] == "scripted-model" and not first.get("stream")
@@ -64,7 +66,7 @@ def test_through_chatopenai_a_wrong_candidate_then_a_right_one_and_the_replay_is
     assert events[0]["endpoint"] == endpoint.url and events[0]["model_name"] == "scripted-model"
     assert sum(1 for e in events if e["event"] == "chat" and "reply" in e) == 3
 
-    run(source, tmp_path / "again", replay=tmp_path / "bundle" / RECORD)
+    run(source, tmp_path / "again", replay=tmp_path / "bundle" / RECORD, keep_slower=True)
     files = sorted(p.relative_to(tmp_path / "bundle") for p in (tmp_path / "bundle").rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*") if p.is_file())
     for name in files:
@@ -80,7 +82,7 @@ def test_streaming_chat_completions_with_tool_calls(longcat, tmp_path, monkeypat
         "bias_b": "residual_bias"})}, "s1"), _submit(RIGHT_LONGCAT, "s2")]
     with ScriptedEndpoint(script, max_requests=6) as endpoint:
         chat = chat_model(endpoint.url, "scripted-model", "TEST_ENDPOINT_KEY", streaming=True)
-        entry, agent, _ = take_on(longcat, LLMPolicy(chat, endpoint=endpoint.url), tmp_path)
+        entry, agent, _ = take_on(longcat, LLMPolicy(chat, endpoint=endpoint.url), tmp_path, speed=None)
     assert all(r["body"].get("stream") for r in endpoint.requests) and len(endpoint.requests) == 2
     rendered = [m for m in endpoint.requests[1]["body"]["messages"] if m["role"] == "tool"][-1]["content"]
     assert "class Replacement(Generated)" in rendered and "affine_sum(hidden_states, residual" in rendered
@@ -97,7 +99,7 @@ def test_cheats_are_refused_before_anything_runs(longcat, tmp_path):
               RIGHT_LONGCAT.replace(body, "        open('x', 'w')\n" + body),
               "import onboard.agent.probe as probe\nprobe.TOLERANCE = 1.0\n" + RIGHT_LONGCAT]
     script = [_submit(code, f"x{i}") for i, code in enumerate(cheats)] + [_submit(RIGHT_LONGCAT, "ok")]
-    entry, agent, _ = take_on(longcat, LLMPolicy(scripted_chat(script)), tmp_path, rounds=6)
+    entry, agent, _ = take_on(longcat, LLMPolicy(scripted_chat(script)), tmp_path, rounds=6, speed=None)
     outcomes = [r["outcome"] for r in entry.rounds]
     assert all(o.startswith("refused before running") for o in outcomes[:5]), outcomes
     for what, outcome in zip(("import of transformers", "try/except", "import of os", "call of open()",

@@ -28,8 +28,9 @@ TAKEN = {  # what each session's model replaced, beyond what the rules policy ta
 @pytest.mark.parametrize("family", sorted(TAKEN))
 def test_a_recorded_llm_session_replays_into_verified_code(family, tmp_path):
     default_config(family).save_pretrained(tmp_path / family)
+    # keep_slower: what is tested here is that the code verifies; the speed rule has its own test (test_agent.py)
     _, verification, agent = run(resolve(str(tmp_path / family)), tmp_path / "bundle",
-                                 replay=SESSIONS / f"{family}.jsonl")
+                                 replay=SESSIONS / f"{family}.jsonl", keep_slower=True)
     assert verification.passed, verification.note
     by_policy = {e.path: e.policy for e in agent.decision_entries if e.takes}
     assert {path for path, policy in by_policy.items() if policy == "llm"} == TAKEN[family]
