@@ -303,10 +303,14 @@ class Decision:
 
     def still_unmatched(self, spec: ModelSpec) -> list:
         """The spec's unmatched modules that no generated module of the agent replaced."""
-        taken = {e.path for e in self.generated if e.takes}
+        taken = [e.path for e in self.generated if e.takes]
         prefix = f"{spec.layers_path}."
-        return [u for u in spec.unmatched
-                if not (u.path.startswith(prefix) and u.path[len(prefix):].partition(".")[2] in taken)]
+
+        def replaced(path: str) -> bool:  # the module or one inside it (`conv` inside a generated `short_conv`)
+            below = path[len(prefix):].partition(".")[2] if path.startswith(prefix) else ""
+            return any(below == t or below.startswith(t + ".") for t in taken)
+
+        return [u for u in spec.unmatched if not replaced(u.path)]
 
     def expected(self, depth: int) -> dict[str, int]:
         """Swaps an adapter must make in a model of `depth` decoder layers, by handle kind."""
