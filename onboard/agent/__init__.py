@@ -13,5 +13,7 @@ verified exactly as `onboard adapt` verifies it (a generated module that spoils 
 reading). Every proposal and result is recorded in the bundle's agent.jsonl (`record`).
 
 Policies: `rules` (`onboard.agent.rules`: readings rendered from templates/generated/, offline and
-deterministic).
+deterministic); `llm` (`onboard.agent.llm`: the rules first, then a LangChain agent with tools on any
+OpenAI-compatible endpoint); a recorded session (`onboard.agent.record.ReplayPolicy`, `--replay`). A candidate
+that passes the probe is also timed against the module (`probe.speed`) and left out when clearly slower.
 """
