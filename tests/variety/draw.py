@@ -9,12 +9,15 @@ model builds and runs a forward pass at that config: a config the family's own c
 checkpoint, so it is counted as refused, not as a miss. Sizes stay small (hidden at most 512, a few layers, at
 most 16 experts), so a draw builds and runs in well under a second.
 
-`draw(family, seed)` is deterministic: the same family and seed give the same config on every machine.
+`draw(family, seed)` is deterministic: the same family and seed give the same config on every machine. A field
+that the family's own code names in refusing an attempt is left at its default in the next attempts (ZAYA
+routes to one expert per token only).
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 from onboard.config_dict import walk
@@ -63,9 +66,10 @@ class Draw:
 def draw(family: str, seed: int) -> Draw:
     """A varied config of `family` for this seed, or every attempt's refusal."""
     refused = []
+    kept: set[str] = set()  # fields the family's own code named in refusing a draw: left at their default
     for attempt in range(ATTEMPTS):
         rng = random.Random(f"{family}:{seed}:{attempt}")
-        changes = propose(family, rng)
+        changes = {p: v for p, v in propose(family, rng).items() if p.rsplit(".", 1)[-1] not in kept}
         try:
             config = build_config(family, changes)
             logits = check_runs(config)
@@ -73,6 +77,9 @@ def draw(family: str, seed: int) -> Draw:
             config = build_config(family, changes)
         except Exception as exc:  # the family's own code refused the config: not a checkpoint anyone ships
             refused.append(f"{sorted(changes.items())}: {one_line(exc)[:300]}")
+            # a field the refusal names (ZAYA: "supports `num_experts_per_tok=1` only") is one the family fixes
+            kept |= {p.rsplit(".", 1)[-1] for p in changes if re.search(rf"\b{re.escape(p.rsplit('.', 1)[-1])}\b",
+                                                                         str(exc))}
             continue
         return Draw(family, seed, config, changes, refused)
     return Draw(family, seed, None, {}, refused)
