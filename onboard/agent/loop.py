@@ -41,8 +41,10 @@ class SpeedCheck:
     tokens: int = 1024
     repeats: int = 3
     slower_than: float = 0.8
-GENERATED_DIR = "generated"
-RECORD = "agent.jsonl"
+
+
+GENERATED_DIR = "generated"  # below the bundle: the generated files
+RECORD = "agent.jsonl"  # in the bundle: the session's record
 
 
 class Agent:
