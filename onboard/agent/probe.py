@@ -225,8 +225,10 @@ def speed(request: dict) -> dict:
 
 
 def main() -> None:
-    """One request per input line, one JSON result line each, until the input ends."""
+    """One request per input line, one JSON result line each, until the input ends. What candidates print goes
+    to stderr: stdout carries the results alone."""
     _no_network()
+    results, sys.stdout = sys.stdout, sys.stderr
     for line in sys.stdin:
         request = json.loads(line)
         used = resource.getrusage(resource.RUSAGE_SELF)
@@ -236,7 +238,7 @@ def main() -> None:
             result = speed(request) if request.get("op") == "speed" else probe(request)
         except Exception as exc:  # the candidate's own failure: reported to the policy as the round's outcome
             result = {"passed": False, "note": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
-        print(json.dumps(result, sort_keys=True), flush=True)
+        print(json.dumps(result, sort_keys=True), file=results, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ agent's own process never imports candidate code.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -51,6 +52,7 @@ class Sandbox:
         self.limits = limits
         self._proc: subprocess.Popen | None = None
         self._lines: queue.Queue = queue.Queue()
+        self._errors: collections.deque = collections.deque()
         self._scratch = tempfile.TemporaryDirectory(prefix="onboard-probe-")
 
     def __enter__(self) -> Sandbox:
@@ -68,9 +70,12 @@ class Sandbox:
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       cwd=self._scratch.name, env=_environment(), preexec_fn=_limit(self.limits))
         self._lines = queue.Queue()
-        stdout = self._proc.stdout
+        self._errors = collections.deque(maxlen=20)  # stderr is drained as it comes: a full pipe would stall it
+        stdout, stderr = self._proc.stdout, self._proc.stderr
         threading.Thread(target=lambda: [self._lines.put(line) for line in stdout] + [self._lines.put(None)],
                          daemon=True).start()
+        self._drain = threading.Thread(target=lambda: self._errors.extend(stderr), daemon=True)
+        self._drain.start()
 
     def _stop(self) -> str:
         """End the probe process; the last line it wrote to stderr."""
@@ -80,10 +85,9 @@ class Sandbox:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        tail = (proc.stderr.read().strip().splitlines() or ["no output"])[-1]
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            stream.close()
-        return tail
+        proc.stdin.close()
+        self._drain.join(timeout=10)  # the pipe ends with the process: what it wrote last is read
+        return next((line.strip() for line in reversed(self._errors) if line.strip()), "no output")
 
     def probe(self, request: dict) -> dict:
         if self._proc is None or self._proc.poll() is not None:

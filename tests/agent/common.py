@@ -60,6 +60,8 @@ class Replacement(Generated):
 SLOW_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        waste = hidden_states\n        for _ in range(12):\n"
                                "            waste = torch.tanh(waste)\n        return affine_sum(").replace(
     "from runtime.generated import Generated", "import torch\n\nfrom runtime.generated import Generated")  # right, slow
+CHATTY_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        for i in range(2000):\n"
+                                 "            print('debugging line', i, 'x' * 100)\n        return affine_sum(")  # right
 LOOPS = RIGHT_ZAYA.replace("        return affine_sum(", "        while True:\n            pass\n        return affine_sum(")
 
 

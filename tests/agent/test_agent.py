@@ -16,7 +16,7 @@ from onboard.agent.sandbox import Limits
 from onboard.errors import OnboardError
 from onboard.families import default_config
 from onboard.source import from_config, resolve
-from tests.agent.common import LOOPS, RIGHT_ZAYA, SLOW_ZAYA, Scripted, bundle_files_are_verified, take_on
+from tests.agent.common import CHATTY_ZAYA, LOOPS, RIGHT_ZAYA, SLOW_ZAYA, Scripted, bundle_files_are_verified, take_on
 
 pytestmark = pytest.mark.slow  # adapts and probes whole twins: about half a minute
 
@@ -83,3 +83,10 @@ def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_p
     assert [e["slower"] for e in agent.recorder.events if e["event"] == "speed"] == [True, False]
     kept, _, _ = take_on(zaya, Scripted(SLOW_ZAYA), tmp_path / "b", speed=None)
     assert kept.takes and kept.rounds[0]["outcome"] == "passed the probe"
+
+
+def test_a_candidate_that_prints_much_is_judged_on_what_it_computes(zaya, tmp_path):
+    """What a candidate prints (here about 2 MB over the probe's calls) goes to the probe's stderr, which the
+    sandbox drains as it comes: neither the result line nor the process stalls."""
+    entry, _, _ = take_on(zaya, Scripted(CHATTY_ZAYA), tmp_path, rounds=1, speed=None)
+    assert entry.takes and entry.rounds[0]["outcome"] == "passed the probe"
