@@ -33,7 +33,7 @@ import torch
 
 from runtime.attention.decay_pairs import LOG_DECAY_ZERO
 from runtime.attention.delta_reference import compute_dtype
-from runtime.attention.scalar_decay import OP, chunk_core, chunk_scalar_decay
+from runtime.attention.scalar_decay import OP, carry_gradients, carry_states, chunk_core, chunk_scalar_decay
 from runtime.kernels import registry
 from runtime.subnormals import exp_or_zero
 
@@ -64,12 +64,8 @@ class _Chunks(torch.autograd.Function):
         scores = (q @ k.transpose(-1, -2)).mul_(pair[:, None])
         o = scores @ v
         written = (k * k_decay[:, None]).transpose(-1, -2) @ v  # (B, H, N, K, V)
-        carry = carry.view(-1, 1, 1)
-        starts = torch.empty_like(written)
-        starts[:, :, 0] = state
-        for c in range(written.shape[2] - 1):
-            torch.addcmul(written[:, :, c], starts[:, :, c], carry, out=starts[:, :, c + 1])
-        final = torch.addcmul(written[:, :, -1], starts[:, :, -1], carry)
+        carry = carry.view(1, -1, 1, 1, 1).expand(1, -1, written.shape[2], 1, 1)  # the same for every chunk
+        starts, final = carry_states(written, state, carry)
         o += (q * q_decay[:, None]) @ starts
         ctx.save_for_backward(qkv, scores, starts, pair, q_decay, k_decay, carry)
         return o, final
@@ -80,13 +76,8 @@ class _Chunks(torch.autograd.Function):
         qkv, scores, starts, pair, q_decay, k_decay, carry = ctx.saved_tensors
         q, k, v = qkv.chunk(3, -1)
         d_o = d_o.contiguous()
-        # the state: d_written[c] is the gradient of the state after chunk c
         d_starts = (q * q_decay[:, None]).transpose(-1, -2) @ d_o
-        d_written = torch.empty_like(starts)
-        d_written[:, :, -1] = 0 if d_final is None else d_final
-        for c in range(starts.shape[2] - 1, 0, -1):
-            torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry, out=d_written[:, :, c - 1])
-        d_state = torch.addcmul(d_starts[:, :, 0], d_written[:, :, 0], carry)
+        d_written, d_state = carry_gradients(d_starts, d_final, carry)
         # inside the chunks: each gradient is its inter-chunk term, scaled in place, plus the intra-chunk product
         # added in place (bmm into a strided slice of one packed tensor takes a slow path: concatenated at the end)
         d_scores = (d_o @ v.transpose(-1, -2)).mul_(pair[:, None])

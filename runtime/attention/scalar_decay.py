@@ -129,20 +129,38 @@ def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:
 _CARRY_BLOCK = 8  # chunks per step of the decay-gradient reduction in _HandOff.backward
 
 
+def carry_states(written: torch.Tensor, s0: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S_{c+1} = carry[:, :, c] S_c + written[:, :, c] over the chunks (dim 2) from S_0 = s0: (the state entering
+    each chunk, written like `written`, and the final state). carry[:, :, c] broadcasts against one state.
+    Each state is written where it is kept: no copies."""
+    starts = torch.empty_like(written)
+    starts[:, :, 0] = s0
+    for c in range(written.shape[2] - 1):
+        torch.addcmul(written[:, :, c], starts[:, :, c], carry[:, :, c], out=starts[:, :, c + 1])
+    return starts, torch.addcmul(written[:, :, -1], starts[:, :, -1], carry[:, :, -1])
+
+
+def carry_gradients(d_starts: torch.Tensor, d_final: torch.Tensor | None, carry: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of `carry_states` for the states and what was written: (d_written, d_s0), d_written[c] being
+    the gradient of the state after chunk c, S_{c+1}."""
+    d_written = torch.empty_like(d_starts)
+    d_written[:, :, -1] = 0 if d_final is None else d_final
+    for c in range(d_starts.shape[2] - 1, 0, -1):
+        torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry[:, :, c], out=d_written[:, :, c - 1])
+    return d_written, torch.addcmul(d_starts[:, :, 0], d_written[:, :, 0], carry[:, :, 0])
+
+
 class _HandOff(torch.autograd.Function):
     """The state recurrence across chunks, S_{c+1} = carry_c S_c + written_c, as one autograd node: a loop over
     chunks each way, written into one (.., N, ..) tensor (autograd through the loop would keep every state
-    twice, in a list and stacked, and add a node per chunk). carry (B, Hk, N, 1, G, 1), written
+    twice, in a list and stacked, and add a node per chunk; `carry_states`, `carry_gradients`). carry
+    (B, Hk, N, 1, G, 1), written
     (B, Hk, N, K, G, V), s0 (B, Hk, K, G, V). Returns (the state entering each chunk, the final state)."""
 
     @staticmethod
     def forward(ctx, carry, written, s0):
-        n = written.shape[2]
-        starts = torch.empty_like(written)
-        starts[:, :, 0] = s0
-        for c in range(n - 1):  # each state is written where it is kept: no copies
-            torch.addcmul(written[:, :, c], starts[:, :, c], carry[:, :, c], out=starts[:, :, c + 1])
-        final = torch.addcmul(written[:, :, -1], starts[:, :, -1], carry[:, :, -1])
+        starts, final = carry_states(written, s0, carry)
         ctx.save_for_backward(carry, starts)
         return starts, final
 
@@ -151,17 +169,7 @@ class _HandOff(torch.autograd.Function):
     def backward(ctx, d_starts, d_final):
         carry, starts = ctx.saved_tensors
         n = starts.shape[2]
-        # d_written[c] is the gradient of the state after chunk c, S_{c+1}
-        d_written = torch.empty_like(starts)
-        if d_final is None:
-            d_written[:, :, -1] = 0
-        else:
-            d_written[:, :, -1] = d_final
-        if d_starts is None:
-            d_starts = torch.zeros_like(starts)
-        for c in range(n - 1, 0, -1):
-            torch.addcmul(d_starts[:, :, c], d_written[:, :, c], carry[:, :, c], out=d_written[:, :, c - 1])
-        d_s0 = torch.addcmul(d_starts[:, :, 0], d_written[:, :, 0], carry[:, :, 0])
+        d_written, d_s0 = carry_gradients(torch.zeros_like(starts) if d_starts is None else d_starts, d_final, carry)
         if not ctx.needs_input_grad[0]:  # a decay that needs no gradient: nothing to reduce
             return None, d_written, d_s0
         d_carry = torch.empty_like(carry)
