@@ -78,48 +78,46 @@ def _print_verification(spec, verification, out) -> int:
 
 
 def cmd_adapt(args) -> int:
-    from pathlib import Path
-
-    from onboard.bundle import adapt
-    from onboard.source import resolve
-
     if args.agent == "llm":
         from onboard.errors import OnboardError
 
         raise OnboardError("the llm policy needs an endpoint: onboard agent MODEL --policy llm --base-url URL "
                            "--llm-model NAME")
-    if args.agent:
-        args.policy, args.replay, args.rounds, args.keep_slower = args.agent, None, 3, False
-        args.base_url = args.llm_model = args.calls = None
-        args.key_env = "OPENAI_API_KEY"
-        return cmd_agent(args)
-    source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
-    out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
-    notes: list[str] = []
-    spec, verification = adapt(source, out, force=args.force, notes=notes)
-    for note in notes:
-        print(f"tidied: {note}")
-    return _print_verification(spec, verification, out)
+    return _write_bundle(args, {"policy": args.agent} if args.agent else None)
 
 
 def cmd_agent(args) -> int:
     from pathlib import Path
 
-    from onboard.agent.loop import run
+    return _write_bundle(args, {
+        "policy": args.policy, "replay": Path(args.replay) if args.replay else None, "rounds": args.rounds,
+        "keep_slower": args.keep_slower, "base_url": args.base_url, "llm_model": args.llm_model,
+        "key_env": args.key_env, "calls": args.calls})
+
+
+def _write_bundle(args, agent_options: dict | None) -> int:
+    """`adapt` (agent_options None) or `onboard.agent.loop.run` with them; prints what happened."""
+    from pathlib import Path
+
     from onboard.source import resolve
 
     source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
     notes: list[str] = []
-    llm = {"base_url": args.base_url, "llm_model": args.llm_model, "key_env": args.key_env, "calls": args.calls}
-    spec, verification, agent = run(source, out, policy=args.policy, replay=Path(args.replay) if args.replay else None,
-                                    rounds=args.rounds, force=args.force, notes=notes,
-                                    keep_slower=args.keep_slower, **llm)
+    if agent_options is None:
+        from onboard.bundle import adapt
+
+        spec, verification = adapt(source, out, force=args.force, notes=notes)
+        agent = None
+    else:
+        from onboard.agent.loop import run
+
+        spec, verification, agent = run(source, out, force=args.force, notes=notes, **agent_options)
     for note in notes:
         print(f"tidied: {note}")
-    if not agent.tasks:
+    if agent is not None and not agent.tasks:
         print("agent: nothing left over: the bundle is what `onboard adapt` writes")
-    for entry in agent.decision_entries:
+    for entry in agent.decision_entries if agent is not None else []:
         state = f"replaced by generated/{entry.file}" if entry.takes else f"stays HuggingFace code: {entry.refused}"
         print(f"agent: {entry.path} ({entry.replaces}): {state}")
     return _print_verification(spec, verification, out)
