@@ -72,7 +72,7 @@ def module_brief(module: nn.Module) -> str:
         source = "(no source available)"
     state = {"parameters": {k: list(p.shape) for k, p in module.named_parameters()},
              "buffers": {k: list(b.shape) for k, b in module.named_buffers()},
-             "settings": {k: v for k, v in settings(module).items()},
+             "settings": settings(module),
              "forward": f"forward{inspect.signature(module.forward)}"}
     return f"{source}\n\nstate: {json.dumps(state, default=str)}"
 

@@ -84,9 +84,7 @@ def hyper_connection(task: Task, module: nn.Module) -> Iterator[Candidate]:
             if with_comb:  # post = 2 sigmoid(..), no eps on it (DeepSeek-V4)
                 variants = [(iters, eps, [("sinkhorn_iters", f"self.{iters}")]) for iters in ints for eps in own_floats]
             else:  # post = magnitude * sigmoid(..) + eps, the magnitude a setting or 2 (HY-V4)
-                magnitudes = [f"self.{k}" for k in _ranked(own_floats + [k for k, v in found.items()
-                                                                       if "." not in k and type(v) is int and v > 1
-                                                                       and v != n], "magnitude", "post")]
+                magnitudes = [f"self.{k}" for k in _ranked(own_floats + ints, "magnitude", "post")]
                 variants = [(None, eps, [("post_magnitude", magnitude), ("post_eps", post_eps)])
                             for eps in own_floats for magnitude in [*magnitudes, "2.0"] if magnitude != f"self.{eps}"
                             for post_eps in (f"self.{eps}", "0.0")]
