@@ -1,8 +1,8 @@
 """The agent's generated modules against the HuggingFace modules they replace: forward + backward, same run.
 
-For each generated module of each bundle (by default: `onboard agent`'s rules policy on DeepSeek-V4, HY-V4, ZAYA
-and Inkling2, and the recorded llm sessions of tests/agent/sessions replayed on AXK2 and LongCat-Flash, all
-into a scratch folder), the model is built at the bundle twin's config made `--width` times wider (more heads of
+For each generated module of each bundle (by default: `onboard agent`'s rules policy on DeepSeek-V4, HY-V4,
+Inkling2 and PhiMoE, and the recorded llm sessions of tests/agent/sessions replayed on AXK2, LongCat-Flash and
+ZAYA, all into a scratch folder), the model is built at the bundle twin's config made `--width` times wider (more heads of
 the same size, wider MLPs), one forward records the module's real inputs at `--tokens` tokens, and the module and
 its replacement (on a copy of the same parameters) are timed alternately, fp32, forward + backward with the same
 output weights (`onboard.agent.probe.speed`, what `onboard agent` measures before it swaps a module in). Prints
@@ -23,8 +23,8 @@ import torch
 import common  # bench/common.py: the benches' shared command line
 
 REPO = Path(__file__).resolve().parents[1]
-RULES = ("deepseek_v4", "hy_v4", "zaya", "inkling2_text")
-SESSIONS = ("axk2", "longcat_flash")
+RULES = ("deepseek_v4", "hy_v4", "inkling2_text", "phimoe")
+SESSIONS = ("axk2", "longcat_flash", "zaya")  # the llm policy: the rules first, then the recorded replies
 
 
 def default_bundles(scratch: Path) -> list[Path]:

@@ -34,7 +34,8 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
           notes: list[str] | None = None, agent=None) -> tuple[ModelSpec, Verification]:
     """Adapt `source` into a bundle at `out` (see onboard.placement for what --force may replace); `notes`
     collects what was put right of a killed earlier run. `agent` (`onboard.agent.loop.Agent`) takes on the
-    leftovers after deciding: its generated modules are verified with the rest."""
+    leftovers after deciding, and again after verifying for what verification's refusals left over; its
+    generated modules are verified with the rest."""
     protect = (source.path,) if source.kind in ("local", "hf-cache", "hub") else ()
     out = check_target(out, force=force, protect=protect)
     done = tidy(out)
@@ -53,6 +54,8 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
         if agent is not None:
             agent.take_on(spec, twin, decision, staging)
         verification = _settle(staging, spec, twin, decision)
+        if agent is not None and agent.take_on(spec, twin, decision, staging):  # what verification's refusals left
+            verification = _settle(staging, spec, twin, decision)
         if agent is not None and agent.finish(decision, verification, staging):
             verification = _render_and_verify(staging, spec, twin, decision)
         write_verification(staging, spec, twin, decision, verification)

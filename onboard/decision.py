@@ -377,9 +377,11 @@ def why_not_block(mlp: MLP) -> str | None:
     if r.score not in SCORES:
         return f"router score function {r.score!r} is not in the runtime yet"
     if r.order not in ORDERS:
-        return f"experts chosen by {r.order.replace('_', ' ')} (a sparse mixer): not in the runtime yet"
+        return (f"experts chosen by {r.order.replace('_', ' ')} (a sparse mixer): the runtime's MoE block does not "
+                f"route this way")
     if not r.direct:
-        return "the router is more than one projection of the tokens (a small network): not in the runtime yet"
+        return ("the router is more than one projection of the tokens (a small network): the runtime's MoE block "
+                "does not route this way")
     if not mlp.path:
         return "the MoE block is the whole decoder layer; nothing to swap it into"
     if mlp.expert_layout == "fused" and not _roles_known(mlp):

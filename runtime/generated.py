@@ -51,6 +51,7 @@ class Generated(nn.Module):
         for path, buffer in original.named_buffers():
             self._owner(path).register_buffer(path.rpartition(".")[2], buffer, persistent=path in persistent)
         self.replaces = type(original).__name__  # for repr and REVIEW.md only
+        self.train(original.training)  # a module swapped into an evaluated model evaluates too
 
     def _owner(self, path: str) -> nn.Module:
         """The container for a dotted name's last part, made on the way (plain modules, named as the original's)."""

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from runtime import recorders
+
 # what a swap takes over, as handles say it (`Swap.kind`) and the adapt decision expects it
 MOE_BLOCK = "moe_block"  # a whole MoE block: runtime.moe.MoEBlock
 EXPERTS = "experts"  # the experts alone behind the model's router: runtime.moe.RoutedExperts
@@ -118,13 +120,24 @@ def _count_calls(swap: Swap, module: nn.Module, what: str) -> None:
     swap.on_undo(handle.remove)
 
 
+def _carry_observers(swap: Swap, old: nn.Module, new: nn.Module) -> None:
+    """What observes the replaced module's outputs (its forward hooks) observes its replacement's."""
+    for key, hook in list(old._forward_hooks.items()):
+        handle = new.register_forward_hook(hook, with_kwargs=key in old._forward_hooks_with_kwargs,
+                                           always_call=key in old._forward_hooks_always_called)
+        swap.on_undo(handle.remove)
+
+
 def replace_module(root: nn.Module, path: str, new: nn.Module, *, kind: str) -> Swap:
-    """Put `new` where the module at `path` (below `root`) is; its forward calls are counted under `kind`."""
+    """Put `new` where the module at `path` (below `root`) is; its forward calls are counted under `kind`, and
+    whatever records the replaced module's outputs records the new one's (`runtime.recorders`)."""
     owner, _, name = path.rpartition(".")
     parent = root.get_submodule(owner) if owner else root
+    recorders.install(root)
     swap = Swap(kind, path)
     swap.replaced = parent.get_submodule(name)
     swap.set(parent, name, new)
+    _carry_observers(swap, swap.replaced, new)
     _count_calls(swap, new, kind)
     return swap
 

@@ -1,12 +1,13 @@
 """The agent's loop over the leftovers of one adapt (see the package docstring).
 
     agent = Agent(policy, source, rounds=3)
-    onboard.bundle.adapt(source, out, agent=agent)    # take_on() after deciding, finish() after verifying
+    onboard.bundle.adapt(source, out, agent=agent)    # take_on() as decided and once verified, then finish()
 
 `take_on` turns each task into a `GeneratedEntry` of the decision: the first candidate that passes the guard
 and the probe (its file written to the bundle's generated/), or, when the budget of rounds runs out, an entry
-that stays HuggingFace code with every round's outcome. Verification then runs as for any adapt, and refuses
-a generated module that spoils the whole twin like any other reading; `finish` records what it said and writes
+that stays HuggingFace code with every round's outcome. It runs once on what adapt decided and once more after
+verification settled, for what a refused reading left over (a block that fell back to its experts, whose router
+is then a task). Verification runs as for any adapt, and refuses a generated module that spoils the whole twin like any other reading; `finish` records what it said and writes
 agent.jsonl.
 """
 
@@ -58,13 +59,23 @@ class Agent:
         self.tasks: list[Task] = []
         self.decision_entries: list[GeneratedEntry] = []  # one per task, as the decision holds them
 
-    def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> None:
-        self.tasks = leftovers(spec, twin.model)
+    def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> bool:
+        """Attempt every leftover of `decision` not attempted before (adapt calls this as decided, and again
+        once verification has settled, for what its refusals left over); True when a new candidate passed, so
+        the bundle must be verified again with it."""
+        tried = {task.path for task in self.tasks}
+        tasks = [task for task in leftovers(spec, twin.model, decision) if task.path not in tried]
+        if not tasks:
+            return False
+        self.tasks.extend(tasks)
+        entries = []
         with tempfile.TemporaryDirectory(prefix="onboard-agent-") as scratch, Sandbox(self.limits) as sandbox:
             model_ref = self._model_ref(Path(scratch))
-            for task in self.tasks:
-                self.decision_entries.append(self.attempt(task, spec, twin, staging, model_ref, sandbox))
-        decision.generated.extend(self.decision_entries)
+            for task in tasks:
+                entries.append(self.attempt(task, spec, twin, staging, model_ref, sandbox))
+        self.decision_entries.extend(entries)
+        decision.generated.extend(entries)
+        return any(entry.file for entry in entries)
 
     def _model_ref(self, scratch: Path) -> str:
         """What the probe's own process resolves to build the same twin."""

@@ -8,15 +8,18 @@ candidate file. The probe builds the twin (once per process: it is never changed
 fresh process would), records the module's real inputs from a forward pass of the twin per seed, redraws a
 copy of the module's parameters from the seed (whatever transformers' init left, every value matters), and for
 each seed and input scale runs that copy and the candidate (built on another copy, so neither sees the
-other's gradients) forward and backward with the same random output weights. It passes
-when every output, input gradient and parameter gradient is within TOLERANCE of the module's, relative to
-that tensor's largest value, and the module's outputs differ from one seed to the next (else the inputs
+other's gradients) forward and backward with the same random output weights; a module that computes something
+else in training mode (random routing, jitter, dropout) is held against the candidate in training mode too,
+both drawing from torch's generator seeded alike. It passes when every floating output, input gradient and
+parameter gradient is within TOLERANCE of the module's, relative to that tensor's largest value, every integer
+output (expert indices) is equal, and the module's outputs differ from one seed to the next (else the inputs
 exercised nothing). Network access is refused in this process before the candidate is imported.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import resource
@@ -40,16 +43,16 @@ def _no_network() -> None:
     socket.socket.connect = local_only
 
 
-def _floats(value) -> list:
-    """The floating tensors in a module's output (a tensor, or a tuple / list / dict of them), in order."""
+def _tensors(value) -> list:
+    """The tensors in a module's output (a tensor, or a tuple / list / dict of them), in order."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
+        return [value]
     if isinstance(value, tuple | list):
-        return [t for v in value for t in _floats(v)]
+        return [t for v in value for t in _tensors(v)]
     if isinstance(value, dict):
-        return [t for k in sorted(value) for t in _floats(value[k])]
+        return [t for k in sorted(value) for t in _tensors(value[k])]
     return []
 
 
@@ -63,16 +66,20 @@ def _redraw(module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * std)
 
 
-def _run(module, args, kwargs, weights_seed: int):
-    """Outputs, input gradients and parameter gradients (by name) of one forward + backward."""
+def _run(module, args, kwargs, weights_seed: int, rng_seed: int | None = None):
+    """Outputs, input gradients and parameter gradients (by name) of one forward + backward; `rng_seed` seeds
+    torch's global generator first (a module that draws random numbers in training)."""
     import torch
 
     module.zero_grad(set_to_none=True)
     leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
               for a in args]
-    outputs = _floats(module(*leaves, **kwargs))
+    if rng_seed is not None:
+        torch.manual_seed(rng_seed)
+    outputs = _tensors(module(*leaves, **kwargs))
     gen = torch.Generator().manual_seed(weights_seed)
-    loss = sum((out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum() for out in outputs)
+    loss = sum((out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum()
+               for out in outputs if out.is_floating_point())
     loss.backward()
     grads = {f"input {i}": leaf.grad for i, leaf in enumerate(leaves)
              if isinstance(leaf, torch.Tensor) and leaf.grad is not None}
@@ -81,8 +88,26 @@ def _run(module, args, kwargs, weights_seed: int):
 
 
 def _error(ours, theirs) -> float:
+    if not theirs.is_floating_point():  # indices, masks, counts: the share of entries that differ
+        return float((ours != theirs).float().mean()) if theirs.numel() else 0.0
     scale = float(theirs.abs().max()) if theirs.numel() else 0.0
     return float((ours.float() - theirs.float()).abs().max()) / max(scale, 1e-30) if theirs.numel() else 0.0
+
+
+def _trains_differently(module, args, kwargs, seed: int) -> bool:
+    """Whether `module` computes something else in training mode (random routing, dropout, jitter): then the
+    candidate is held against it in training mode too, both drawing from one seeded generator."""
+    import torch
+
+    with torch.no_grad():
+        evaluated = _tensors(module(*args, **kwargs))
+        module.train()
+        try:
+            torch.manual_seed(seed)
+            trained = _tensors(module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs))
+        finally:
+            module.eval()
+    return any(a.shape != b.shape or _error(b, a) > 0 for a, b in zip(evaluated, trained))
 
 
 _TWINS: dict = {}  # model reference -> its twin, built once per probe process and never changed
@@ -108,6 +133,7 @@ def probe(request: dict) -> dict:
     live = twin.model.get_submodule(request["module_path"])
     replacement = load_generated(request["candidate"])
     cases, reference_outputs, problems = [], [], []
+    setups = []  # per seed: its inputs to the module and a redrawn copy of the module
     for seed in request.get("seeds", (0, 1, 2)):
         seen = {}
         hook = live.register_forward_pre_hook(
@@ -117,36 +143,47 @@ def probe(request: dict) -> dict:
         hook.remove()
         if "inputs" not in seen:
             return {"passed": False, "note": f"{request['module_path']} did not run in the twin's forward"}
-        args, kwargs = seen["inputs"]
         module = copy.deepcopy(live)  # redrawn on a copy: the twin, and the next probe's inputs, stay as built
         _redraw(module, seed)
+        setups.append((seed, *seen["inputs"], module))
+    # a difference in training may show on some inputs only (a random choice that mostly agrees with the best)
+    trains = any(_trains_differently(module, args, kwargs, seed) for seed, args, kwargs, module in setups)
+    modes = ("eval", "train") if trains else ("eval",)
+    for seed, args, kwargs, module in setups:
         candidate = replacement(copy.deepcopy(module))
-        for scale in request.get("scales", SCALES):
+        for mode, scale in itertools.product(modes, request.get("scales", SCALES)):
+            module.train(mode == "train")
+            candidate.train(mode == "train")
+            rng = seed if mode == "train" else None
             scaled = [a * scale if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            theirs, their_grads = _run(module, scaled, kwargs, seed)
-            ours, our_grads = _run(candidate, scaled, kwargs, seed)
+            theirs, their_grads = _run(module, scaled, kwargs, seed, rng)
+            ours, our_grads = _run(candidate, scaled, kwargs, seed, rng)
+            where = f"seed {seed}" + (" in training mode" if mode == "train" else "")
             if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs)):
                 shapes = [tuple(t.shape) for t in ours], [tuple(t.shape) for t in theirs]
                 return {"passed": False, "cases": cases,
-                        "note": f"seed {seed}: output shapes {shapes[0]} where the module gives {shapes[1]}"}
+                        "note": f"{where}: output shapes {shapes[0]} where the module gives {shapes[1]}"}
             if [a.dtype for a in ours] != [b.dtype for b in theirs]:
-                return {"passed": False, "cases": cases, "note": f"seed {seed}: output dtypes "
+                return {"passed": False, "cases": cases, "note": f"{where}: output dtypes "
                         f"{[str(a.dtype) for a in ours]} where the module gives {[str(b.dtype) for b in theirs]}"}
             if set(our_grads) != set(their_grads):
                 missing = sorted(set(their_grads) ^ set(our_grads))
                 return {"passed": False, "cases": cases,
-                        "note": f"seed {seed}: gradients differ in what they reach ({', '.join(missing[:4])})"}
+                        "note": f"{where}: gradients differ in what they reach ({', '.join(missing[:4])})"}
             out_err = max((_error(a, b) for a, b in zip(ours, theirs)), default=0.0)
             grad_errs = {name: _error(our_grads[name], g) for name, g in their_grads.items()}
             worst = max(grad_errs, key=grad_errs.get) if grad_errs else ""
             case = {"seed": seed, "scale": scale, "output_error": out_err,
                     "grad_error": grad_errs.get(worst, 0.0), "worst_grad": worst}
+            if mode == "train":
+                case["mode"] = mode
             cases.append(case)
             if out_err > TOLERANCE or case["grad_error"] > TOLERANCE:
-                problems.append(f"seed {seed} x{scale:g}: output error {out_err:.1e}, worst gradient {worst} "
+                problems.append(f"{where} x{scale:g}: output error {out_err:.1e}, worst gradient {worst} "
                                 f"{case['grad_error']:.1e} (tolerance {TOLERANCE:.0e})")
-            if scale == 1.0:
+            if scale == 1.0 and mode == "eval":
                 reference_outputs.append(theirs)
+        module.eval()
     if len(reference_outputs) > 1 and all(
             _error(a, b) < 1e-3 for a, b in zip(reference_outputs[0], reference_outputs[1])):
         problems.append("the module's outputs do not vary with its inputs: the probe would prove nothing")
@@ -165,7 +202,7 @@ def time_against(module, replacement, args, kwargs, repeats: int) -> dict:
 
     import torch
 
-    outs = _floats(module(*args, **kwargs))
+    outs = [o for o in _tensors(module(*args, **kwargs)) if o.is_floating_point()]
     gen = torch.Generator().manual_seed(1)
     weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
 
@@ -174,7 +211,7 @@ def time_against(module, replacement, args, kwargs, repeats: int) -> dict:
         leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
                   else a for a in args]
         start = time.perf_counter()
-        got = _floats(mod(*leaves, **kwargs))
+        got = [o for o in _tensors(mod(*leaves, **kwargs)) if o.is_floating_point()]
         sum((o * w).sum() for o, w in zip(got, weights)).backward()
         return time.perf_counter() - start, [o.detach() for o in got]
 

@@ -14,7 +14,9 @@ that say so first; the probe decides, and a refused assignment is the next round
 - `residual_affine_sum`: (a + bias_a) * scale_a + (b + bias_b) * scale_b of two inputs with four (H,) vectors
   (`runtime.residual`), ZAYA's residual scaling;
 - `short_conv_residual`: a depthwise causal short convolution around the identity, scaled by 1 / sqrt(W + 1) or
-  not (`runtime.residual`), Inkling's short convolutions.
+  not (`runtime.residual`), Inkling's short convolutions;
+- `sparse_mixer_router`: one (E, H) projection to scores, then sparse-mixer routing (`runtime.moe.sparse_mixer`),
+  PhiMoE's router, the routing the runtime's own MoE block does not compute.
 """
 
 from __future__ import annotations
@@ -169,7 +171,29 @@ def short_conv_residual(task: Task, module: nn.Module) -> Iterator[Candidate]:
                       seq_idx=f"{names[-1]}.get('seq_idx')" if var_kw else "None")
 
 
-READINGS = (hyper_connection, residual_affine_sum, short_conv_residual)
+def sparse_mixer_router(task: Task, module: nn.Module) -> Iterator[Candidate]:
+    params = dict(module.named_parameters())
+    args = _forward_args(module)
+    if len(args) != 1 or len(params) != 1 or next(iter(params.values())).dim() != 2 or list(module.buffers()):
+        return
+    (weight, param), found = next(iter(params.items())), settings(module)
+    experts = param.shape[0]
+    if any(v != 2 for k, v in found.items() if "top" in k.lower() and type(v) is int) or experts < 3:
+        return  # the mixer chooses two experts in rounds; a top-k setting that says otherwise is another router
+    floats = _ranked([k for k, v in found.items() if "." not in k and type(v) is float], "router", "jitter", "eps")
+    # the band's epsilon is one float setting; another one, if any, is the training-time input jitter
+    for eps in floats:
+        for jitter in [j for j in _ranked(floats, "input") if j != eps][:1] or [None]:
+            hypothesis = (f"a router projection `{weight}` to {experts} scores, then sparse-mixer routing: two experts "
+                          f"chosen in rounds among the scores within 2 * `{eps}` (relative) of the round's best, "
+                          f"each weighted by its softmax share; Gumbel sampling and Heun's gradient estimate in "
+                          f"training" + (f", inputs jittered by `{jitter}`" if jitter else "")
+                          + "; returns (scores, weights, experts)")
+            yield _render("sparse_mixer_router", task, hypothesis, arg=args[0], weight=weight, eps=eps,
+                          input_jitter=jitter)
+
+
+READINGS = (hyper_connection, residual_affine_sum, short_conv_residual, sparse_mixer_router)
 
 
 class RulesPolicy:

@@ -1,9 +1,12 @@
-"""The leftovers of an inspection, as tasks for the agent: one per module path below a decoder layer.
+"""The leftovers of an adapt, as tasks for the agent: one per module path below a decoder layer.
 
 A module no pattern recognises shows up once per captured twin layer (`model.layers.0.attn_hc`,
 `model.layers.3.attn_hc`, ...); the task is the layer's child that holds it (`attn_hc`; `input_layernorm` for
 `input_layernorm.mlp.fc1`, the gate inside a norm; `mlps.1` for `mlps.1.up_proj`), with the twin layers it
-was seen in and the full model's layers those stand for (`Layer.twin_layer`).
+was seen in and the full model's layers those stand for (`Layer.twin_layer`). An MoE block the runtime takes
+only the experts of (its routing is one the runtime does not compute, or verification refused the runtime's
+reading of it) leaves its routing module as a task: the block's child that holds parameters and is neither
+the experts nor a shared expert (`mlp.router`, `mlp.gate`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from onboard.decision import EXPERTS, Decision
 from onboard.spec import ModelSpec
 
 
@@ -44,8 +48,26 @@ def _root(path: str, layer) -> str:
     return root
 
 
-def leftovers(spec: ModelSpec, model) -> list[Task]:
-    """The unmatched modules below decoder layers of `model` (the twin), in path order."""
+def _routers(spec: ModelSpec, model, decision: Decision) -> dict[str, dict]:
+    """{path: task fields} of the routing modules of blocks whose experts alone the runtime takes."""
+    found = {}
+    for entry in decision.moe:
+        if entry.takes != EXPERTS:
+            continue
+        twin_layers = sorted({layer.twin_layer for layer in spec.layers if layer.index in entry.layers})
+        block = model.get_submodule(f"{spec.layers_path}.{twin_layers[0]}.{entry.block}")
+        owned = [entry.experts.path, *entry.shared, (entry.shared_gate_weight or "").rpartition(".")[0]]
+        for name, child in block.named_children():
+            path = f"{entry.block}.{name}"
+            if any(p and (path == p or p.startswith(path + ".")) for p in owned) or next(child.parameters(), None) is None:
+                continue
+            found[path] = {"twin_layers": twin_layers, "why": f"the runtime takes the experts only: {entry.why}"}
+    return found
+
+
+def leftovers(spec: ModelSpec, model, decision: Decision | None = None) -> list[Task]:
+    """The unmatched modules below decoder layers of `model` (the twin), and the routing modules of blocks
+    `decision` takes the experts of alone, in path order."""
     prefix = f"{spec.layers_path}."
     seen: dict[str, dict] = {}
     for unmatched in spec.unmatched:
@@ -57,6 +79,8 @@ def leftovers(spec: ModelSpec, model) -> list[Task]:
         path = _root(path, next((layer for layer in spec.layers if layer.twin_layer == int(index)), None))
         entry = seen.setdefault(path, {"twin_layers": [], "why": unmatched.reason})
         entry["twin_layers"].append(int(index))
+    if decision is not None:
+        seen.update(_routers(spec, model, decision))
     tasks = []
     for path, entry in sorted(seen.items()):
         twin_layers = tuple(sorted(set(entry["twin_layers"])))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import recorders
 from runtime.kernels import registry
 from runtime.moe.dispatch import Dispatch, permute, sort_by_expert, unpermute
 from runtime.moe.gating import is_silu, swiglu
@@ -174,7 +175,7 @@ class MoEBlock(nn.Module):
         bias = self.router_linear_bias.float() if self.router_linear_bias is not None else None
         logits = F.linear(x.float(), self.router_weight.float(), bias)
         observed = getattr(self, self.router_name) if self.router_name else None
-        if observed is not None and observed._forward_hooks:
+        if observed is not None and recorders.observed(observed):
             observed(x, *self._observe_extra)  # as the model's own blocks call it: one row per token
         fixed = None
         if self.table is not None:

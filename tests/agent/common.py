@@ -12,6 +12,7 @@ from onboard.agent.loop import Agent, SpeedCheck
 from onboard.agent.sandbox import Limits, Sandbox
 from onboard.agent.tasks import leftovers
 from onboard.capture import capture
+from onboard.decision import decide
 from onboard.families import default_config
 from onboard.inspection import build_spec
 from onboard.source import resolve
@@ -62,6 +63,23 @@ SLOW_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        waste = hi
     "from runtime.generated import Generated", "import torch\n\nfrom runtime.generated import Generated")  # right, slow
 CHATTY_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        for i in range(2000):\n"
                                  "            print('debugging line', i, 'x' * 100)\n        return affine_sum(")  # right
+# PhiMoE's router as the rules render it (runtime.moe.sparse_mixer), written out
+RIGHT_PHIMOE_ROUTER = '''import torch.nn.functional as F
+
+from runtime.generated import Generated
+from runtime.moe.sparse_mixer import jitter_input_, sparse_mixer
+
+
+class Replacement(Generated):
+    def forward(self, hidden_states):
+        if self.training and self.input_jitter_noise > 0:
+            jitter_input_(hidden_states, self.input_jitter_noise)
+        logits = F.linear(hidden_states, self.weight)
+        weights, experts = sparse_mixer(logits, self.router_jitter_noise, self.training)
+        return logits, weights, experts
+'''
+EVAL_ONLY_PHIMOE_ROUTER = RIGHT_PHIMOE_ROUTER.replace("self.router_jitter_noise, self.training)",
+                                                      "self.router_jitter_noise, False)")  # no sampling in training
 LOOPS = RIGHT_ZAYA.replace("        return affine_sum(", "        while True:\n            pass\n        return affine_sum(")
 
 
@@ -97,11 +115,13 @@ def family_twin(family: str, folder: Path):
     return source, twin, spec
 
 
-def take_on(model, policy, tmp_path, rounds=3, limits=Limits(), speed=SpeedCheck()):
-    """Run the first task of `model` (a `family_twin`) with `policy`: (entry, agent, staging)."""
+def take_on(model, policy, tmp_path, rounds=3, limits=Limits(), speed=SpeedCheck(), path=None):
+    """Run the task at `path` (default: the first) of `model` (a `family_twin`) with `policy`: (entry, agent,
+    staging)."""
     source, twin, spec = model
     agent = Agent(policy, source, rounds=rounds, limits=limits, speed=speed)
-    task = leftovers(spec, twin.model)[0]
+    tasks = leftovers(spec, twin.model, decide(spec, twin))
+    task = next(t for t in tasks if t.path == path) if path else tasks[0]
     staging = tmp_path / "staging"
     staging.mkdir(parents=True)
     with Sandbox(limits) as sandbox:

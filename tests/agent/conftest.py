@@ -13,3 +13,8 @@ def zaya(tmp_path_factory):
 @pytest.fixture(scope="session")
 def longcat(tmp_path_factory):
     return family_twin("longcat_flash", tmp_path_factory.mktemp("longcat_flash"))
+
+
+@pytest.fixture(scope="session")
+def phimoe(tmp_path_factory):
+    return family_twin("phimoe", tmp_path_factory.mktemp("phimoe"))

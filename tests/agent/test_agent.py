@@ -16,7 +16,21 @@ from onboard.agent.sandbox import Limits
 from onboard.errors import OnboardError
 from onboard.families import default_config
 from onboard.source import from_config, resolve
-from tests.agent.common import CHATTY_ZAYA, LOOPS, RIGHT_ZAYA, SLOW_ZAYA, Scripted, bundle_files_are_verified, take_on
+from onboard.agent.rules import RulesPolicy
+from onboard.agent.tasks import leftovers
+from onboard.decision import decide
+from tests.agent.common import (
+    CHATTY_ZAYA,
+    EVAL_ONLY_PHIMOE_ROUTER,
+    LOOPS,
+    RIGHT_ZAYA,
+    SLOW_ZAYA,
+    Scripted,
+    bundle_files_are_verified,
+    take_on,
+)
+
+ZAYA_TASK = "post_attention_residual_scale"  # the residual scaling the ZAYA candidates are written for
 
 pytestmark = pytest.mark.slow  # adapts and probes whole twins: about half a minute
 
@@ -61,7 +75,8 @@ def test_replay_refuses_a_record_of_another_model_and_keeps_the_bundle(deepseek_
 
 
 def test_a_candidate_that_never_returns_is_stopped_by_the_sandbox(zaya, tmp_path):
-    entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(cpu_seconds=8, wall_seconds=60))
+    entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(cpu_seconds=8, wall_seconds=60),
+                          path=ZAYA_TASK)
     assert entry.takes is None and "the probe process ended with code" in entry.rounds[0]["outcome"]
 
 
@@ -76,17 +91,38 @@ def test_the_probe_process_has_no_network():
 def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_path):
     """Right (it passes the probe) but slower than the module at 8x the twin's width: the round fails saying
     so, and the next, as fast as the module, is taken. With the speed check off (--keep-slower) the slow one is."""
-    entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path / "a")
+    entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path / "a", path=ZAYA_TASK)
     first, second = entry.rounds
     assert "passed the probe, but ran at" in first["outcome"] and "not swapped in" in first["outcome"]
     assert second["outcome"] == "passed the probe" and entry.takes
     assert [e["slower"] for e in agent.recorder.events if e["event"] == "speed"] == [True, False]
-    kept, _, _ = take_on(zaya, Scripted(SLOW_ZAYA), tmp_path / "b", speed=None)
+    kept, _, _ = take_on(zaya, Scripted(SLOW_ZAYA), tmp_path / "b", speed=None, path=ZAYA_TASK)
     assert kept.takes and kept.rounds[0]["outcome"] == "passed the probe"
 
 
 def test_a_candidate_that_prints_much_is_judged_on_what_it_computes(zaya, tmp_path):
     """What a candidate prints (here about 2 MB over the probe's calls) goes to the probe's stderr, which the
     sandbox drains as it comes: neither the result line nor the process stalls."""
-    entry, _, _ = take_on(zaya, Scripted(CHATTY_ZAYA), tmp_path, rounds=1, speed=None)
+    entry, _, _ = take_on(zaya, Scripted(CHATTY_ZAYA), tmp_path, rounds=1, speed=None, path=ZAYA_TASK)
     assert entry.takes and entry.rounds[0]["outcome"] == "passed the probe"
+
+
+def test_an_experts_only_block_leaves_its_router_to_the_rules(phimoe, tmp_path):
+    """PhiMoE's sparse mixer is routing the runtime's block does not compute, so the runtime takes its experts
+    alone and the router is a task; the rules read it as `runtime.moe.sparse_mixer`, held against the router in
+    training mode too (Gumbel draws, Heun midpoints, from one seeded generator)."""
+    source, twin, spec = phimoe
+    task = leftovers(spec, twin.model, decide(spec, twin))[0]
+    assert (task.path, task.module_class) == ("mlp.router", "PhimoeTopKRouter")
+    assert task.why.startswith("the runtime takes the experts only: experts chosen by argmax rounds")
+    entry, _, _ = take_on(phimoe, RulesPolicy(), tmp_path, speed=None)
+    assert entry.takes and entry.reading == "sparse_mixer_router"
+    assert {case.get("mode", "eval") for case in entry.probe["cases"]} == {"eval", "train"}
+
+
+def test_a_router_that_ignores_training_mode_fails_the_probe(phimoe, tmp_path):
+    """A planted bug: the same routing always run as in evaluation (no sampling, no Heun estimate) agrees with
+    the router in eval mode and is refused for what it does in training."""
+    entry, _, _ = take_on(phimoe, Scripted(EVAL_ONLY_PHIMOE_ROUTER), tmp_path, rounds=1, speed=None)
+    assert entry.takes is None and "in training mode" in entry.rounds[0]["outcome"]
+    assert "seed 0 x1:" not in entry.rounds[0]["outcome"]  # evaluation agreed

@@ -15,13 +15,14 @@ from onboard.source import resolve
 from tests.agent.common import bundle_files_are_verified
 
 pytest.importorskip("langchain")
-pytestmark = pytest.mark.slow  # three adapts with their probes: about a minute
+pytestmark = pytest.mark.slow  # four adapts with their probes: about a minute
 
 SESSIONS = Path(__file__).with_name("sessions")
 TAKEN = {  # what each session's model replaced, beyond what the rules policy takes
     "axk2": {"input_layernorm", "post_attention_layernorm"},  # a gated RMSNorm with a low-rank gate
     "longcat_flash": {"mlps.1"},  # the layer's second dense MLP
     "inkling2_text": {"attention_input", "mlp_input"},  # attention over the block states (block attention residuals)
+    "zaya": {"mlp.gate"},  # a router network over experts and a skip slot, its state carried to the next layer
 }
 
 

@@ -269,9 +269,22 @@ def test_router_auxiliary_loss_is_kept(family, tmp_path):
     from onboard.families import default_config
     from onboard.source import from_config
 
-    _, result = adapt(from_config(default_config(family), family), tmp_path / "b")
+    source = from_config(default_config(family), family)
+    _, result = adapt(source, tmp_path / "b")
     assert result.passed and result.aux_loss and result.aux_loss["passed"]
     assert result.aux_loss["hf"] == pytest.approx(result.aux_loss["adapted"], rel=1e-5)
+    # ... and only then: a forward that records nothing does not run it (the recorders are attached at adapt)
+    model = build_twin(source).model
+    load_adapter(tmp_path / "b").adapt(model)
+    routers = [getattr(block, block.router_name) for block in model.modules() if getattr(block, "router_name", None)]
+    ran = []
+    for router in routers:
+        router.register_forward_pre_hook(lambda *_: ran.append(1))
+    batch = {k: v for k, v in build_twin(source).example_batch(0).items() if k != "labels"}
+    model(**batch, use_cache=False)
+    assert routers and not ran
+    model(**batch, use_cache=False, output_router_logits=True)
+    assert ran
 
 
 def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():

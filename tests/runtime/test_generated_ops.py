@@ -18,6 +18,7 @@ from onboard.families import default_config
 from runtime.generated import Generated, load_generated, settings
 from runtime.hyper_connection import hyper_connection_weights
 from runtime.residual import affine_sum
+from tests.agent.common import RIGHT_PHIMOE_ROUTER
 
 F64 = torch.float64
 
@@ -178,3 +179,62 @@ def test_short_conv_residual_matches_inkling_short_convolutions(family):
     packed = short_conv_residual(x, conv.conv1d.weight, None, scale, seq_idx=seq_idx)
     alone = short_conv_residual(x[:1, 5:], conv.conv1d.weight, None, scale)
     assert _max_rel(packed[:1, 5:], alone) < 1e-6
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_sparse_mixer_matches_phimoe(training):
+    """PhiMoE's own `sparsemixer` (fp64): the same experts, weights and score gradients; in training, under one
+    seed, the same Gumbel draws and Heun midpoints and the same estimated gradient. Scores are drawn at several
+    scales, so some tokens have several experts inside the band and some one."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from runtime.moe.sparse_mixer import sparse_mixer
+
+    for seed in range(3):
+        scores = torch.randn(64, 8, dtype=F64, generator=torch.Generator().manual_seed(seed)) * (0.01 + seed)
+        outs = []
+        for fn in (sparsemixer, lambda s, eps, training: sparse_mixer(s, eps, training)):
+            leaf = scores.clone().requires_grad_()
+            torch.manual_seed(seed)
+            weights, experts = fn(leaf, 0.01, training)
+            (weights * torch.linspace(-1, 2, 128, dtype=F64).view(64, 2)).sum().backward()
+            outs.append((weights.detach(), experts, leaf.grad))
+        (w_theirs, e_theirs, g_theirs), (w_mine, e_mine, g_mine) = outs
+        assert torch.equal(e_mine, e_theirs)
+        assert torch.allclose(w_mine, w_theirs, rtol=1e-12, atol=0)
+        assert torch.allclose(g_mine, g_theirs, rtol=1e-12, atol=1e-15)
+        assert training or len(set(e_mine[:, 1].tolist())) > 1  # the second round chose more than one expert
+
+
+def test_a_replacement_swapped_in_before_the_first_forward_still_feeds_the_auxiliary_loss(tmp_path):
+    """transformers records router logits (for the auxiliary loss) through hooks it attaches by class on the
+    first forward that asks for them: `replace_module` attaches them first and moves them onto the replacement,
+    so a generated router swapped into a fresh model gives the same auxiliary loss, and PhiMoE's own router never
+    runs."""
+    from transformers import PhimoeForCausalLM
+    from transformers.models.phimoe.modeling_phimoe import PhimoeTopKRouter
+
+    from runtime.swap import GENERATED, replace_module
+
+    config = default_config("phimoe")
+    config.update({"hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 64, "num_local_experts": 6})
+    torch.manual_seed(0)
+    model = PhimoeForCausalLM(config).eval()
+    adapted = copy.deepcopy(model)
+    (tmp_path / "router.py").write_text(RIGHT_PHIMOE_ROUTER)
+    replacement = load_generated(tmp_path / "router.py")
+    for i in range(2):
+        path = f"model.layers.{i}.mlp.router"
+        replace_module(adapted, path, replacement(adapted.get_submodule(path)), kind=GENERATED)
+    ran = []
+    for module in adapted.modules():
+        if isinstance(module, PhimoeTopKRouter):
+            module.register_forward_pre_hook(lambda *_: ran.append(1))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    theirs = model(input_ids=ids, labels=ids, output_router_logits=True)
+    mine = adapted(input_ids=ids, labels=ids, output_router_logits=True)
+    assert theirs.aux_loss is not None and mine.aux_loss is not None
+    assert float(mine.aux_loss.detach()) == pytest.approx(float(theirs.aux_loss.detach()), rel=1e-6)
+    assert float(mine.loss.detach()) == pytest.approx(float(theirs.loss.detach()), rel=1e-6)
+    assert not ran
