@@ -140,7 +140,8 @@ def cmd_train(args) -> int:
     print(f"running {os.path.join(args.bundle, 'adapter.py')}: the bundle's generated code", flush=True)
     return run(args.bundle, args.plan, steps=args.steps, layers=args.layers, width=args.width,
                checkpoint_dir=args.checkpoint_dir, runlog=args.runlog, data=args.data, lr=args.lr, seed=args.seed,
-               checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code)
+               checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code,
+               weights=args.weights, online=args.online)
 
 
 def cmd_catalogue(args) -> int:
@@ -345,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the model's own modeling code (a bundle never switches it on by itself)")
     p.add_argument("--plan", help="plan JSON (default: the bundle's plan.json)")
     p.add_argument("--steps", type=POSITIVE, default=10, help="optimizer steps in the whole run (default 10)")
+    p.add_argument("--weights", metavar="MODEL",
+                   help="train the released model: its config, and its *.safetensors weights read shard by shard "
+                        "(a local directory or the HuggingFace cache); default: the tiny twin with random weights")
+    p.add_argument("--online", action="store_true", help="with --weights: allow fetching MODEL's config from the Hub")
     p.add_argument("--layers", type=POSITIVE, help="decoder layers to train (default: the tiny twin's)")
     p.add_argument("--width", type=POSITIVE, default=1, help="widen the twin's hidden size, heads and MLPs (default 1)")
     p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16); default: synthetic tokens")

@@ -159,13 +159,18 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module, fo
 
 
 def build_model(bundle, layers: int | None = None, width: int = 1, config: str | None = None,
-                trust_remote_code: bool = False):
+                trust_remote_code: bool = False, weights: str | None = None):
     """Model factory for `runtime.train`: the adapted model and its run-log record.
 
     `config` is a JSON file written by `train_config` (the launcher computes it once for every rank).
+    `weights` (a model directory with safetensors shards, as `weights_source` resolved it): the model of that
+    directory's config, built on the meta device and adapted, with what the loop needs to read its weights
+    once it is parallelised (`runtime.train.weights.Pretrained`).
     """
     from onboard.twin_config import twin_config
 
+    if weights is not None:
+        return _pretrained_model(bundle, weights, trust_remote_code)
     bundle, spec, origin = read_bundle(bundle)
     cfg = json.loads(Path(config).read_text()) if config else train_config(
         bundle, layers=layers, width=width, trust_remote_code=trust_remote_code)
@@ -180,6 +185,37 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
     return model, trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
 
 
+def weights_source(bundle, model: str, *, online: bool = False, trust_remote_code: bool = False):
+    """The model directory `--weights MODEL` names (a local directory, the HuggingFace cache, or the Hub with
+    `online`), checked against the bundle: same model type, safetensors present."""
+    from onboard.source import resolve
+
+    bundle, _, origin = read_bundle(bundle)
+    source = resolve(model, online=online, trust_remote_code=trust_remote_code)
+    if source.path is None or not any(Path(source.path).glob("*.safetensors")):
+        raise OnboardError(f"{model}: no *.safetensors weights in {source.path or 'it (a config only)'}")
+    ours = bundle_source(origin, trust_remote_code).config.model_type
+    if source.config.model_type != ours:
+        raise OnboardError(f"{model}: a {source.config.model_type} model; the bundle {bundle} adapts {ours}")
+    return source
+
+
+def _pretrained_model(bundle, weights: str, trust_remote_code: bool):
+    """(model on the meta device, adapted; run-log record; Pretrained) for `build_model(weights=...)`."""
+    from onboard.source import resolve
+    from runtime.train.weights import Pretrained
+
+    bundle, spec, _ = read_bundle(bundle)
+    source = resolve(weights, trust_remote_code=trust_remote_code)
+    model = source.build(device="meta", experts_implementation="grouped_mm")
+    try:
+        pretrained = Pretrained.prepare(model, source.path, load_adapter(bundle).adapt)
+    except ValueError as exc:
+        raise OnboardError(str(exc)) from None
+    cfg = source.config.to_dict()
+    return model, trained_record(spec, cfg, cfg, model), pretrained
+
+
 def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,
             extra: list[str]) -> list[str]:
     """The torchrun command line (the same as train.sh) for a plan's world size."""
@@ -191,9 +227,15 @@ def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, wi
 
 def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, width: int = 1,
         checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
-        checkpoint_every: int = 0, trust_remote_code: bool = False) -> int:
-    """`onboard train`: check the bundle and plan, then train in this process or through torchrun."""
+        checkpoint_every: int = 0, trust_remote_code: bool = False, weights: str | None = None,
+        online: bool = False) -> int:
+    """`onboard train`: check the bundle and plan, then train in this process or through torchrun. `weights`
+    (MODEL): the released model instead of the twin (`weights_source`)."""
     bundle, _, _ = read_bundle(bundle)
+    if weights is not None:
+        if layers is not None or width != 1:
+            raise OnboardError("--weights trains the model as released: --layers and --width do not apply")
+        weights = str(weights_source(bundle, weights, online=online, trust_remote_code=trust_remote_code).path)
     plan = read_plan(plan_path) if plan_path else (read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file()
                                                    else Plan(dtype="fp32", seq_len=32))
     if steps < 1:
@@ -210,7 +252,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
                           checkpoint_every=checkpoint_every,
                           runlog=str(runlog))
         try:
-            train(lambda: build_model(bundle, layers, width, trust_remote_code=trust_remote_code), plan, cfg)
+            train(lambda: build_model(bundle, layers, width, trust_remote_code=trust_remote_code, weights=weights),
+                  plan, cfg)
         except ValueError as exc:  # the runtime's one-line complaints about its inputs
             raise OnboardError(str(exc)) from None
         return 0
@@ -218,8 +261,9 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         plan_file = Path(scratch) / "plan.json"
         plan_file.write_text(plan.to_json())
         config = Path(scratch) / "config.json"
-        config.write_text(json.dumps(train_config(bundle, layers=layers, width=width,
-                                                  trust_remote_code=trust_remote_code), sort_keys=True))
+        if weights is None:
+            config.write_text(json.dumps(train_config(bundle, layers=layers, width=width,
+                                                      trust_remote_code=trust_remote_code), sort_keys=True))
         extra = ["--runlog", str(runlog), "--lr", str(lr), "--seed", str(seed),
                  "--checkpoint-every", str(checkpoint_every)]
         if checkpoint_dir:
@@ -228,8 +272,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             extra += ["--data", str(data)]
         cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
         i = cmd.index("--model-kwargs") + 1
-        cmd[i] = json.dumps({**json.loads(cmd[i]), "config": str(config), "trust_remote_code": trust_remote_code},
-                            sort_keys=True)
+        chosen = {"weights": weights} if weights is not None else {"config": str(config)}
+        cmd[i] = json.dumps({**json.loads(cmd[i]), **chosen, "trust_remote_code": trust_remote_code}, sort_keys=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], env=env)

@@ -117,6 +117,20 @@ def has_lora(model: nn.Module) -> bool:
     return any(is_lora_name(name) for name, _ in model.named_parameters())
 
 
+def reset_lora(model: nn.Module) -> None:
+    """Start every adapter afresh: B = 0 (the model computes what its base weights do) and A uniform in
+    +-1 / sqrt(fan_in) per expert row, as `nn.Linear` (kaiming, a = sqrt(5)) initialises a weight. For adapters
+    made on the meta device and allocated later (sharded or not)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_lora_name(name):
+                continue
+            if name.endswith("_b"):
+                p.zero_()
+            else:
+                p.uniform_(-1 / math.sqrt(p.shape[-1]), 1 / math.sqrt(p.shape[-1]))
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters alone, as full tensors (FSDP2 shards and expert-parallel slices gathered).
     Under torch.distributed this is collective: every rank must call it."""

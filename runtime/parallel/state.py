@@ -78,21 +78,42 @@ def _local_view(state: dict[str, torch.Tensor], slices: dict[str, tuple[int, int
     return out
 
 
+class LocalCopier:
+    """Copies full tensors, a few at a time, into this rank's part of a parallelized model (what
+    `load_full_state` does for a whole state dict at once; a streaming loader calls it group by group).
+    Every rank holds the same full tensors, so each takes its shard without communication."""
+
+    def __init__(self, model: nn.Module):
+        self.own = model.state_dict()
+        self.slices = _expert_slices(model)
+
+    def copy(self, full: dict[str, torch.Tensor]) -> list[str]:
+        """Copy `full` (full-model keys) into the model; returns the local keys written. ValueError for a key the
+        model does not have or a shape that does not fit."""
+        local = _local_view(full, self.slices)
+        unexpected = sorted(set(local) - set(self.own))
+        if unexpected:
+            raise ValueError(f"not in the model: {', '.join(unexpected[:3])}")
+        with torch.no_grad():
+            for key in sorted(local):
+                value, target = local[key], self.own[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"{key}: shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
+                value = value.to(target.dtype)
+                if isinstance(target, DTensor):
+                    shard = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                    target.to_local().copy_(shard.to_local())
+                else:
+                    target.copy_(value)
+        return sorted(local)
+
+
 def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy full tensors (as `gather_experts` returns them) into a parallelized model, each rank keeping its
     shard. With `strict`, the keys must be exactly the model's (state-dict keys of parameters and buffers)."""
-    own = model.state_dict()
-    local = _local_view(state, _expert_slices(model))
-    missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
+    copier = LocalCopier(model)
+    local = _local_view(state, copier.slices)
+    missing, unexpected = sorted(set(copier.own) - set(local)), sorted(set(local) - set(copier.own))
     if unexpected or (strict and missing):
         raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for key in sorted(local):
-            full, target = local[key], own[key]
-            if tuple(full.shape) != tuple(target.shape):
-                raise ValueError(f"{key}: shape {tuple(full.shape)} does not fit {tuple(target.shape)}")
-            if isinstance(target, DTensor):
-                shard = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements)
-                target.to_local().copy_(shard.to_local())
-            else:
-                target.copy_(full)
+    copier.copy(state)

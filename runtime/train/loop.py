@@ -165,7 +165,15 @@ def check_outputs(cfg: TrainConfig) -> None:
             raise ValueError(f"cannot write the {what} under {existing}: permission denied")
 
 
-def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan, cfg: TrainConfig) -> TrainResult:
+def _unpack(built) -> tuple[nn.Module, dict, object | None]:
+    """A factory returns a model, (model, run-log record) or (model, record, `runtime.train.weights.Pretrained`)
+    for a model built on the meta device whose weights the loop reads once it is parallelised."""
+    if not isinstance(built, tuple):
+        return built, {}, None
+    return built[0], built[1], built[2] if len(built) > 2 else None
+
+
+def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig) -> TrainResult:
     check_outputs(cfg)
     problems = plan.problems()
     if problems:
@@ -176,20 +184,26 @@ def train(factory: Callable[[], nn.Module | tuple[nn.Module, dict]], plan: Plan,
     if world != plan.world_size:
         raise ValueError(f"the plan lays out {plan.world_size} processes, and {world} were started")
     torch.manual_seed(cfg.seed)  # every rank builds the same initial weights
-    built = factory()
-    model, record = built if isinstance(built, tuple) else (built, {})
-    model.to(device).train()
+    model, record, pretrained = _unpack(factory())
     vocab = record.get("vocab") or getattr(getattr(model, "config", None), "vocab_size", None)
-    if world > 1:
-        with torch.no_grad():  # same start on every rank even if a factory drew weights differently
-            for p in model.parameters():
-                dist.broadcast(p.data, 0)
+    if pretrained is None:
+        model.to(device)
+        if world > 1:
+            with torch.no_grad():  # same start on every rank even if a factory drew weights differently
+                for p in model.parameters():
+                    dist.broadcast(p.data, 0)
+    model.train()
     mesh = None
     if world > 1 or plan.lora is not None:
         from runtime.parallel import build_mesh, parallelize
 
         mesh = build_mesh(plan)
         model = parallelize(model, plan, mesh)  # LoRA, expert parallelism, FSDP2 (gradient reduction included)
+    if pretrained is not None:  # built on the meta device: allocate this rank's shards, then read into them
+        model.to_empty(device=device)
+        loaded = pretrained.load(model)
+        cfg.run_meta = {**cfg.run_meta, "weights": str(pretrained.checkpoint.directory),
+                        "weights_bytes": loaded["bytes"]}
     apply_recompute(model, plan.recompute)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
