@@ -141,7 +141,8 @@ def cmd_train(args) -> int:
     return run(args.bundle, args.plan, steps=args.steps, layers=args.layers, width=args.width,
                checkpoint_dir=args.checkpoint_dir, runlog=args.runlog, data=args.data, lr=args.lr, seed=args.seed,
                checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code,
-               weights=args.weights, online=args.online)
+               weights=args.weights, online=args.online, eval_data=args.eval_data, eval_every=args.eval_every,
+               mask_prompt=args.mask_prompt, text_field=args.text_field)
 
 
 def cmd_catalogue(args) -> int:
@@ -352,7 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--online", action="store_true", help="with --weights: allow fetching MODEL's config from the Hub")
     p.add_argument("--layers", type=POSITIVE, help="decoder layers to train (default: the tiny twin's)")
     p.add_argument("--width", type=POSITIVE, default=1, help="widen the twin's hidden size, heads and MLPs (default 1)")
-    p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16); default: synthetic tokens")
+    p.add_argument("--data", help="text (.txt, .jsonl, .parquet; tokenised with the --weights model's tokenizer and "
+                                  "packed) or token ids (.npy, or .bin of uint16); default: synthetic tokens")
+    p.add_argument("--eval-data", help="held-out data, as --data: its loss and perplexity go into the run log")
+    p.add_argument("--eval-every", type=NON_NEGATIVE, default=0, help="steps between held-out losses (default: at the end)")
+    p.add_argument("--mask-prompt", action="store_true",
+                   help="train on completions only (prompt + completion records, or chat messages)")
+    p.add_argument("--text-field", default="text", help="the text field of .jsonl / .parquet records (default text)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the weights and the synthetic data (default 0)")
     p.add_argument("--checkpoint-dir", help="default: BUNDLE/checkpoints (a rerun resumes from the newest)")

@@ -228,26 +228,31 @@ def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, wi
 def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, width: int = 1,
         checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
         checkpoint_every: int = 0, trust_remote_code: bool = False, weights: str | None = None,
-        online: bool = False) -> int:
+        online: bool = False, eval_data=None, eval_every: int = 0, mask_prompt: bool = False,
+        text_field: str = "text") -> int:
     """`onboard train`: check the bundle and plan, then train in this process or through torchrun. `weights`
-    (MODEL): the released model instead of the twin (`weights_source`)."""
+    (MODEL): the released model instead of the twin (`weights_source`); `data` / `eval_data`: token files, or
+    text tokenised with the model's tokenizer into packed corpora (`onboard.data`)."""
     bundle, _, _ = read_bundle(bundle)
     if weights is not None:
         if layers is not None or width != 1:
             raise OnboardError("--weights trains the model as released: --layers and --width do not apply")
         weights = str(weights_source(bundle, weights, online=online, trust_remote_code=trust_remote_code).path)
+    data, eval_data = (_prepared(bundle, path, weights, mask_prompt, text_field) for path in (data, eval_data))
     plan = read_plan(plan_path) if plan_path else (read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file()
                                                    else Plan(dtype="fp32", seq_len=32))
     if steps < 1:
         raise OnboardError("--steps must be at least 1")
-    if data is not None and not Path(data).is_file():
-        raise OnboardError(f"{data}: no such token file")
+    for path in (data, eval_data):
+        if path is not None and not Path(path).exists():
+            raise OnboardError(f"{path}: no such token file")
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
     runlog = Path(runlog) if runlog else bundle / "runs" / "train.jsonl"
     if plan.world_size == 1:
         from runtime.train import TrainConfig, train
 
         cfg = TrainConfig(steps=steps, lr=lr, seed=seed, data=str(data) if data else None,
+                          eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                           checkpoint_every=checkpoint_every,
                           runlog=str(runlog))
@@ -270,6 +275,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             extra += ["--checkpoint-dir", str(checkpoint_dir)]
         if data:
             extra += ["--data", str(data)]
+        if eval_data:
+            extra += ["--eval-data", str(eval_data), "--eval-every", str(eval_every)]
         cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
         i = cmd.index("--model-kwargs") + 1
         chosen = {"weights": weights} if weights is not None else {"config": str(config)}
@@ -279,6 +286,28 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], env=env)
         except KeyboardInterrupt:
             return 130
+
+
+def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_field: str):
+    """`path` as the loop reads it: token files as they are; text tokenised into a packed corpus under
+    BUNDLE/data/ with the model's tokenizer, refused where the adapted model lets packed documents see each
+    other (its verification says so)."""
+    from onboard.data import is_text, prepare_text
+
+    if path is None or not is_text(path):
+        if mask_prompt and path is not None:
+            raise OnboardError(f"{path}: --mask-prompt applies to text data (.jsonl / .parquet with prompts)")
+        return path
+    if weights is None:
+        raise OnboardError(f"{path}: text is tokenised with the model's own tokenizer: give --weights MODEL (the "
+                           f"tiny twin's shrunken vocabulary fits no real tokenizer)")
+    packed = json.loads((bundle / "verification.json").read_text()).get("packed", {})
+    if packed and not packed.get("kept_apart"):
+        raise OnboardError(f"{bundle}: training on packed text needs documents kept apart, and this adapted model "
+                           f"lets them see each other ({packed.get('why', 'see verification.json')})")
+    config = json.loads((Path(weights) / "config.json").read_text())
+    return prepare_text(path, weights, bundle / "data", mask_prompt=mask_prompt, text_field=text_field,
+                        vocab_size=config.get("vocab_size"))
 
 
 def write_launcher(directory: Path, plan: Plan | None = None) -> None:

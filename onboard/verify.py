@@ -92,6 +92,7 @@ class Verification:
     backends: dict = field(default_factory=dict)  # runtime op -> backend that ran it (cpu, triton, npu)
     aux_loss: dict = field(default_factory=dict)  # the model's router auxiliary loss, HF vs adapted (if any)
     swaps: dict = field(default_factory=dict)  # handle kind -> {"expected": n, "made": n} in the twin
+    packed: dict = field(default_factory=dict)  # whether the adapted model keeps packed documents apart
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -239,7 +240,43 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_dr
         notes.append("the router auxiliary loss differs")
     return Verification(passed, replaced, expected, results, tolerances, "; ".join(notes),
                         _backends() if replaced else {}, aux,
-                        swaps={kind: {"expected": n, "made": made.get(kind, 0)} for kind, n in wanted.items() if n})
+                        swaps={kind: {"expected": n, "made": made.get(kind, 0)} for kind, n in wanted.items() if n},
+                        packed=packed_documents(twin, spec, adapt))
+
+
+PACKED_RTOL = 1e-4  # a document that sees its neighbour is off by O(1e-2) or more
+
+
+def packed_documents(twin: Twin, spec: ModelSpec, adapt) -> dict:
+    """Whether the adapted twin keeps packed documents apart, as training on packed text needs: two documents
+    laid end to end in one row (`runtime.train.data.model_inputs`: positions restart, the cores get the
+    boundaries), the second one's logits against the same document alone. Not a condition of `passed`:
+    `onboard train` refuses packed data where this says no."""
+    import numpy as np
+
+    from runtime.train.data import PackedCorpus, model_inputs
+
+    model = copy.deepcopy(twin.model)
+    _redraw(model, spec, twin.layers_path, 0)
+    model.eval()
+    _adapt_for_checking(adapt, model)
+    first, second = 5, TEST_SEQ_LEN - 5
+    tokens = twin.example_batch(0)["input_ids"][0, :first + second].numpy()
+    corpus = PackedCorpus(tokens, np.array([0, first]), first + second)
+    inputs = model_inputs(corpus, 0, 0, 0, grad_accum=1, dp=1, micro_batch=1)
+    inputs.pop("labels")
+    try:
+        with torch.no_grad():
+            packed = model(**inputs, use_cache=False).logits[0, first:]
+            alone = model(input_ids=inputs["input_ids"][:, first:], use_cache=False).logits[0]
+    except Exception as exc:  # noqa: BLE001 - model code that refuses packed inputs
+        return {"kept_apart": False, "why": f"the adapted model refused packed inputs: {one_line(exc, 160)}"}
+    error = float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-30))
+    out = {"kept_apart": error <= PACKED_RTOL, "max_rel_error": error}
+    if not out["kept_apart"]:
+        out["why"] = (f"a packed document's logits differ from the document's alone by {error:.1e} (relative): a "
+                      f"layer carries state or attention across the boundary")
+    return out
 
 
 def _truth(model: nn.Module, batch: dict):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,12 @@ class RunLogWriter:
                      "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak_memory_bytes, "loss": loss,
                      "expert_tokens": expert_tokens, "comm_time_s": comm_time_s})
 
+    def eval(self, step: int, *, loss: float, tokens: int):
+        """The held-out loss after `step` steps (mean over `tokens` target tokens of every rank) and its
+        perplexity."""
+        self._write({"kind": "eval", "run_id": self.run_id, "step": step, "loss": loss,
+                     "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens})
+
     def _write(self, record: dict):
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
@@ -115,6 +122,7 @@ class RunLogWriter:
 class Run:
     header: dict
     steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)  # held-out losses, when the run had eval data
 
     @property
     def model(self) -> dict:
@@ -168,6 +176,14 @@ def _check_step(record: dict) -> str | None:
     return None
 
 
+def _check_eval(record: dict) -> str | None:
+    if not isinstance(record.get("step"), int):
+        return "eval step missing or not an integer"
+    if not isinstance(record.get("loss"), (int, float)) or isinstance(record.get("loss"), bool):
+        return f"eval loss must be a number, got {record.get('loss')!r}"
+    return None
+
+
 def read_runs(paths) -> tuple[list[Run], list[Skipped]]:
     """Every complete run in `paths` (files or directories of *.jsonl), and what was skipped and why."""
     files: list[Path] = []
@@ -200,13 +216,14 @@ def read_runs(paths) -> tuple[list[Run], list[Skipped]]:
                     skipped.append(Skipped(where, problem))
                 else:
                     runs[(str(path), record["run_id"])] = Run(record)
-            elif kind == "step":
+            elif kind in ("step", "eval"):
                 run = runs.get((str(path), record.get("run_id")))
-                problem = _check_step(record) or (None if run else f"no header for run {record.get('run_id')!r}")
+                problem = (_check_step(record) if kind == "step" else _check_eval(record)) or (
+                    None if run else f"no header for run {record.get('run_id')!r}")
                 if problem:
                     skipped.append(Skipped(where, problem))
                 else:
-                    run.steps.append(record)
+                    (run.steps if kind == "step" else run.evals).append(record)
             else:
                 skipped.append(Skipped(where, f"unknown record kind {kind!r}"))
     complete = []

@@ -55,3 +55,26 @@ def run_kernel_check(script: str, key: str, *, threads: int = 1):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(TESTS / "kernels" / script), key], check=False, capture_output=True,
                           text=True, env=env, timeout=600, cwd=ROOT)
+
+
+def released_model(family: str, folder: Path) -> tuple[Path, Path]:
+    """(model directory, bundle) for the family's tiny twin as a released checkpoint: weights drawn away from their
+    init (a load that skipped a tensor shows), saved with `save_pretrained` in several safetensors shards, and
+    adapted into a bundle beside it."""
+    from transformers import AutoModelForCausalLM
+
+    from onboard.bundle import adapt
+    from onboard.families import default_config
+    from onboard.source import from_config, resolve
+    from onboard.twin import build_twin
+
+    config = build_twin(from_config(default_config(family), family)).config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    model.save_pretrained(folder / "model", max_shard_size="200KB")
+    adapt(resolve(str(folder / "model")), folder / "bundle")
+    return folder / "model", folder / "bundle"

@@ -37,7 +37,10 @@ def main(argv=None) -> int:
     p.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the factory")
     p.add_argument("--plan", required=True)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16); default: synthetic tokens")
+    p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16) or packed corpus folder; default: "
+                                  "synthetic tokens")
+    p.add_argument("--eval-data", help="held-out data, as --data: its loss goes into the run log")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out losses (0: at the end)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip", type=float, default=1.0)
@@ -55,6 +58,7 @@ def main(argv=None) -> int:
         plan = Plan.load(args.plan)
         factory = _factory(args.model, json.loads(args.model_kwargs))
         cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, clip=args.clip, data=args.data,
+                          eval_data=args.eval_data, eval_every=args.eval_every,
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           keep_checkpoints=args.keep_checkpoints, runlog=args.runlog,
                           progress=not args.no_progress)

@@ -1,4 +1,4 @@
-"""Training data: token windows from a tokenized file, or synthetic tokens.
+"""Training data: token windows from a tokenized file, packed documents of a corpus, or synthetic tokens.
 
 Every sequence has a global index, a pure function of (step, micro-step, data-parallel rank, row), so the
 batch a rank sees never depends on what ran before: resuming at step s reads exactly what an
@@ -68,6 +68,72 @@ class TokenFile:
     def sequence(self, index: int) -> torch.Tensor:
         start = (index % self.windows) * self.seq_len
         return torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+
+
+class PackedCorpus:
+    """Consecutive windows of a tokenized corpus of documents: token ids one document after another, where each
+    document starts, and, for instruction data, a loss mask (1 where a token is trained on, 0 on prompts). On disk
+    (`open`; `onboard.data` writes it) a folder of `tokens.npy`, `starts.npy` and `loss_mask.npy`.
+
+    A window may hold the end of one document and the start of others; `sequence(i)` says where each begins so
+    that the model keeps them apart (`model_inputs`): positions restart at every document (and at the window's
+    start), and the first token of a document is no target of the one before it."""
+
+    def __init__(self, tokens, starts, seq_len: int, loss_mask=None):
+        if starts.ndim != 1 or not len(starts) or starts[0] != 0 or np.any(np.diff(starts) <= 0):
+            raise ValueError("document starts must rise from 0")
+        if loss_mask is not None and len(loss_mask) != len(tokens):
+            raise ValueError("the loss mask and the tokens differ in length")
+        if len(tokens) < seq_len:
+            raise ValueError(f"{len(tokens)} tokens, fewer than one sequence of {seq_len}")
+        self.tokens, self.starts, self.loss_mask, self.seq_len = tokens, starts, loss_mask, seq_len
+        self.windows = len(tokens) // seq_len
+
+    @classmethod
+    def open(cls, folder, seq_len: int, vocab_size: int | None = None) -> PackedCorpus:
+        folder = Path(folder)
+        tokens = TokenFile(folder / "tokens.npy", seq_len, vocab_size).tokens
+        try:
+            starts = np.load(folder / "starts.npy")
+            mask = folder / "loss_mask.npy"
+            return cls(tokens, starts, seq_len, np.load(mask, mmap_mode="r") if mask.is_file() else None)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"packed corpus {folder}: {' '.join(str(e).split())}") from None
+
+    def sequence(self, index: int) -> dict[str, torch.Tensor]:
+        lo = (index % self.windows) * self.seq_len
+        hi = lo + self.seq_len
+        ids = torch.from_numpy(np.asarray(self.tokens[lo:hi], dtype=np.int64))
+        inside = self.starts[(self.starts > lo) & (self.starts < hi)] - lo  # documents starting in the window
+        begins = np.concatenate([[0], inside]).astype(np.int64)
+        lengths = np.diff(np.concatenate([begins, [self.seq_len]]))
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
+        labels = ids.clone()
+        labels[torch.from_numpy(inside.astype(np.int64))] = -100
+        if self.loss_mask is not None:
+            labels[torch.from_numpy(np.asarray(self.loss_mask[lo:hi]) == 0)] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": positions,
+                "lengths": torch.from_numpy(lengths.astype(np.int64))}
+
+
+def model_inputs(source, step: int, micro: int, rank: int, *, grad_accum: int, dp: int,
+                 micro_batch: int) -> dict[str, torch.Tensor]:
+    """The keyword arguments of one rank's micro-step for a HuggingFace causal LM: input_ids and labels
+    (micro_batch, seq_len); for packed documents the rows are laid end to end in one (1, micro_batch * seq_len)
+    with the packed-sequence inputs transformers' models read, `position_ids` (restarting per document: the
+    softmax attention masks by them) and `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` / `max_length_k`
+    (the linear-attention and convolution cores start each document from a zero state)."""
+    rows = [source.sequence(sequence_index(step, micro, rank, r, grad_accum=grad_accum, dp=dp,
+                                           micro_batch=micro_batch)) for r in range(micro_batch)]
+    if not isinstance(rows[0], dict):
+        ids = torch.stack(rows)
+        return {"input_ids": ids, "labels": ids}
+    lengths = torch.cat([r["lengths"] for r in rows])
+    bounds = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    out = {k: torch.cat([r[k] for r in rows]).unsqueeze(0) for k in ("input_ids", "labels", "position_ids")}
+    longest = int(lengths.max())
+    return {**out, "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest,
+            "max_length_k": longest}
 
 
 def batch(source, step: int, micro: int, rank: int, *, grad_accum: int, dp: int, micro_batch: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ reduction overlaps backward). Rank 0 writes the run log and draws the progress b
 for (the gradient-norm and statistics all-reduces) plus the expert-parallel exchanges' blocked time that
 `runtime.parallel` measures; FSDP2's all-gathers and reduce-scatters overlap compute and are not separated.
 
-The model contract is a HuggingFace causal LM: `model(input_ids=..., labels=..., use_cache=False).loss`.
+The model contract is a HuggingFace causal LM: `model(input_ids=..., labels=..., use_cache=False).loss`, and for
+packed documents also `position_ids` and the `cu_seq_lens_*` / `max_length_*` keywords (`data.model_inputs`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0  # max gradient norm; 0 turns clipping off
     seed: int = 0
-    data: str | None = None  # tokenized file (.npy / .bin); None: synthetic tokens
+    data: str | None = None  # tokenized file (.npy / .bin) or packed corpus folder; None: synthetic tokens
+    eval_data: str | None = None  # held-out data, as `data`: its loss goes into the run log
+    eval_every: int = 0  # steps between held-out losses; 0: at the end only
+    eval_batches: int = 4  # micro-batches per rank each held-out loss averages
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     keep_checkpoints: int = 2
@@ -136,12 +140,36 @@ def _clip(model: nn.Module, params: list, mesh, max_norm: float) -> None:
         nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
 
 
-def _data_source(cfg: TrainConfig, plan: Plan, vocab: int | None):
-    if cfg.data:
-        return data.TokenFile(cfg.data, plan.seq_len, vocab)
+def _data_source(path: str | None, cfg: TrainConfig, plan: Plan, vocab: int | None):
+    if path and Path(path).is_dir():
+        return data.PackedCorpus.open(path, plan.seq_len, vocab)
+    if path:
+        return data.TokenFile(path, plan.seq_len, vocab)
     if not vocab:
         raise ValueError("synthetic tokens need the model's vocabulary size (model.config.vocab_size)")
     return data.SyntheticTokens(vocab, plan.seq_len, cfg.seed)
+
+
+def _on(inputs: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _evaluate(model, source, plan: Plan, cfg: TrainConfig, rank: int, world: int, device, autocast) -> tuple[float, int]:
+    """(mean loss over the held-out target tokens of every rank, their count): `cfg.eval_batches` micro-batches
+    per rank, each window read once (they are indexed as the micro-steps of one step)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad(), autocast:
+        for micro in range(cfg.eval_batches):
+            inputs = _on(data.model_inputs(source, 0, micro, rank % plan.dp, grad_accum=cfg.eval_batches,
+                                           dp=plan.dp, micro_batch=plan.micro_batch), device)
+            targets = int((inputs["labels"][..., 1:] != -100).sum())
+            loss = model(**inputs, use_cache=False).loss
+            total += torch.tensor([float(loss) * targets, targets], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1].clamp_min(1)), int(total[1])
 
 
 def check_outputs(cfg: TrainConfig) -> None:
@@ -213,7 +241,8 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
         if rank == 0:
             print(f"resume: skipped {path}: {why}", file=sys.stderr, flush=True)
     start = resumed["step"] if resumed else 0
-    source = _data_source(cfg, plan, vocab)
+    source = _data_source(cfg.data, cfg, plan, vocab)
+    held_out = _data_source(cfg.eval_data, cfg, plan, vocab) if cfg.eval_data else None
     offload = ActivationOffload(plan.offload, device=device, offload_dir=cfg.offload_dir)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and plan.dtype == "bf16" \
         else torch.autocast(device.type, enabled=False)
@@ -245,6 +274,10 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
                 bar.update(1)
                 bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
             done = step + 1
+            if held_out is not None and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+                loss, tokens = _evaluate(model, held_out, plan, cfg, rank, world, device, autocast)
+                if writer:
+                    writer.eval(done, loss=loss, tokens=tokens)
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
                 checkpoint.save(cfg.checkpoint_dir, done, model, optimizer, keep=cfg.keep_checkpoints,
                                 data_position=data.sequence_index(done, 0, 0, 0, grad_accum=plan.grad_accum,
@@ -266,10 +299,10 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
     loss_sum = torch.zeros((), dtype=torch.float64)
     counts = [torch.zeros(0, dtype=torch.float64) for _ in blocks]
     for micro in range(plan.grad_accum):
-        ids = data.batch(source, step, micro, rank % plan.dp, grad_accum=plan.grad_accum, dp=plan.dp,
-                         micro_batch=plan.micro_batch).to(device)
+        inputs = _on(data.model_inputs(source, step, micro, rank % plan.dp, grad_accum=plan.grad_accum, dp=plan.dp,
+                                       micro_batch=plan.micro_batch), device)
         with offload, autocast:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss / plan.grad_accum
+            loss = model(**inputs, use_cache=False).loss / plan.grad_accum
         loss.backward()
         loss_sum += loss.detach().double().cpu()
         for i, block in enumerate(blocks):

@@ -19,33 +19,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli import main
-from onboard.bundle import adapt
-from onboard.families import default_config
-from onboard.source import from_config, resolve
 from onboard.train import build_model
-from onboard.twin import build_twin
 from runtime.plan import LoRA, Plan
 from runtime.train import TrainConfig, train
 from runtime.train import data as token_data
 from runtime.train.weights import Checkpoint, HFLayout, Pretrained, load_weights
+from tests.helpers import released_model
 
 FAMILIES = ("mixtral", "qwen3_next", "deepseek_v3")
 SEQ = 16
-
-
-def _released(family: str, folder) -> tuple:
-    """(model directory, bundle) for the family's tiny twin with weights drawn away from their init, saved in
-    several shards."""
-    config = build_twin(from_config(default_config(family), family)).config
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)  # not what an init would give: a load that skipped a tensor shows
-    model.save_pretrained(folder / "model", max_shard_size="200KB")
-    adapt(resolve(str(folder / "model")), folder / "bundle")
-    return folder / "model", folder / "bundle"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +35,7 @@ def released(tmp_path_factory):
     out = {}
     for family in FAMILIES:
         folder = tmp_path_factory.mktemp(family)
-        out[family] = _released(family, folder)
+        out[family] = released_model(family, folder)
     return out
 
 

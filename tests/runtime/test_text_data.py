@@ -1,0 +1,178 @@
+"""Real text into training (`onboard train --data corpus.jsonl`, `onboard.data`, `runtime.train.data`), issue 16.
+
+A word-level tokenizer the test builds (with the `tokenizers` library, saved as a transformers fast tokenizer
+with a chat template) sits in each released model's directory, as a real model's does. Text in .txt, .jsonl and
+.parquet tokenises to one packed corpus; packed windows restart positions at each document and never make a
+document's first token the target of the one before; prompts are masked out with --mask-prompt; the adapted
+model keeps packed documents apart (checked at adapt, with a lightning-attention model as the control that
+does not, which `onboard train` then refuses); a run on text starts from HuggingFace's own loss of the packed
+batch and writes its held-out loss and perplexity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from cli import main
+from onboard.data import prepare_text
+from onboard.errors import OnboardError
+from runtime.train.data import PackedCorpus, model_inputs
+from tests.helpers import released_model
+
+WORDS = "the a model expert router token layer attention learns routes packs every document sees only its own".split()
+SEQ = 32
+
+
+def _tokenizer(folder) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([" ".join(WORDS) + " ."], trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+                          "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def _documents(n: int = 40, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24))) + " ." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The same documents as .txt, .jsonl and .parquet, prompt + completion and chat records of them, and a
+    held-out file."""
+    import pandas as pd
+
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = _documents()
+    (folder / "docs.txt").write_text("\n\n".join(docs) + "\n")
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    pd.DataFrame({"text": docs}).to_parquet(folder / "docs.parquet")
+    (folder / "pairs.jsonl").write_text("".join(json.dumps({"prompt": d[:12], "completion": d}) + "\n" for d in docs))
+    (folder / "chat.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": d[:12]},
+                                                                         {"role": "assistant", "content": d}]}) + "\n"
+                                               for d in docs))
+    (folder / "held_out.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(12, seed=1)))
+    (folder / "empty.jsonl").write_text("")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models_with_tokenizers(tmp_path_factory):
+    out = {}
+    for family in ("mixtral", "qwen3_next", "minimax"):
+        model_dir, bundle = released_model(family, tmp_path_factory.mktemp(family))
+        _tokenizer(model_dir)
+        out[family] = (model_dir, bundle)
+    return out
+
+
+def test_txt_jsonl_and_parquet_tokenise_to_one_packed_corpus_made_once(corpus, tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer = _tokenizer(tokenizer_dir)
+    folders = [prepare_text(corpus / name, tokenizer_dir, tmp_path / "cache") for name in
+               ("docs.txt", "docs.jsonl", "docs.parquet")]
+    arrays = [(np.load(f / "tokens.npy"), np.load(f / "starts.npy")) for f in folders]
+    for tokens, starts in arrays[1:]:
+        assert np.array_equal(tokens, arrays[0][0]) and np.array_equal(starts, arrays[0][1])
+    tokens, starts = arrays[0]
+    first = tokenizer(_documents()[0])["input_ids"] + [tokenizer.eos_token_id]
+    assert tokens[:len(first)].tolist() == first and starts[1] == len(first) and len(starts) == 40
+    stamp = (folders[1] / "tokens.npy").stat().st_mtime_ns
+    assert prepare_text(corpus / "docs.jsonl", tokenizer_dir, tmp_path / "cache") == folders[1]  # read back
+    assert (folders[1] / "tokens.npy").stat().st_mtime_ns == stamp
+
+
+def test_packed_windows_restart_positions_and_never_predict_across_documents():
+    tokens = np.arange(100, 120)
+    corpus = PackedCorpus(tokens, np.array([0, 3, 11]), 8, loss_mask=(np.arange(20) % 7 != 5).astype(np.uint8))
+    inputs = model_inputs(corpus, 0, 0, 0, grad_accum=1, dp=1, micro_batch=2)  # windows [0, 8) and [8, 16)
+    assert inputs["input_ids"].tolist() == [list(range(100, 116))]
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4]]
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 8, 11, 16] and inputs["max_length_q"] == 5
+    labels = inputs["labels"][0].tolist()
+    assert [i for i, v in enumerate(labels) if v == -100] == [3, 5, 11, 12]  # document starts 3, 11; masked 5, 12
+
+
+def test_prompts_are_masked_out_of_the_loss(corpus, tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer = _tokenizer(tokenizer_dir)
+    docs = _documents()
+    for name in ("pairs.jsonl", "chat.jsonl"):
+        folder = prepare_text(corpus / name, tokenizer_dir, tmp_path / "cache", mask_prompt=True)
+        tokens, starts, mask = (np.load(folder / f) for f in ("tokens.npy", "starts.npy", "loss_mask.npy"))
+        end = starts[1]
+        answer = tokenizer(docs[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert tokens[end - len(answer):end].tolist() == answer  # the completion closes the first document
+        assert mask[:end].tolist() == [0] * (end - len(answer)) + [1] * len(answer), name
+        labels = PackedCorpus.open(folder, SEQ).sequence(0)["labels"]
+        assert (labels[:end - len(answer)] == -100).all() and (labels[end - len(answer):end] >= 0).all()
+    with pytest.raises(OnboardError, match="--mask-prompt needs prompt \\+ completion fields or chat messages"):
+        prepare_text(corpus / "docs.jsonl", tokenizer_dir, tmp_path / "cache", mask_prompt=True)
+
+
+def test_adapted_models_keep_packed_documents_apart_and_lightning_is_refused(models_with_tokenizers, corpus, capsys):
+    """Softmax attention (Mixtral) and gated delta rule beside softmax (Qwen3-Next) keep a packed document's logits
+    those of the document alone; MiniMax's lightning attention carries its state across: its bundle says so and
+    training on packed text is refused."""
+    kept = {family: json.loads((bundle / "verification.json").read_text())["packed"]
+            for family, (_, bundle) in models_with_tokenizers.items()}
+    assert kept["mixtral"]["kept_apart"] and kept["qwen3_next"]["kept_apart"]
+    assert not kept["minimax"]["kept_apart"] and kept["minimax"]["max_rel_error"] > 1e-2
+    model_dir, bundle = models_with_tokenizers["minimax"]
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--data", str(corpus / "docs.jsonl")]) == 1
+    assert "lets them see each other" in capsys.readouterr().err
+
+
+def test_training_on_text_starts_from_the_models_own_loss_and_logs_held_out_perplexity(models_with_tokenizers,
+                                                                                        corpus, tmp_path):
+    model_dir, bundle = models_with_tokenizers["mixtral"]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"dtype": "fp32", "seq_len": SEQ, "micro_batch": 2, "schema_version": 1}))
+    log = tmp_path / "run.jsonl"
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--data",
+                 str(corpus / "docs.jsonl"), "--eval-data", str(corpus / "held_out.jsonl"), "--eval-every", "2",
+                 "--steps", "4", "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4] and evals[1]["loss"] < evals[0]["loss"]
+    assert all(e["perplexity"] == pytest.approx(math.exp(e["loss"])) for e in evals)
+    # HuggingFace's own loss of the first packed batch: its attention masks by the restarting positions
+    corpus_dir = next(f for f in (bundle / "data").iterdir()
+                      if json.loads((f / "corpus.json").read_text())["files"] == [str(corpus / "docs.jsonl")])
+    inputs = model_inputs(PackedCorpus.open(corpus_dir, SEQ), 0, 0, 0, grad_accum=1, dp=1, micro_batch=2)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(input_ids=inputs["input_ids"], labels=inputs["labels"],
+                           position_ids=inputs["position_ids"], use_cache=False).loss
+    assert steps[0]["loss"] == pytest.approx(float(theirs), rel=1e-5)
+
+
+def test_text_data_errors_are_one_line(models_with_tokenizers, corpus, tmp_path, capsys):
+    model_dir, bundle = models_with_tokenizers["mixtral"]
+    assert main(["train", str(bundle), "--data", str(corpus / "docs.jsonl")]) == 1
+    assert "give --weights MODEL" in capsys.readouterr().err
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--data", str(corpus / "empty.jsonl")]) == 1
+    assert "empty.jsonl" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in model_dir.iterdir():
+        if not f.name.startswith(("tokenizer", "chat_template", "special")):
+            os.symlink(f, bare / f.name)
+    assert main(["train", str(bundle), "--weights", str(bare), "--data", str(corpus / "docs.jsonl")]) == 1
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--data", str(corpus / "docs.csv")]) == 1
+    assert "no such" in capsys.readouterr().err
