@@ -142,7 +142,8 @@ def cmd_train(args) -> int:
                checkpoint_dir=args.checkpoint_dir, runlog=args.runlog, data=args.data, lr=args.lr, seed=args.seed,
                checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code,
                weights=args.weights, online=args.online, eval_data=args.eval_data, eval_every=args.eval_every,
-               mask_prompt=args.mask_prompt, text_field=args.text_field)
+               mask_prompt=args.mask_prompt, text_field=args.text_field, export_hf=args.export_hf,
+               export_peft=args.export_peft)
 
 
 def cmd_catalogue(args) -> int:
@@ -360,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-prompt", action="store_true",
                    help="train on completions only (prompt + completion records, or chat messages)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl / .parquet records (default text)")
+    p.add_argument("--export-hf", metavar="DIR",
+                   help="after training: a HuggingFace checkpoint (sharded safetensors, LoRA merged) in DIR, a new folder")
+    p.add_argument("--export-peft", metavar="DIR", help="after training: the LoRA adapters as a PEFT adapter in DIR")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the weights and the synthetic data (default 0)")
     p.add_argument("--checkpoint-dir", help="default: BUNDLE/checkpoints (a rerun resumes from the newest)")

@@ -229,11 +229,13 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
         checkpoint_every: int = 0, trust_remote_code: bool = False, weights: str | None = None,
         online: bool = False, eval_data=None, eval_every: int = 0, mask_prompt: bool = False,
-        text_field: str = "text") -> int:
+        text_field: str = "text", export_hf=None, export_peft=None) -> int:
     """`onboard train`: check the bundle and plan, then train in this process or through torchrun. `weights`
     (MODEL): the released model instead of the twin (`weights_source`); `data` / `eval_data`: token files, or
     text tokenised with the model's tokenizer into packed corpora (`onboard.data`)."""
     bundle, _, _ = read_bundle(bundle)
+    if (export_hf or export_peft) and weights is None:
+        raise OnboardError("--export-hf / --export-peft write the released model trained: give --weights MODEL")
     if weights is not None:
         if layers is not None or width != 1:
             raise OnboardError("--weights trains the model as released: --layers and --width do not apply")
@@ -253,6 +255,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
 
         cfg = TrainConfig(steps=steps, lr=lr, seed=seed, data=str(data) if data else None,
                           eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
+                          export_hf=str(export_hf) if export_hf else None,
+                          export_peft=str(export_peft) if export_peft else None,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                           checkpoint_every=checkpoint_every,
                           runlog=str(runlog))
@@ -277,6 +281,9 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             extra += ["--data", str(data)]
         if eval_data:
             extra += ["--eval-data", str(eval_data), "--eval-every", str(eval_every)]
+        for flag, place in (("--export-hf", export_hf), ("--export-peft", export_peft)):
+            if place:
+                extra += [flag, str(Path(place).resolve())]
         cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
         i = cmd.index("--model-kwargs") + 1
         chosen = {"weights": weights} if weights is not None else {"config": str(config)}
@@ -310,15 +317,25 @@ def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_f
                         vocab_size=config.get("vocab_size"))
 
 
+DEVICES_PER_NODE = 8  # what train.slurm asks of each node when the plan's world divides into such nodes
+
+
 def write_launcher(directory: Path, plan: Plan | None = None) -> None:
-    """plan.json (one process by default) and train.sh, the torchrun command for it, into a bundle."""
+    """plan.json (one process by default), train.sh (the torchrun command for it, on one node or several) and
+    train.slurm (the same on a Slurm cluster) into a bundle."""
     from onboard.codegen import environment
 
     plan = plan or Plan()
     (directory / "plan.json").write_text(plan.to_json())
     cmd = command(".", "plan.json", plan=plan, steps=10, layers=None, width=1,
                   extra=["--checkpoint-dir", "checkpoints", "--runlog", "runs/train.jsonl"])
-    script = directory / "train.sh"
-    script.write_text(environment().get_template("train.sh.j2").render(
-        world=plan.world_size, command=" ".join(shlex.quote(c) for c in cmd)))
-    script.chmod(0o755)
+    world = plan.world_size
+    nodes = world // DEVICES_PER_NODE if world % DEVICES_PER_NODE == 0 and world > DEVICES_PER_NODE else 1
+    program = cmd[cmd.index("-m"):]  # what follows torchrun's own options
+    for name, text in (("train.sh", environment().get_template("train.sh.j2").render(
+                            world=world, command=" ".join(shlex.quote(c) for c in cmd),
+                            program=" ".join(shlex.quote(c) for c in program))),
+                       ("train.slurm", environment().get_template("train.slurm.j2").render(
+                            world=world, nodes=nodes, per_node=world // nodes))):
+        (directory / name).write_text(text)
+        (directory / name).chmod(0o755)

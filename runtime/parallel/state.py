@@ -22,29 +22,38 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def gather_experts(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A full state dict on every rank: FSDP2 shards gathered and expert-parallel slices concatenated
     (per-module experts renumbered to their global index). Collective: every rank must call it."""
-    state = {k: _full(v) for k, v in (state if state is not None else model.state_dict()).items()}
+    return dict(iter_full(model, state if state is not None else model.state_dict()))
+
+
+def iter_full(model: nn.Module, state: dict[str, torch.Tensor]):
+    """(full-model key, full tensor) for each entry of `state` (this rank's, e.g. `model.state_dict()`), one key
+    at a time, so that a writer holds one full tensor at once: FSDP2 shards gathered, expert-parallel slices
+    concatenated, per-module experts under their global index (one entry each). Collective: every rank iterates
+    the same keys in the same order."""
+    groups = {}
     for name, block in moe_blocks(model):
         shard = getattr(block.experts, "expert_shard", None)
-        if shard is None or block.expert_parallel is None:
+        if shard is not None and block.expert_parallel is not None:
+            groups[f"{name}.experts." if name else "experts."] = (shard, block.expert_parallel.group)
+    for key, value in state.items():
+        value = _full(value)
+        prefix = next((p for p in groups if key.startswith(p)), None)
+        if prefix is None:
+            yield key, value
             continue
-        _, size, total = shard
-        group = block.expert_parallel.group
+        (_, size, total), group = groups[prefix]
         local = total // size
-        prefix = f"{name}.experts." if name else "experts."
-        for key in [k for k in state if k.startswith(prefix)]:
-            rest = key[len(prefix):]
-            parts = rest.split(".")
-            value = state.pop(key)
-            pieces = [torch.empty_like(value) for _ in range(size)]
-            dist.all_gather(pieces, value.contiguous(), group=group)
-            if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # ModuleExperts: one key each
-                for r, piece in enumerate(pieces):
-                    state[prefix + ".".join(["experts", str(r * local + int(parts[1])), *parts[2:]])] = piece
-            elif "." not in rest and value.dim() and value.shape[0] == local:  # a stack sliced by EP
-                state[key] = torch.cat(pieces)
-            else:
-                state[key] = value
-    return state
+        rest = key[len(prefix):]
+        parts = rest.split(".")
+        pieces = [torch.empty_like(value) for _ in range(size)]
+        dist.all_gather(pieces, value.contiguous(), group=group)
+        if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # ModuleExperts: one key each
+            for r, piece in enumerate(pieces):
+                yield prefix + ".".join(["experts", str(r * local + int(parts[1])), *parts[2:]]), piece
+        elif "." not in rest and value.dim() and value.shape[0] == local:  # a stack sliced by EP
+            yield key, torch.cat(pieces)
+        else:
+            yield key, value
 
 
 def _expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
                                   "synthetic tokens")
     p.add_argument("--eval-data", help="held-out data, as --data: its loss goes into the run log")
     p.add_argument("--eval-every", type=int, default=0, help="steps between held-out losses (0: at the end)")
+    p.add_argument("--export-hf", help="after training: a HuggingFace checkpoint of the model here (LoRA merged)")
+    p.add_argument("--export-peft", help="after training: the LoRA adapters as a PEFT adapter folder here")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clip", type=float, default=1.0)
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
         plan = Plan.load(args.plan)
         factory = _factory(args.model, json.loads(args.model_kwargs))
         cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, clip=args.clip, data=args.data,
-                          eval_data=args.eval_data, eval_every=args.eval_every,
+                          eval_data=args.eval_data, eval_every=args.eval_every, export_hf=args.export_hf,
+                          export_peft=args.export_peft,
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           keep_checkpoints=args.keep_checkpoints, runlog=args.runlog,
                           progress=not args.no_progress)

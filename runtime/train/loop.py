@@ -54,6 +54,8 @@ class TrainConfig:
     run_meta: dict = field(default_factory=dict)
     progress: bool = True
     offload_dir: str | None = None  # where the CPU offload file lives (default: the system temp dir)
+    export_hf: str | None = None  # after training: a HuggingFace checkpoint here (LoRA merged; needs released weights)
+    export_peft: str | None = None  # after training: the LoRA adapters as a PEFT adapter folder here
 
 
 @dataclass
@@ -175,6 +177,11 @@ def _evaluate(model, source, plan: Plan, cfg: TrainConfig, rank: int, world: int
 def check_outputs(cfg: TrainConfig) -> None:
     """Where the run will write, checked before anything is built: a run never trains to the end only to find
     it cannot save."""
+    from runtime.train.export import check_target
+
+    for place in (cfg.export_hf, cfg.export_peft):
+        if place:
+            check_target(place)
     places = (("checkpoint directory", cfg.checkpoint_dir, True), ("offload directory", cfg.offload_dir, True),
               ("run log", cfg.runlog, False))
     for what, place, is_dir in places:
@@ -282,6 +289,8 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
                 checkpoint.save(cfg.checkpoint_dir, done, model, optimizer, keep=cfg.keep_checkpoints,
                                 data_position=data.sequence_index(done, 0, 0, 0, grad_accum=plan.grad_accum,
                                                                   dp=plan.dp, micro_batch=plan.micro_batch))
+        if cfg.export_hf or cfg.export_peft:
+            _export(model, pretrained, cfg)
     finally:
         offload.close()
         if bar:
@@ -289,6 +298,19 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
         if writer:
             writer.close()
     return TrainResult(results, start if resumed and resumed["path"] else None, writer.run_id if writer else None)
+
+
+def _export(model, pretrained, cfg: TrainConfig) -> None:
+    from runtime.train.export import export_hf, export_peft
+
+    if pretrained is None:
+        raise ValueError("exports need the model's released weights (its config and key names): train with them")
+    model.eval()
+    if cfg.export_peft:
+        export_peft(model, pretrained, cfg.export_peft)
+    if cfg.export_hf:
+        export_hf(model, pretrained, cfg.export_hf)
+    model.train()
 
 
 def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks, rank, world, device):

@@ -299,3 +299,31 @@ def test_cli_launches_torchrun_for_two_processes_with_expert_parallelism(bundle,
     for s in run.steps:  # both ranks' tokens: 2 ranks x 2 sequences x 32 tokens, top-2
         assert [sum(layer) for layer in s["expert_tokens"]] == [2 * 2 * 32 * 2] * 2
         assert s["comm_time_s"] > 0
+
+
+def test_train_sh_runs_on_several_nodes_and_train_slurm_starts_it_there(tmp_path):
+    """A plan of 16 processes: train.sh alone runs them on this node; with NNODES=2 (as train.slurm exports it
+    from Slurm's variables) it hands torchrun a c10d rendezvous at MASTER_ADDR and 8 processes per node. The
+    torchrun on PATH here is a stand-in that prints its arguments (no cluster is reachable from this machine)."""
+    from onboard.train import write_launcher
+
+    write_launcher(tmp_path, Plan(dp_shard=16))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text("#!/usr/bin/env bash\necho \"$@\"\n")
+    (fake / "torchrun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    for script in ("train.sh", "train.slurm"):
+        assert subprocess.run(["bash", "-n", str(tmp_path / script)]).returncode == 0
+        assert os.access(tmp_path / script, os.X_OK)
+    alone = subprocess.run([str(tmp_path / "train.sh"), "--steps", "3"], env=env, capture_output=True, text=True)
+    assert alone.stdout.startswith("--standalone --nproc-per-node=16 -m runtime.train") and "--steps 3" in alone.stdout
+    nodes = subprocess.run([str(tmp_path / "train.sh")], capture_output=True, text=True,
+                           env={**env, "NNODES": "2", "MASTER_ADDR": "node-a", "RDZV_ID": "42"})
+    assert nodes.stdout.startswith("--nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=node-a:29500 "
+                                   "--rdzv-id=42 -m runtime.train --model onboard.train:build_model")
+    odd = subprocess.run([str(tmp_path / "train.sh")], capture_output=True, text=True, env={**env, "NNODES": "3"})
+    assert odd.returncode == 2 and "do not split over 3 nodes" in odd.stderr
+    slurm = (tmp_path / "train.slurm").read_text()
+    assert "#SBATCH --nodes=2" in slurm and "#SBATCH --gpus-per-node=8" in slurm
+    assert "srun --kill-on-bad-exit=1 ./train.sh" in slurm

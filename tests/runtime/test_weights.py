@@ -12,6 +12,7 @@ is read.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -149,3 +150,101 @@ def test_four_processes_with_fsdp_expert_parallelism_and_lora_start_from_the_rel
     steps = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line).get("kind") == "step"]
     assert steps[0]["loss"] == pytest.approx(_hf_loss(model_dir, 4), rel=1e-6)
     assert steps[1]["loss"] != steps[0]["loss"]  # the adapters trained
+
+
+@pytest.mark.multiprocess
+def test_four_processes_export_a_peft_adapter_and_a_checkpoint_that_agree(released, tmp_path):
+    """Under FSDP2 + EP the exports gather every shard and expert slice: the PEFT adapter on the released model and
+    the merged checkpoint (written from the same trained state by another path) give the same logits."""
+    from peft import PeftModel
+
+    model_dir, bundle = released["mixtral"]
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(dp_shard=4, ep=2, lora=LoRA(rank=4, alpha=8, targets=["attention", "experts"]),
+                         dtype="fp32", seq_len=SEQ).to_json())
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2", "--lr",
+                 "0.01", "--runlog", str(tmp_path / "run.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--export-peft", str(tmp_path / "peft"), "--export-hf", str(tmp_path / "hf")]) == 0
+    ids = torch.randint(3, 200, (1, SEQ), generator=torch.Generator().manual_seed(7))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    before = _logits(base, ids)
+    via_peft = _logits(PeftModel.from_pretrained(base, tmp_path / "peft"), ids)
+    via_hf = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32), ids)
+    assert _rel(via_peft, via_hf) < 1e-5 and _rel(via_hf, before) > 1e-3
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids, use_cache=False).logits
+
+
+def _rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_training_exports_a_peft_adapter_and_a_merged_checkpoint_that_reload_as_trained(family, released,
+                                                                                             tmp_path):
+    """LoRA on attention and expert stacks, trained a few steps, then exported: the PEFT adapter on the unmodified
+    HuggingFace model, and the merged checkpoint through `from_pretrained`, give the trained model's logits."""
+    from peft import PeftModel
+
+    model_dir, bundle = released[family]
+    built = {}
+
+    def factory():
+        made = build_model(bundle, weights=str(model_dir))
+        built["model"] = made[0]
+        return made
+
+    plan = Plan(dtype="fp32", seq_len=SEQ, lora=LoRA(rank=4, alpha=8, targets=["attention", "experts"]))
+    train(factory, plan, TrainConfig(steps=3, lr=1e-2, progress=False, export_peft=str(tmp_path / "peft"),
+                                     export_hf=str(tmp_path / "hf")))
+    ids = torch.randint(3, 200, (1, SEQ), generator=torch.Generator().manual_seed(5))
+    trained = _logits(built["model"], ids)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert _rel(_logits(base, ids), trained) > 1e-3  # the adapters learned something
+    assert _rel(_logits(PeftModel.from_pretrained(base, tmp_path / "peft"), ids), trained) < 1e-5
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert _rel(_logits(merged, ids), trained) < 1e-5
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 1
+
+
+def test_a_full_fine_tune_exports_a_checkpoint_shard_by_shard(released, tmp_path):
+    from runtime.train.export import export_hf
+
+    model_dir, bundle = released["mixtral"]
+    built = {}
+
+    def factory():
+        made = build_model(bundle, weights=str(model_dir))
+        built["model"], built["pretrained"] = made[0], made[2]
+        return made
+
+    train(factory, Plan(dtype="fp32", seq_len=SEQ), TrainConfig(steps=2, lr=1e-2, progress=False))
+    export_hf(built["model"], built["pretrained"], tmp_path / "hf", shard_bytes=100_000)
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
+    ids = torch.randint(3, 200, (1, SEQ), generator=torch.Generator().manual_seed(6))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert _rel(_logits(reloaded, ids), _logits(built["model"], ids)) < 1e-5
+
+
+def test_exports_are_checked_before_training(released, tmp_path, capsys):
+    model_dir, bundle = released["mixtral"]
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--export-hf", str(taken)]) == 1
+    assert "exists: an export never replaces anything" in capsys.readouterr().err
+    assert (taken / "keep.txt").read_text() == "mine"
+    assert main(["train", str(bundle), "--export-peft", str(tmp_path / "new")]) == 1
+    assert "give --weights MODEL" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root writes anywhere: nothing to refuse then
+            assert main(["train", str(bundle), "--weights", str(model_dir), "--export-hf", str(locked / "x")]) == 1
+            assert "is not a writable folder" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
