@@ -146,6 +146,16 @@ def cmd_train(args) -> int:
                export_peft=args.export_peft)
 
 
+def cmd_export(args) -> int:
+    from onboard.train import export
+
+    print("running the bundle's adapter.py (generated code) to rebuild the trained model", flush=True)
+    code = export(args.checkpoint, args.format, args.out)
+    if code == 0:
+        print(f"exported: {args.out}")
+    return code
+
+
 def cmd_catalogue(args) -> int:
     from onboard.source import catalogue_index
 
@@ -370,6 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="steps between checkpoints (default: at the end)")
     p.add_argument("--runlog", help="run log JSON lines (default: BUNDLE/runs/train.jsonl)")
     p.set_defaults(func=cmd_train)
+
+    p = verb("export", help="export the newest checkpoint of a run on released weights (onboard train --weights) "
+                            "as a PEFT adapter or a HuggingFace checkpoint, with the run's own plan")
+    p.add_argument("checkpoint", help="the run's checkpoint folder (default of onboard train: BUNDLE/checkpoints)")
+    p.add_argument("--format", required=True, choices=("peft", "hf"),
+                   help="peft: the LoRA adapters as a PEFT adapter; hf: the model, LoRA merged, as a HF checkpoint")
+    p.add_argument("--out", required=True, help="a new folder for the export (never replaced)")
+    p.set_defaults(func=cmd_export)
 
     p = verb("catalogue", help="list the bundled model configs")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -250,6 +250,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             raise OnboardError(f"{path}: no such token file")
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
     runlog = Path(runlog) if runlog else bundle / "runs" / "train.jsonl"
+    if weights is not None:
+        _record_launch(checkpoint_dir, bundle, weights, plan, trust_remote_code)
     if plan.world_size == 1:
         from runtime.train import TrainConfig, train
 
@@ -293,6 +295,47 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], env=env)
         except KeyboardInterrupt:
             return 130
+
+
+LAUNCH = "launch.json"  # in a checkpoint folder: what `onboard export` needs to rebuild the trained model
+
+
+def _record_launch(checkpoint_dir: Path, bundle: Path, weights: str, plan: Plan, trust_remote_code: bool) -> None:
+    from onboard.outputs import write_atomically
+
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(checkpoint_dir / LAUNCH, json.dumps(
+        {"bundle": str(Path(bundle).resolve()), "weights": str(Path(weights).resolve()), "plan": plan.to_dict(),
+         "trust_remote_code": trust_remote_code}, indent=2, sort_keys=True) + "\n")
+
+
+def export(checkpoint, fmt: str, out) -> int:
+    """`onboard export CHECKPOINT_DIR --format peft|hf --out DIR`: the newest checkpoint of a run trained on
+    released weights, exported as `onboard train --export-*` does at the end of a run: the run's own plan (and
+    process count) resumes it with nothing left to train, then writes the export shard by shard."""
+    from runtime.train.checkpoint import checkpoints
+
+    checkpoint = Path(checkpoint)
+    folder = checkpoint.parent if (checkpoint / ".metadata").is_file() else checkpoint
+    launch_file = folder / LAUNCH
+    if not launch_file.is_file():
+        raise OnboardError(f"{checkpoint}: no checkpoints of a run on released weights here ({LAUNCH} is missing: "
+                           f"train with --weights)")
+    saved = checkpoints(folder)
+    if not saved:
+        raise OnboardError(f"{folder}: no complete checkpoint to export")
+    if folder != checkpoint and checkpoint.resolve() != saved[-1][1].resolve():
+        raise OnboardError(f"{checkpoint} is not the newest checkpoint of {folder} ({saved[-1][1].name}): export "
+                           f"the folder, or move the newer ones away")
+    if fmt not in ("peft", "hf"):
+        raise OnboardError(f"unknown export format {fmt!r}: choose peft or hf")
+    launch = json.loads(launch_file.read_text())
+    with tempfile.TemporaryDirectory(prefix="onboard-export-") as scratch:
+        plan_file = Path(scratch) / "plan.json"
+        plan_file.write_text(Plan.from_dict(launch["plan"]).to_json())
+        return run(launch["bundle"], plan_file, steps=saved[-1][0], weights=launch["weights"], checkpoint_dir=folder,
+                   runlog=Path(scratch) / "export.jsonl", trust_remote_code=launch.get("trust_remote_code", False),
+                   **{f"export_{fmt}": out})
 
 
 def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_field: str):

@@ -16,7 +16,8 @@ That reading is a hypothesis about the module's parts (names of its projections 
 its blocks, and refused (ValueError, module unchanged) unless both agree. The module stays the same object with
 the same parameters and class; it gets a forward of its own (`runtime.swap.Swap.set_forward`) that runs the
 runtime's scan and falls back to the class's forward whenever a cache is passed (the single-token decode path
-stays HuggingFace code). Calls are counted on the handle, as `swap.calls["lightning"]`.
+stays HuggingFace code). Packed documents (`cu_seq_lens_q`, as the training loop passes them) are scanned
+each from a zero state. Calls are counted on the handle, as `swap.calls["lightning"]`.
 """
 
 from __future__ import annotations
@@ -32,15 +33,24 @@ PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate")
 
 
 def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's output and final state, computed by the runtime from the module's own parameters."""
+                      chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output and final state, computed by the runtime from the module's own parameters.
+    `cu_seqlens` (batch 1): packed documents, each scanned from a zero state (the final state is the last's)."""
     batch, length, _ = hidden_states.shape
     heads = module.num_attention_heads
     qkv = module.act_fn(module.qkv_proj(hidden_states))
     if attention_mask is not None and attention_mask.dim() == 2:  # a padding mask: padded tokens add nothing
         qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
-    out, state = chunk_constant_decay(qkv.reshape(batch, length, heads, -1), -module.slope_rate.reshape(heads),
-                                      chunk_size=chunk_size, output_final_state=True)
+    qkv, log_decay = qkv.reshape(batch, length, heads, -1), -module.slope_rate.reshape(heads)
+    if cu_seqlens is None:
+        out, state = chunk_constant_decay(qkv, log_decay, chunk_size=chunk_size, output_final_state=True)
+    else:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens needs the packed sequences in one batch row, got batch {batch}")
+        bounds = cu_seqlens.tolist()
+        pieces = [chunk_constant_decay(qkv[:, a:b], log_decay, chunk_size=chunk_size, output_final_state=True)
+                  for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        out, state = torch.cat([o for o, _ in pieces], dim=1), pieces[-1][1]
     # the scan computes in fp32 at least; the block's projections run in the model's dtype, as transformers' do
     out, state = out.to(qkv.dtype), state.to(qkv.dtype)
     out = module.norm(out.reshape(batch, length, -1))
@@ -87,7 +97,8 @@ def swap_lightning_attention(module: torch.nn.Module, *, chunk_size: int | None 
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or args:
             return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         swap.count("lightning")
-        return lightning_forward(self, hidden_states, attention_mask, chunk_size=chunk)
+        return lightning_forward(self, hidden_states, attention_mask, chunk_size=chunk,
+                                 cu_seqlens=kwargs.get("cu_seq_lens_q"))
 
     swap.set_forward(module, forward)
     return swap

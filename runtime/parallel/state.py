@@ -96,10 +96,43 @@ class LocalCopier:
         self.own = model.state_dict()
         self.slices = _expert_slices(model)
 
-    def copy(self, full: dict[str, torch.Tensor]) -> list[str]:
+    def expert_rows(self, key: str) -> tuple[int, int] | None:
+        """(first expert, experts) of the expert stack at `key` this rank holds under expert parallelism (None: not
+        such a stack)."""
+        for prefix, rows in self.slices.items():
+            if key.startswith(prefix) and "." not in key[len(prefix):]:
+                return rows
+        return None
+
+    def rows(self, key: str, length: int) -> tuple[int, int] | None:
+        """[start, stop) of dim 0 of a tensor of `length` rows this rank's part of `key` is (FSDP2's even split
+        over a 1-D mesh; the tensor as this rank's expert slice has it); None where the part is not such a
+        block of rows (replicated, or sharded over several mesh dimensions)."""
+        from torch.distributed.tensor import Shard
+
+        target = self.own[key]
+        if not isinstance(target, DTensor):
+            return (0, length) if target.shape[0] == length else None
+        if target.device_mesh.ndim != 1 or tuple(target.placements) != (Shard(0),) or target.shape[0] != length:
+            return None
+        size, index = target.device_mesh.size(), target.device_mesh.get_local_rank()
+        chunk = -(-length // size)
+        start = min(index * chunk, length)
+        stop = min(start + chunk, length)
+        return (start, stop) if target.to_local().shape[0] == stop - start else None
+
+    def copy_rows(self, key: str, value: torch.Tensor) -> None:
+        """Copy this rank's rows (`rows`) of `key`, read as they are, into the model."""
+        target = self.own[key]
+        local = target.to_local() if isinstance(target, DTensor) else target
+        with torch.no_grad():
+            local.copy_(value.to(local.dtype))
+
+    def copy(self, full: dict[str, torch.Tensor], *, expert_local: bool = False) -> list[str]:
         """Copy `full` (full-model keys) into the model; returns the local keys written. ValueError for a key the
-        model does not have or a shape that does not fit."""
-        local = _local_view(full, self.slices)
+        model does not have or a shape that does not fit. `expert_local`: expert stacks in `full` hold this rank's
+        experts only already."""
+        local = dict(full) if expert_local else _local_view(full, self.slices)
         unexpected = sorted(set(local) - set(self.own))
         if unexpected:
             raise ValueError(f"not in the model: {', '.join(unexpected[:3])}")

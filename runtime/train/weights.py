@@ -75,13 +75,16 @@ class Checkpoint:
     def keys(self) -> list[str]:
         return list(self.file_of)
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor at `key`, or only its rows [start, stop) of dim 0 (read alone from the file)."""
         from safetensors import safe_open
 
         name = self.file_of[key]
         if name not in self._open:
             self._open[name] = safe_open(str(self.directory / name), framework="pt")
-        return self._open[name].get_tensor(key)
+        if rows is None:
+            return self._open[name].get_tensor(key)
+        return self._open[name].get_slice(key)[rows[0]:rows[1]]
 
     def shape(self, key: str) -> tuple[int, ...]:
         """From the file's header: nothing is read."""
@@ -165,11 +168,18 @@ def _groups(checkpoint: Checkpoint, layout: HFLayout) -> tuple[list[_Group], lis
     return list(groups.values()), unexpected
 
 
-def _convert(group: _Group, checkpoint: Checkpoint, model: nn.Module) -> dict[str, torch.Tensor]:
+def _convert(group: _Group, checkpoint: Checkpoint, model: nn.Module,
+             experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The model tensors a group makes; `experts` (first, count): of per-expert sources merged into a stack, only
+    those experts are read (the stack made holds them alone)."""
     if group.converter is None:
         return {group.target: checkpoint.get(group.sources[0][1])}
     converter = group.converter
-    for pattern, key in group.sources:
+    sources = group.sources
+    if experts is not None:
+        lo, n = experts
+        sources = [(pattern, key) for pattern, key in sources if lo <= _expert_index(pattern, key) < lo + n]
+    for pattern, key in sources:
         converter.add_tensor(group.target, key, pattern, checkpoint.get(key))
     made = converter.convert(group.target, model=model, config=getattr(model, "config", None))
     return {k: (v[0] if isinstance(v, list) else v) for k, v in made.items()}
@@ -190,23 +200,58 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, layout: HFLayout, nam
     copier = LocalCopier(model)
     largest, count = 0, 0
     for group in groups:
-        tensors = _convert(group, checkpoint, model)
+        keys = by_hf.get(group.target, [])
+        rows = copier.rows(keys[0], layout.shapes[group.target][0][0]) if group.converter is None and len(keys) == 1 \
+            and copier.expert_rows(keys[0]) is None and layout.shapes[group.target][0] else None
+        if rows is not None:  # one tensor taken as it is: this rank reads its own rows of it only
+            tensor = checkpoint.get(group.sources[0][1], rows)
+            largest = max(largest, tensor.numel() * tensor.element_size())
+            copier.copy_rows(keys[0], tensor if not tensor.is_floating_point()
+                             else tensor.to(dtype or layout.shapes[group.target][1]))
+            count += 1
+            checkpoint.release()
+            continue
+        experts = _local_experts(group, by_hf, copier)
+        tensors = _convert(group, checkpoint, model, experts)
         largest = max(largest, sum(t.numel() * t.element_size() for t in tensors.values()))
         for hf_key, tensor in tensors.items():
             if hf_key not in layout.shapes:
                 raise ValueError(f"{checkpoint.directory}: {group.sources[0][1]} makes {hf_key}, which the model "
                                  f"does not have")
             shape, own_dtype = layout.shapes[hf_key]
-            if tuple(tensor.shape) != shape:
+            expected = (experts[1], *shape[1:]) if experts else shape
+            if tuple(tensor.shape) != expected:
                 raise ValueError(f"{checkpoint.directory}: {hf_key} has shape {tuple(tensor.shape)} in the "
-                                 f"checkpoint and {shape} in the model")
+                                 f"checkpoint and {expected} in the model")
             if tensor.is_floating_point():
                 tensor = tensor.to(dtype or own_dtype)
-            copier.copy({key: tensor for key in by_hf.get(hf_key, ())})
+            copier.copy({key: tensor for key in by_hf.get(hf_key, ())}, expert_local=experts is not None)
             count += 1
         del tensors
         checkpoint.release()
     return {"tensors": count, "bytes": checkpoint.nbytes(), "largest_group_bytes": largest}
+
+
+def _expert_index(pattern: str, key: str) -> int:
+    """The expert number a per-expert source key holds where its pattern has `*` (`.experts.*.w1.weight`)."""
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+    return int(found.group(1)) if found else -1
+
+
+def _local_experts(group: _Group, by_hf: dict[str, list[str]], copier) -> tuple[int, int] | None:
+    """(first, count) of the experts this rank holds when the group merges per-expert tensors into expert
+    stacks the rank holds a slice of (so only those are read); None otherwise."""
+    from transformers.core_model_loading import MergeModulelist
+
+    converter = group.converter
+    if converter is None or not converter.operations or not isinstance(converter.operations[0], MergeModulelist) \
+            or converter.operations[0].dim != 0 or not all("*" in p for p in converter.source_patterns):
+        return None
+    targets = [group.target.replace(converter.target_patterns[0], t) for t in converter.target_patterns]
+    slices = {copier.expert_rows(key) for target in targets for key in by_hf.get(target, [])}
+    if len(slices) != 1 or None in slices:
+        return None
+    return slices.pop()
 
 
 def fitted_groups(checkpoint: Checkpoint, layout: HFLayout) -> list[_Group]:

@@ -4,8 +4,8 @@ A word-level tokenizer the test builds (with the `tokenizers` library, saved as 
 with a chat template) sits in each released model's directory, as a real model's does. Text in .txt, .jsonl and
 .parquet tokenises to one packed corpus; packed windows restart positions at each document and never make a
 document's first token the target of the one before; prompts are masked out with --mask-prompt; the adapted
-model keeps packed documents apart (checked at adapt, with a lightning-attention model as the control that
-does not, which `onboard train` then refuses); a run on text starts from HuggingFace's own loss of the packed
+model keeps packed documents apart (checked at adapt, for softmax, gated-delta and lightning attention, with
+Jamba's Mamba1 mixer as the control that does not, which `onboard train` then refuses); a run on text starts from HuggingFace's own loss of the packed
 batch and writes its held-out loss and perplexity.
 """
 
@@ -72,7 +72,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models_with_tokenizers(tmp_path_factory):
     out = {}
-    for family in ("mixtral", "qwen3_next", "minimax"):
+    for family in ("mixtral", "qwen3_next", "minimax", "jamba"):
         model_dir, bundle = released_model(family, tmp_path_factory.mktemp(family))
         _tokenizer(model_dir)
         out[family] = (model_dir, bundle)
@@ -123,15 +123,17 @@ def test_prompts_are_masked_out_of_the_loss(corpus, tmp_path):
         prepare_text(corpus / "docs.jsonl", tokenizer_dir, tmp_path / "cache", mask_prompt=True)
 
 
-def test_adapted_models_keep_packed_documents_apart_and_lightning_is_refused(models_with_tokenizers, corpus, capsys):
-    """Softmax attention (Mixtral) and gated delta rule beside softmax (Qwen3-Next) keep a packed document's logits
-    those of the document alone; MiniMax's lightning attention carries its state across: its bundle says so and
-    training on packed text is refused."""
+def test_adapted_models_keep_packed_documents_apart_and_a_model_that_does_not_is_refused(models_with_tokenizers,
+                                                                                         corpus, capsys):
+    """Softmax attention (Mixtral), the gated delta rule beside softmax (Qwen3-Next) and lightning attention beside
+    softmax (MiniMax) keep a packed document's logits those of the document alone; Jamba's Mamba1 mixer is given no
+    boundaries by its HuggingFace layer and carries its state across: its bundle says so and training on packed
+    text is refused."""
     kept = {family: json.loads((bundle / "verification.json").read_text())["packed"]
             for family, (_, bundle) in models_with_tokenizers.items()}
-    assert kept["mixtral"]["kept_apart"] and kept["qwen3_next"]["kept_apart"]
-    assert not kept["minimax"]["kept_apart"] and kept["minimax"]["max_rel_error"] > 1e-2
-    model_dir, bundle = models_with_tokenizers["minimax"]
+    assert kept["mixtral"]["kept_apart"] and kept["qwen3_next"]["kept_apart"] and kept["minimax"]["kept_apart"]
+    assert not kept["jamba"]["kept_apart"] and kept["jamba"]["max_rel_error"] > 1e-2
+    model_dir, bundle = models_with_tokenizers["jamba"]
     assert main(["train", str(bundle), "--weights", str(model_dir), "--data", str(corpus / "docs.jsonl")]) == 1
     assert "lets them see each other" in capsys.readouterr().err
 

@@ -229,6 +229,28 @@ def test_a_full_fine_tune_exports_a_checkpoint_shard_by_shard(released, tmp_path
     assert _rel(_logits(reloaded, ids), _logits(built["model"], ids)) < 1e-5
 
 
+def test_onboard_export_writes_from_a_saved_checkpoint_what_the_run_exported(released, tmp_path, capsys):
+    """`onboard export CHECKPOINT_DIR` resumes the run's newest checkpoint with its own plan and nothing left to
+    train, and writes the same adapters the run exported at its end."""
+    from safetensors.torch import load_file
+
+    model_dir, bundle = released["mixtral"]
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(dtype="fp32", seq_len=SEQ, lora=LoRA(rank=4, alpha=8, targets=["attention", "experts"]))
+                    .to_json())
+    ck = tmp_path / "ck"
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2", "--lr",
+                 "0.01", "--checkpoint-dir", str(ck), "--runlog", str(tmp_path / "run.jsonl"), "--export-peft",
+                 str(tmp_path / "at-end")]) == 0
+    assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "later")]) == 0
+    at_end = load_file(tmp_path / "at-end" / "adapter_model.safetensors")
+    later = load_file(tmp_path / "later" / "adapter_model.safetensors")
+    assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "x")]) == 1
+    assert "launch.json is missing" in capsys.readouterr().err
+
+
 def test_exports_are_checked_before_training(released, tmp_path, capsys):
     model_dir, bundle = released["mixtral"]
     taken = tmp_path / "taken"
