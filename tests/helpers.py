@@ -57,10 +57,10 @@ def run_kernel_check(script: str, key: str, *, threads: int = 1):
                           text=True, env=env, timeout=600, cwd=ROOT)
 
 
-def released_model(family: str, folder: Path) -> tuple[Path, Path]:
-    """(model directory, bundle) for the family's tiny twin as a released checkpoint: weights drawn away from their
-    init (a load that skipped a tensor shows), saved with `save_pretrained` in several safetensors shards, and
-    adapted into a bundle beside it."""
+def released_model(family: str, folder: Path, **config) -> tuple[Path, Path]:
+    """(model directory, bundle) for the family's tiny twin (with `config` fields changed) as a released
+    checkpoint: weights drawn away from their init (a load that skipped a tensor shows), saved with
+    `save_pretrained` in several safetensors shards, and adapted into a bundle beside it."""
     from transformers import AutoModelForCausalLM
 
     from onboard.bundle import adapt
@@ -68,7 +68,10 @@ def released_model(family: str, folder: Path) -> tuple[Path, Path]:
     from onboard.source import from_config, resolve
     from onboard.twin import build_twin
 
-    config = build_twin(from_config(default_config(family), family)).config
+    base = default_config(family)
+    for key, value in config.items():
+        setattr(base, key, value)
+    config = build_twin(from_config(base, family)).config
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

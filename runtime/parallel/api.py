@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from runtime.model_tree import decoder_layers, moe_blocks
 from runtime.moe.block import GroupedExperts, ModuleExperts
@@ -20,10 +21,22 @@ def _experts_outside_blocks(model: nn.Module) -> list[str]:
             and id(m) not in owned]
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None) -> nn.Module:
+def mixed_precision(plan: Plan, device_type: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for the plan's dtype: with "bf16" on an accelerator, parameters gathered and computed in
+    bf16 while the sharded master weights, their gradients' reduction and the optimizer stay fp32; None (all
+    fp32) otherwise: on CPU bf16 matmuls run ~100x slower than fp32, so CPU runs (and tests) train in fp32."""
+    if plan.dtype != "bf16" or device_type == "cpu":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None,
+                precision: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Apply LoRA (plan.lora), expert parallelism (plan.ep) and FSDP2 to `model` in place; returns it.
 
-    `trace`, when given, collects the expert-parallel issue / wait events of every MoE block."""
+    `trace`, when given, collects the expert-parallel issue / wait events of every MoE block. `precision`: FSDP2's
+    mixed-precision policy (`mixed_precision`), None for fp32 throughout."""
+    shard = {"mp_policy": precision} if precision is not None else {}
     if plan.lora is not None:
         from runtime.lora import apply_lora, has_lora
 
@@ -45,7 +58,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         return model
     if plan.ep > 1:
         for _, block in blocks:
-            fully_shard(block.experts, mesh=mesh.experts)
+            fully_shard(block.experts, mesh=mesh.experts, **shard)
             # each rank's expert gradients already sum the tokens of its whole EP group: divide by every
             # data-parallel rank, not only by those FSDP reduces over
             block.experts.set_gradient_divide_factor(float(plan.dp))
@@ -56,6 +69,6 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
                 # sum would divide a second time.
                 block.experts.set_force_sum_reduction_for_comms(True)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh.dense)
-    fully_shard(model, mesh=mesh.dense)
+        fully_shard(layer, mesh=mesh.dense, **shard)
+    fully_shard(model, mesh=mesh.dense, **shard)
     return model

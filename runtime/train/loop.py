@@ -231,9 +231,12 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
     mesh = None
     if world > 1 or plan.lora is not None:
         from runtime.parallel import build_mesh, parallelize
+        from runtime.parallel.api import mixed_precision
 
         mesh = build_mesh(plan)
-        model = parallelize(model, plan, mesh)  # LoRA, expert parallelism, FSDP2 (gradient reduction included)
+        precision = mixed_precision(plan, device.type) if world > 1 else None
+        # LoRA, expert parallelism, FSDP2 (gradient reduction included; bf16 compute on an accelerator)
+        model = parallelize(model, plan, mesh, precision=precision)
     if pretrained is not None:  # built on the meta device: allocate this rank's shards, then read into them
         model.to_empty(device=device)
         loaded = pretrained.load(model)

@@ -320,8 +320,14 @@ class Pretrained:
     def load(self, model: nn.Module) -> dict:
         """Into the allocated (`to_empty`) model: derived buffers recomputed, weights read, LoRA adapters
         started afresh (B = 0: the adapted model computes what the checkpoint does)."""
+        from torch.distributed.tensor import DTensor
+
         from runtime.lora import has_lora, reset_lora
 
+        if self.layout.tied and not any(isinstance(p, DTensor) for p in model.parameters()):
+            # allocating gave each holder of a shared tensor its own (FSDP2's DTensors are swapped in place and
+            # stay shared): tie them again as transformers ties them
+            model.tie_weights()
         reinitialise_derived_buffers(model)
         loaded = load_weights(model, self.checkpoint, self.layout, self.names, self.dtype)
         if has_lora(model):

@@ -58,7 +58,12 @@ def prepared(case: dict, plan, mesh, trace=None):
     if plan.lora is not None:
         apply_lora(model, plan.lora)
         init_lora(model, case["lora_seed"])
-    return parallelize(model, plan, mesh, trace=trace)
+    precision = None
+    if case.get("precision") == "bf16":  # FSDP2 mixed precision forced on CPU (runtime.parallel.api.mixed_precision)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return parallelize(model, plan, mesh, trace=trace, precision=precision)
 
 
 def run_case(case: dict) -> dict:

@@ -163,6 +163,9 @@ def results(models, tmp_path_factory):
             # the same EP run without overlap: the trace must show the exchange waited on before local compute
             cases.append({**cases[0], "id": "no-overlap",
                           "plan": plan_for(world, "ep", False, overlap=False).to_dict()})
+            # FSDP2 with EP, parameters gathered and computed in bf16, master weights and reductions in fp32
+            cases.append({**cases[0], "id": "bf16-compute", "precision": "bf16", "round_trip": False,
+                          "plan": plan_for(world, "fsdp_ep", False).to_dict()})
             launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder)
             cache[world] = {"out": torch.load(folder / "out.pt", weights_only=False), "folder": folder}
         return cache[world]
@@ -200,6 +203,25 @@ def test_matches_single_process(results, models, world, name, layout, lora):
             torch.testing.assert_close(got["adapters"][key], want, rtol=1e-4, atol=1e-6)
         assert got.get("reloaded", layout not in ROUND_TRIP)
         assert all(".lora_" in k for k in want_grads)  # the base is frozen: only adapters train
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights(results, models):
+    """FSDP2's mixed-precision policy, as `runtime.parallel.api.mixed_precision` picks it for a bf16 plan on an
+    accelerator (forced here on CPU): the losses follow the fp32 run to bf16's precision without equalling it, and
+    the weights the optimizer updates stay fp32."""
+    from runtime.parallel.api import mixed_precision
+
+    run = results(2)
+    got = run["out"]["bf16-compute"]
+    plan = plan_for(2, "fsdp_ep", False)
+    want_losses, _, _ = reference(models[MODELS[0]], plan, torch.load(batch_for(2, run["folder"])), 3)
+    assert got["losses"] == pytest.approx(want_losses, rel=3e-2)
+    assert got["losses"] != pytest.approx(want_losses, rel=1e-6, abs=1e-7)
+    assert all(p.dtype == torch.float32 for p in got["params"].values())
+    policy = mixed_precision(Plan(dtype="bf16"), "cuda")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision(Plan(dtype="bf16"), "cpu") is None and mixed_precision(Plan(dtype="fp32"), "cuda") is None
 
 
 def _positions(trace: list, event: str) -> list[int]:

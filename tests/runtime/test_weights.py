@@ -61,6 +61,23 @@ def test_training_from_released_weights_starts_from_their_loss(family, released)
     assert result.steps[0].loss == pytest.approx(_hf_loss(model_dir, 1), rel=1e-6)
 
 
+def test_tied_embeddings_stay_one_tensor(tmp_path):
+    """A model whose head shares the embedding: its checkpoint holds the embedding once; after allocation the two
+    are one tensor again (so they train as one) and the loss is HuggingFace's."""
+    model_dir, bundle = released_model("qwen3_moe", tmp_path, tie_word_embeddings=True)
+    built = {}
+
+    def factory():
+        made = build_model(bundle, weights=str(model_dir))
+        built["model"] = made[0]
+        return made
+
+    result = train(factory, Plan(dtype="fp32", seq_len=SEQ), TrainConfig(steps=1, progress=False))
+    model = built["model"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert result.steps[0].loss == pytest.approx(_hf_loss(model_dir, 1), rel=1e-6)
+
+
 def test_released_experts_are_merged_into_the_runtime_stacks(released):
     """Mixtral's checkpoint holds each expert's w1 / w2 / w3; the adapted model holds the runtime's stacks (the
     same tensors as transformers' `gate_up_proj` / `down_proj`): every expert's rows land where transformers
