@@ -278,6 +278,10 @@ def test_exports_are_checked_before_training(released, tmp_path, capsys):
     assert (taken / "keep.txt").read_text() == "mine"
     assert main(["train", str(bundle), "--export-peft", str(tmp_path / "new")]) == 1
     assert "give --weights MODEL" in capsys.readouterr().err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert main(["train", str(bundle), "--weights", str(model_dir), "--export-peft", str(a_file / "x")]) == 1
+    assert "is not a writable folder" in capsys.readouterr().err
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
