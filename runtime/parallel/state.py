@@ -130,8 +130,8 @@ class LocalCopier:
 
     def copy(self, full: dict[str, torch.Tensor], *, expert_local: bool = False) -> list[str]:
         """Copy `full` (full-model keys) into the model; returns the local keys written. ValueError for a key the
-        model does not have or a shape that does not fit. `expert_local`: expert stacks in `full` hold this rank's
-        experts only already."""
+        model does not have or a shape that does not fit. `expert_local`: `full` is this rank's view already (its
+        expert stacks hold this rank's experts only, per-module experts under local indices)."""
         local = dict(full) if expert_local else _local_view(full, self.slices)
         unexpected = sorted(set(local) - set(self.own))
         if unexpected:
@@ -158,4 +158,4 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], *, strict:
     missing, unexpected = sorted(set(copier.own) - set(local)), sorted(set(local) - set(copier.own))
     if unexpected or (strict and missing):
         raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    copier.copy(state)
+    copier.copy(local, expert_local=True)  # already this rank's view

@@ -186,14 +186,14 @@ def _convert(group: _Group, checkpoint: Checkpoint, model: nn.Module,
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint, layout: HFLayout, names: dict[str, str],
-                 dtype: torch.dtype | None = None) -> dict:
+                 dtype: torch.dtype | None = None, groups: list[_Group] | None = None) -> dict:
     """Copy the checkpoint into `model` (adapted, parallelised, its tensors allocated), this rank's part of
     each tensor only (module docstring). `dtype` casts floating tensors (default: the model's own). Collective
     under torch.distributed only in that every rank must call it; it sends nothing. Returns what was loaded:
     {"tensors": n, "bytes": checkpoint size, "largest_group_bytes": n}."""
     from runtime.parallel.state import LocalCopier
 
-    groups = fitted_groups(checkpoint, layout)
+    groups = fitted_groups(checkpoint, layout) if groups is None else groups  # given: checked already
     by_hf: dict[str, list[str]] = {}
     for key, hf in names.items():
         by_hf.setdefault(hf, []).append(key)
@@ -307,15 +307,16 @@ class Pretrained:
     layout: HFLayout
     names: dict[str, str]
     dtype: torch.dtype | None = None
+    groups: list[_Group] | None = None  # the checkpoint's groups, as `prepare` checked them
 
     @classmethod
     def prepare(cls, model: nn.Module, directory: str | Path, adapt, dtype: torch.dtype | None = None) -> Pretrained:
         """Read `model`'s layout (built, not yet adapted), check the checkpoint fits it, then `adapt(model)`."""
         layout = HFLayout.of(model)
         checkpoint = Checkpoint(directory)
-        fitted_groups(checkpoint, layout)
+        groups = fitted_groups(checkpoint, layout)
         adapt(model)
-        return cls(checkpoint, layout, layout.names(model), dtype)
+        return cls(checkpoint, layout, layout.names(model), dtype, groups)
 
     def load(self, model: nn.Module) -> dict:
         """Into the allocated (`to_empty`) model: derived buffers recomputed, weights read, LoRA adapters
@@ -329,7 +330,7 @@ class Pretrained:
             # stay shared): tie them again as transformers ties them
             model.tie_weights()
         reinitialise_derived_buffers(model)
-        loaded = load_weights(model, self.checkpoint, self.layout, self.names, self.dtype)
+        loaded = load_weights(model, self.checkpoint, self.layout, self.names, self.dtype, self.groups)
         if has_lora(model):
             reset_lora(model)
         return loaded
