@@ -20,6 +20,7 @@ from pathlib import Path
 from onboard.agent import guard
 from onboard.agent.candidate import Candidate
 from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
+from onboard.agent import sandbox as sandboxes
 from onboard.agent.sandbox import Limits, Sandbox
 from onboard.agent.tasks import Task, leftovers
 from onboard.decision import Decision, GeneratedEntry
@@ -224,5 +225,6 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
     else:
         chosen, session = policy_named(policy, **llm)
     agent = Agent(chosen, source, rounds=rounds, session=session, speed=None if keep_slower else SpeedCheck())
+    sandboxes.warm()  # the probe's imports run while this process inspects the model
     spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
     return spec, verification, agent

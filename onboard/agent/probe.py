@@ -262,12 +262,14 @@ def speed(request: dict) -> dict:
 
 
 def main() -> None:
-    """One request per input line, one JSON result line each, until the input ends. What candidates print goes
-    to stderr: stdout carries the results alone."""
+    """One request per input line, one JSON result line each, until the input ends or a request says "end".
+    What candidates print goes to stderr: stdout carries the results alone."""
     _no_network()
     results, sys.stdout = sys.stdout, sys.stderr
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("op") == "end":  # the session's end (onboard.agent.zygote)
+            break
         used = resource.getrusage(resource.RUSAGE_SELF)
         budget = int(used.ru_utime + used.ru_stime) + int(request.get("cpu_seconds", 300))
         resource.setrlimit(resource.RLIMIT_CPU, (budget, resource.getrlimit(resource.RLIMIT_CPU)[1]))

@@ -6,13 +6,15 @@ test_llm.py. Models are tiny twins of transformers' own default configs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from onboard.agent.loop import RECORD, run
-from onboard.agent.sandbox import Limits
+from onboard.agent.sandbox import Limits, Sandbox
 from onboard.errors import OnboardError
 from onboard.families import default_config
 from onboard.source import from_config, resolve
@@ -78,6 +80,22 @@ def test_a_candidate_that_never_returns_is_stopped_by_the_sandbox(zaya, tmp_path
     entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(cpu_seconds=8, wall_seconds=60),
                           path=ZAYA_TASK)
     assert entry.takes is None and "the probe process ended with code" in entry.rounds[0]["outcome"]
+
+
+def test_a_probe_process_that_dies_fails_its_round_and_the_next_probe_gets_a_fresh_one(tmp_path):
+    """Probe processes are forked by a zygote that outlives them: one killed from outside is reported with its
+    exit code, the next probe runs in a new process, and each session has its own."""
+    request = {"model": str(tmp_path / "no-such-model"), "module_path": "x", "candidate": "x.py"}
+    with Sandbox(Limits(wall_seconds=120)) as sandbox:
+        first = sandbox.probe(request)
+        assert not first["passed"] and "no-such-model" in first["note"]
+        killed = sandbox.pid
+        os.kill(killed, signal.SIGKILL)
+        assert sandbox.probe(request)["note"].startswith(f"the probe process ended with code {-signal.SIGKILL}")
+        assert sandbox.probe(request) == first and sandbox.pid not in (None, killed)
+        previous = sandbox.pid
+    with Sandbox() as sandbox:
+        assert sandbox.probe(request) == first and sandbox.pid not in (previous, killed)
 
 
 def test_the_probe_process_has_no_network():
