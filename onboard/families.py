@@ -21,16 +21,15 @@ COMPLETIONS = {
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},  # dots.llm1 release
     "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
     "dbrx": {"attn_config.rope_theta": 500000.0},  # databricks/dbrx-base config.json (the default has none)
+    # LiquidAI/LFM2-8B-A1B config.json: its 24 layers, 6 of them attention (the default's 32 layers have no types)
+    "lfm2_moe": {"num_hidden_layers": 24, "layer_types": (["conv", "conv", "full_attention", "conv"]
+                                                          + ["conv", "conv", "full_attention", "conv"] * 4
+                                                          + ["conv", "full_attention", "conv", "conv"])},
 }
 
 # Families that cannot be inspected, and why.
 UNSUPPORTED = {
-    "dots3_note_text": "per-layer config overrides tie the sliding layers' head_dim to a per-layer nope dim "
-                       "that the twin does not follow",
-    "lfm2_moe": "transformers' default config has layer_types=None and does not build",
     "qwen4_exp_text": "transformers' default config leaves the indexer sizes None and does not build",
-    "zamba": "transformer blocks shared across 76 layers: no short twin reproduces the stack",
-    "zamba2": "transformer blocks shared across 54 layers: no short twin reproduces the stack",
     "gemma4_assistant": "transformers' default config fails its own validation",
     "dbrx": "experts kept as flat (experts x ffn, hidden) matrices and viewed per expert inside the forward; "
             "the expert matcher reads 3-D stacks and per-expert modules only",

@@ -263,16 +263,16 @@ def _derived_sizes(plan: _ConfigEdit) -> None:
 
 
 def _split_head_dims(plan: _ConfigEdit) -> None:
-    """A head dim that was nope + rope at full size (MLA-style split heads) stays their sum."""
-    nope = plan.shrunk_meaning("nope_head_dim")
-    rope = plan.shrunk_meaning("rope_head_dim")
-    if not nope or not rope:
-        return
+    """A head dim that was nope + rope at full size (MLA-style split heads) stays their sum, also where the nope
+    dim is a per-layer override (dots3's sliding layers: head_dim = their own qk_nope_head_dim + rope)."""
+    nopes = [s for s in plan.shrinks if s.meaning == "nope_head_dim"]
+    ropes = [s for s in plan.shrinks if s.meaning == "rope_head_dim"]
     for path, key, value in list(walk(plan.cfg)):
         if plan.meaning(path, key) == "head_dim" and is_size(value):
             full = next((s.full for s in plan.shrinks if s.path == path), value)
-            if full == nope.full + rope.full:
-                plan.put(path, "head_dim", nope.twin + rope.twin)
+            twin = next((n.twin + r.twin for n in nopes for r in ropes if full == n.full + r.full), None)
+            if twin is not None:
+                plan.put(path, "head_dim", twin)
 
 
 def _ssm_heads(plan: _ConfigEdit) -> None:

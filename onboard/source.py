@@ -151,6 +151,16 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _global(config, attr: str):
+    """A config's model-wide value of `attr`, or None: transformers 5.24 refuses to read one that a per-layer
+    config may override (AmbiguousGlobalPerLayerAttributeError); such a field is checked per layer by the model's
+    own validators."""
+    try:
+        return getattr(config, attr, None)
+    except Exception:  # noqa: BLE001 - any refusal to give one value for the whole model
+        return None
+
+
 def check_semantics(config, name: str) -> None:
     """Refuse, in one line naming the field, a config whose sizes cannot describe a decoder language model:
     sizes that are not positive, more layers than any model has, query heads that key/value heads do not
@@ -164,18 +174,18 @@ def check_semantics(config, name: str) -> None:
         raise OnboardError(f"{name}: '{config.model_type}' is an encoder (a masked language model), not a decoder "
                            f"language model")
     for attr in _POSITIVE:
-        value = getattr(config, attr, None)
+        value = _global(config, attr)
         if value is not None and _whole(value) and value < 1:
             raise OnboardError(f"{name}: {attr} is {value}; it must be at least 1")
-    layers = getattr(config, "num_hidden_layers", None)
+    layers = _global(config, "num_hidden_layers")
     if _whole(layers) and layers > MAX_LAYERS:
         raise OnboardError(f"{name}: num_hidden_layers is {layers}; onboard takes models of at most {MAX_LAYERS} "
                            f"layers")
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    heads, kv = _global(config, "num_attention_heads"), _global(config, "num_key_value_heads")
     if _whole(heads) and _whole(kv) and (kv < 1 or heads % kv):
         raise OnboardError(f"{name}: num_key_value_heads {kv} must divide num_attention_heads {heads}")
-    experts = next((v for f in _EXPERTS if _whole(v := getattr(config, f, None)) and v > 0), None)
-    top_k = next((v for f in _TOP_K if _whole(v := getattr(config, f, None))), None)
+    experts = next((v for f in _EXPERTS if _whole(v := _global(config, f)) and v > 0), None)
+    top_k = next((v for f in _TOP_K if _whole(v := _global(config, f))), None)
     if experts is not None and top_k is not None and not 1 <= top_k <= experts:
         raise OnboardError(f"{name}: {top_k} experts per token, and the model has {experts} experts")
 

@@ -15,6 +15,7 @@ the pipeline needs to know of the twin (its vocabulary, its width) is read from 
 
 from __future__ import annotations
 
+import collections
 import copy
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from runtime import model_tree
 
 TEST_SEQ_LEN = 32
 TEST_BATCH = 2
-MAX_TWIN_LAYERS = 48
+MAX_TWIN_LAYERS = 80  # a full-depth twin at twin width (Zamba's 76 layers) still runs in seconds
 
 
 @dataclass
@@ -174,21 +175,16 @@ def _build(source: ModelSource, plan: TwinConfig, run_check: bool) -> Twin:
     full_sigs = _signatures(wide, cfg, layers_path, list_paths)
     del wide
 
-    # 2. shortest prefix holding every distinct signature.
-    wanted = set(full_sigs)
-    seen: set[str] = set()
-    keep = full_layers
-    for i, sig in enumerate(full_sigs):
-        seen.add(sig)
-        if seen == wanted:
-            keep = i + 1
-            break
-    if keep > MAX_TWIN_LAYERS:
-        raise OnboardError(f"{source.name}: the twin would need {keep} layers to show every layer kind")
-    # 3. the real twin; if the shortened stack does not reproduce the full one (validators that tie layer
-    # counts together, index lists we could not read), keep the full depth at twin width instead.
+    # 2. the shortest prefix holding every distinct signature, then the shortest holding each twice (a block
+    # shared across layers needs a second use: transformers ties the copies, and refuses a lone one).
+    if (shortest := _prefix(full_sigs, 1)) > MAX_TWIN_LAYERS:
+        raise OnboardError(f"{source.name}: the twin would need {shortest} layers to show every layer kind")
+    prefixes = sorted({shortest, _prefix(full_sigs, 2)} - {full_layers})
+    # 3. the real twin; if no shortened stack reproduces the full one (validators that tie layer counts
+    # together, index lists we could not read, modules counted per layer inside a shared block), keep the full
+    # depth at twin width instead.
     model = None
-    if count_key and keep != full_layers:
+    for keep in prefixes if count_key else ():
         short = copy.deepcopy(cfg)
         truncate_layers(short, count_key, full_layers, keep)
         try:
@@ -199,12 +195,11 @@ def _build(source: ModelSource, plan: TwinConfig, run_check: bool) -> Twin:
         if model is not None and twin_sigs == full_sigs[:keep]:
             cfg = short
             shrinks.append(Shrink(count_key, "layers", full_layers, keep))
-        else:
-            model = None
+            break
+        model = None
     if model is None:
         if full_layers > MAX_TWIN_LAYERS:
             raise OnboardError(f"{source.name}: no short twin reproduces the layer structure of {full_layers} layers")
-        keep = full_layers
         model = _build_real(source, cfg)
         twin_sigs = _signatures(model, cfg, layers_path, list_paths)
     config = model.config
@@ -212,6 +207,18 @@ def _build(source: ModelSource, plan: TwinConfig, run_check: bool) -> Twin:
     if run_check:
         check_runs(twin)
     return twin
+
+
+def _prefix(signatures: list[str], uses: int) -> int:
+    """The length of the shortest prefix in which every distinct signature occurs `uses` times (or as often as
+    it occurs at all)."""
+    wanted = collections.Counter(signatures)
+    seen: collections.Counter = collections.Counter()
+    for i, sig in enumerate(signatures):
+        seen[sig] += 1
+        if all(seen[s] >= min(uses, n) for s, n in wanted.items()):
+            return i + 1
+    return len(signatures)
 
 
 def check_runs(twin: Twin) -> float:

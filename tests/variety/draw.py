@@ -252,8 +252,11 @@ def _layers(family: str, have: dict, out: dict, rng: random.Random) -> None:
     full, layers = have[layers_key], rng.randint(2, 6)
     out[layers_key] = layers
     # lists the config class derives from the depth (and the schedule fields) are left for it to derive
-    derived = {path for path, _, value in walk(build_config(family, {layers_key: layers}).to_dict())
-               if isinstance(value, list) and len(value) == layers != full}
+    try:
+        derived = {path for path, _, value in walk(build_config(family, {layers_key: layers}).to_dict())
+                   if isinstance(value, list) and len(value) == layers != full}
+    except Exception:  # noqa: BLE001 - validators that tie the per-layer lists to the depth: none is derived
+        derived = set()
     heads = out.get("num_attention_heads") or have.get("num_attention_heads") or 1
     for path, value in have.items():
         key = path.rsplit(".", 1)[-1]

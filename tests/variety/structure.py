@@ -43,7 +43,7 @@ KIND_CLASS = {"softmax": "softmax", "sliding": "softmax", "chunked": "softmax", 
 @dataclass
 class LayerExpect:
     index: int
-    mixer: str  # "linear" | "sparse" | "softmax" | "none"
+    mixer: str  # "linear" | "sparse" | "softmax" | "none" | "either" (linear or softmax: a layer holding both)
     moe: bool
     num_experts: int | None
     top_k: int | None
@@ -118,6 +118,9 @@ def mixer_class(layer: nn.Module, prefix: str = "") -> tuple[str, str]:
         return "none", "no attention or mixer module"
     depth, priority, kind, module = min(found, key=lambda f: f[:2])
     cls = type(module).__name__
+    if {p for d, p, _, _ in found if d == depth} >= {0, 1}:  # Zamba's hybrid layers: a shared attention block
+        # and a Mamba block side by side (a short convolution beside attention is not a mixer of its own)
+        return "either", f"{cls} beside an attention module: the spec, one mixer per layer, may name either"
     if kind == "linear":
         return "linear", cls
     if any("indexer" in type(m).__name__.lower() for m in module.modules()):
@@ -159,7 +162,7 @@ def disagreements(spec, expect: list[LayerExpect]) -> list[str]:
     out = []
     for layer, e in zip(spec.layers, expect):
         got = kind_class(layer.attention.kind)
-        if got != e.mixer:
+        if got != e.mixer and not (e.mixer == "either" and got in ("linear", "softmax")):
             out.append(f"layer {e.index}: mixer {layer.attention.kind} ({got}), the model's is {e.mixer} ({e.why})")
         if (layer.mlp.kind == "moe") != e.moe:
             out.append(f"layer {e.index}: mlp {layer.mlp.kind}, the model's layer is {'MoE' if e.moe else 'not MoE'}")
