@@ -134,6 +134,51 @@ def cmd_verify(args) -> int:
     return _print_verification(spec, verification, args.bundle)
 
 
+def cmd_review(args) -> int:
+    from pathlib import Path
+
+    from onboard.errors import OnboardError
+    from onboard.outputs import output_file
+    from onboard.review import review
+
+    if len(args.bundles) > 2:
+        raise OnboardError("review takes OLD NEW, or NEW alone")
+    old, new = (None, args.bundles[0]) if len(args.bundles) == 1 else args.bundles
+    out = output_file(args.out, force=args.force, what="review") if args.out else None
+    text = review(Path(old) if old else None, Path(new), args.format)
+    if out is None:
+        print(text, end="")
+    else:
+        from onboard.outputs import write_atomically
+
+        write_atomically(out, text)
+        print(f"review: {out}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from pathlib import Path
+
+    from onboard.check import check_bundle, committed_bundles
+    from onboard.errors import OnboardError
+
+    bundles = [Path(b) for b in args.bundles] or committed_bundles()
+    if not bundles:
+        raise OnboardError("no bundles to check: name them, or run in a folder whose bundles/ holds some")
+    codes = set()
+    for bundle in bundles:
+        result = check_bundle(bundle, fix=args.fix, trust_remote_code=args.trust_remote_code)
+        for line in result.lines():
+            print(line, flush=True)
+        if result.fixed:
+            codes.add(0 if result.fresh_passed else 3)
+        elif result.failed:
+            codes.add(3)
+        elif result.stale:
+            codes.add(5)
+    return 3 if 3 in codes else 5 if 5 in codes else 0
+
+
 def cmd_train(args) -> int:
     from onboard.train import run
 
@@ -297,7 +342,7 @@ PREDICTOR_HELP = ("trained predictor file or directory (default: the bundled new
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="onboard", description="Onboard MoE models onto the training runtime.",
                                      epilog="Exit codes: 0 ok, 1 bad input (one line on stderr), 2 bad arguments, "
-                                            "3 verification failed, 4 no plan fits, 70 internal error.")
+                                            "3 verification failed, 4 no plan fits, 5 stale bundle (onboard check), 70 internal error.")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an internal error (also ONBOARD_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -343,6 +388,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own modeling code (a bundle never switches it on by itself)")
     p.set_defaults(func=cmd_verify)
+
+    p = verb("review", help="what changed between two bundles of a model (OLD NEW), or a fresh bundle in full "
+                            "(NEW), for the person approving the pull request; needs-human-eyes list first")
+    p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="OLD NEW, or NEW alone")
+    p.add_argument("--out", help="write the review to this file (default: print it)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.add_argument("--format", default="markdown", choices=("markdown", "github"),
+                   help="markdown (default) or github (diffs folded in <details>, for a pull-request comment)")
+    p.set_defaults(func=cmd_review)
+
+    p = verb("check", help="make each committed bundle again from its recorded source and re-verify it: exit 5 "
+                           "when one is stale (what changed, one line each), 3 when one no longer verifies")
+    p.add_argument("bundles", nargs="*", metavar="BUNDLE", help="bundle directories (default: every one in bundles/)")
+    p.add_argument("--fix", action="store_true", help="replace stale or failing bundles with the ones made now")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the models' own modeling code (a bundle never switches it on by itself)")
+    p.set_defaults(func=cmd_check)
 
     p = verb("families", help="inspect every MoE / hybrid family the installed transformers ships")
     p.add_argument("--markdown", action="store_true", help="print README's support table")

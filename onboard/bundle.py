@@ -21,6 +21,7 @@ from onboard.codegen import render_adapter, render_kernels, render_review
 from onboard.decision import Decision, decide
 from onboard.errors import OnboardError
 from onboard.inspection import build_spec
+from onboard import provenance
 from onboard.placement import check_target, place, staging_for, tidy
 from onboard.source import ModelSource
 from onboard.spec import ModelSpec
@@ -60,6 +61,7 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
             verification = _render_and_verify(staging, spec, twin, decision)
         write_verification(staging, spec, twin, decision, verification)
         write_launcher(staging, plan)
+        provenance.write(staging, source)
         place(staging, out, force=force, protect=protect)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

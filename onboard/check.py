@@ -1,0 +1,150 @@
+"""`onboard check`: is each committed bundle what today's onboard makes of its recorded source, and does it
+still verify? What CI runs on every pull request.
+
+For each bundle: its verification is run again as committed (on a copy: the bundle is never touched unless
+`fix`), and the bundle is made again from its recorded source (`source.json`; an agent's bundle by replaying its
+own `agent.jsonl`) into a scratch folder and compared file by file. A bundle is stale when a file differs, one
+line each, naming what it was made from that changed since (provenance.json: templates, runtime files,
+versions, the model's config) or saying that nothing did (an edit by hand). Files that hold measured errors
+(MEASURED) are compared with their numbers masked: the last digits of a float differ from one CPU to another,
+the verdicts beside them do not. `fix` replaces a stale or failing bundle with the one made now, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onboard import provenance
+from onboard.bundle_files import bundle_source, read_bundle
+
+MEASURED = ("verification.json", "REVIEW.md", "agent.jsonl")
+NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?|-?\d+e[-+]?\d+", re.IGNORECASE)
+
+
+@dataclass
+class Checked:
+    bundle: Path
+    stale: list[str] = field(default_factory=list)  # one line per file that differs
+    failed: str = ""  # why the committed bundle no longer verifies ("" when it does)
+    fixed: bool = False
+    fresh_passed: bool = True  # whether the bundle made now verifies
+    commit: str = ""  # the commit it was made at, where that is not the one running
+
+    @property
+    def ok(self) -> bool:
+        return not self.stale and not self.failed
+
+    def lines(self) -> list[str]:
+        if self.ok:
+            return [f"{self.bundle}: up to date and verifies" + (f" (made at {self.commit[:12]})" if self.commit
+                                                                 else "")]
+        out = [f"{self.bundle}: stale: {line}" for line in self.stale]
+        if self.failed:
+            out.append(f"{self.bundle}: {self.failed}")
+        if self.fixed:
+            out.append(f"{self.bundle}: fixed: replaced by the bundle made now"
+                       + ("" if self.fresh_passed else ", which does not verify either"))
+        return out
+
+
+def masked(text: str) -> str:
+    """`text` with every decimal or exponent number replaced by one placeholder."""
+    return NUMBER.sub("<n>", text)
+
+
+def _files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def _same(name: str, old: Path, new: Path) -> bool:
+    a, b = old.read_bytes(), new.read_bytes()
+    if a == b:
+        return True
+    if name == provenance.FILE:
+        try:
+            return provenance.comparable(json.loads(a)) == provenance.comparable(json.loads(b))
+        except ValueError:
+            return False
+    if name.rsplit("/", 1)[-1] in MEASURED:
+        return masked(a.decode(errors="replace")) == masked(b.decode(errors="replace"))
+    return False
+
+
+def causes(old: dict | None, new: dict) -> list[str]:
+    """What the bundle was made from that changed between two provenance records."""
+    if old is None:
+        return ["made by an onboard that kept no provenance"]
+    out = [f"{name} {old.get('versions', {}).get(name)} -> {version}" for name, version in new["versions"].items()
+           if old.get("versions", {}).get(name) != version]
+    if old.get("source", {}).get("config_sha256") != new["source"]["config_sha256"]:
+        out.append("the model's config")
+    before, after = old.get("files", {}), new["files"]
+    out += [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
+    return out
+
+
+def differences(old: Path, new: Path) -> list[str]:
+    """One line per file of bundle `old` that differs from bundle `new`, with what changed in between."""
+    def record(folder: Path) -> dict | None:
+        path = folder / provenance.FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    before, after = _files(old), _files(new)
+    changed = sorted(name for name in before & after if not _same(name, old / name, new / name))
+    lines = [f"{name}: no longer made" for name in sorted(before - after)]
+    lines += [f"{name}: made now, missing from the bundle" for name in sorted(after - before)]
+    if changed or lines:
+        why = causes(record(old), record(new))
+        since = (f"changed since it was made: {', '.join(why[:6])}{' ...' if len(why) > 6 else ''}" if why
+                 else "nothing it was made from changed: edited by hand?")
+        lines += [f"{name} differs from what onboard makes now ({since})" for name in changed]
+    return lines
+
+
+def regenerate(bundle: Path, out: Path, *, trust_remote_code: bool = False):
+    """Make `bundle` again from its recorded source into `out` (an agent's bundle by replaying its record); the
+    new bundle's verification."""
+    from onboard.agent.loop import RECORD, run
+    from onboard.bundle import adapt
+
+    _, _, origin = read_bundle(bundle)
+    source = bundle_source(origin, trust_remote_code)
+    if (bundle / RECORD).is_file():
+        return run(source, out, replay=bundle / RECORD)[1]
+    return adapt(source, out)[1]
+
+
+def committed_bundles(root: Path = Path("bundles")) -> list[Path]:
+    """The bundles under `root` (folders holding a spec.json), in order."""
+    return sorted(p.parent for p in root.glob("*/spec.json")) if root.is_dir() else []
+
+
+def check_bundle(bundle: Path, *, fix: bool = False, trust_remote_code: bool = False) -> Checked:
+    from onboard.bundle import verify_bundle
+    from onboard.placement import place, staging_for
+
+    directory, _, _ = read_bundle(bundle)
+    result = Checked(directory)
+    with tempfile.TemporaryDirectory(prefix="onboard-check-") as scratch:
+        committed, fresh = Path(scratch) / "committed", Path(scratch) / "fresh"
+        shutil.copytree(directory, committed)
+        _, verification = verify_bundle(committed, trust_remote_code=trust_remote_code)
+        if not verification.passed:
+            result.failed = f"no longer verifies: {verification.note or 'see onboard verify'}"
+        result.fresh_passed = regenerate(directory, fresh, trust_remote_code=trust_remote_code).passed
+        result.stale = differences(directory, fresh)
+        recorded = directory / provenance.FILE
+        made_at = json.loads(recorded.read_text()).get("onboard", {}).get("commit") if recorded.is_file() else None
+        if made_at and made_at != provenance.commit():
+            result.commit = made_at
+        if fix and not result.ok:
+            staging = staging_for(directory)
+            shutil.copytree(fresh, staging, dirs_exist_ok=True)
+            place(staging, directory, force=True)
+            result.fixed = True
+    return result

@@ -1,0 +1,140 @@
+"""What produced a bundle (provenance.json): onboard's version and git commit, the versions of transformers and
+torch, the model's source (its reference, the revision where the HuggingFace cache names one, a hash of its
+config), and a hash of every template the bundle was rendered from and every runtime file its code imports,
+directly or through other runtime modules. Templates are hashed as the renderer reads them.
+
+Identical inputs give identical bytes. The commit is the one field that changes while every input stays the
+same (a commit that touched nothing the bundle uses), so `onboard check` reports it and does not call a bundle
+stale for it: the file hashes say whether what the bundle was made from changed.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import onboard
+from onboard import codegen
+from onboard.source import ModelSource
+
+SCHEMA_VERSION = 1
+FILE = "provenance.json"
+ROOT = Path(onboard.__file__).resolve().parent.parent  # the project: onboard/, runtime/, templates/
+TEMPLATES = ("adapter.py.j2", "REVIEW.md.j2", "train.sh.j2", "train.slurm.j2")  # every bundle's
+VOLATILE = ("onboard", "commit")  # the field check does not compare
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def commit() -> str | None:
+    """The git commit of the onboard checkout that runs (None outside a git checkout)."""
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def model_source(source: ModelSource) -> dict:
+    """The reference, its kind, the HuggingFace cache's revision (the snapshot folder), and the config's hash:
+    of config.json's bytes where there is one, else of the config's canonical JSON."""
+    config_file = Path(source.path) / "config.json"
+    if config_file.is_file():
+        digest = _sha256(config_file.read_bytes())
+    else:
+        digest = _sha256(json.dumps(source.config.to_dict(), sort_keys=True, default=str).encode())
+    revision = Path(source.path).name if source.kind == "hf-cache" else None
+    return {"ref": source.ref, "kind": source.kind, "revision": revision, "config_sha256": digest}
+
+
+def templates_used(bundle: Path) -> list[str]:
+    """Every bundle's templates, its kernels' (kernels.json) and those its generated modules were rendered from
+    (the rules policy's readings in decision.json)."""
+    used = set(TEMPLATES)
+    kernels = bundle / "kernels.json"
+    if kernels.is_file():
+        used |= {k["template"] for k in json.loads(kernels.read_text())}
+    decision = bundle / "decision.json"
+    if decision.is_file():
+        used |= {f"generated/{e['reading']}.py.j2" for e in json.loads(decision.read_text()).get("generated", [])
+                 if e.get("file") and e.get("policy") == "rules" and e.get("reading")}
+    return sorted(used)
+
+
+def _module_file(name: str) -> Path | None:
+    base = ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """The modules `path` (a module of `package`) imports: absolute names, relative ones resolved; for `from A
+    import B` both A and A.B (B may be a submodule)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{alias.name}" for alias in node.names}
+    return out
+
+
+def runtime_files(sources: list[Path]) -> list[str]:
+    """The runtime files that code in `sources` imports, transitively, with the packages that hold them."""
+    seen: set[Path] = set()
+    todo = [(path, "") for path in sources]
+    while todo:
+        path, package = todo.pop()
+        for name in _imports(path, package):
+            if not name.startswith("runtime"):
+                continue
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # importing runtime.moe.block runs runtime/ and runtime/moe/ too
+                module = ".".join(parts[:i])
+                found = _module_file(module)
+                if found is not None and found not in seen:
+                    seen.add(found)
+                    todo.append((found, module if found.name == "__init__.py" else ".".join(parts[:i - 1])))
+    return sorted(str(p.relative_to(ROOT)) for p in seen)
+
+
+def provenance(bundle: Path, source: ModelSource) -> dict:
+    """The provenance record of the bundle being written in `bundle` (its code files are in place)."""
+    import torch
+    import transformers
+
+    code = [bundle / "adapter.py"] + sorted((bundle / "generated").glob("*.py"))
+    files = {f"templates/{name}": _sha256(codegen.template_text(name).encode()) for name in templates_used(bundle)}
+    files |= {name: _sha256((ROOT / name).read_bytes()) for name in runtime_files([p for p in code if p.is_file()])}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "onboard": {"version": onboard.__version__, "commit": commit()},
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "source": model_source(source),
+        "files": dict(sorted(files.items())),
+    }
+
+
+def write(bundle: Path, source: ModelSource) -> None:
+    (bundle / FILE).write_text(json.dumps(provenance(bundle, source), indent=2, sort_keys=True) + "\n")
+
+
+def comparable(record: dict) -> dict:
+    """`record` without the field that changes with no input changed (the commit)."""
+    out = json.loads(json.dumps(record))
+    out.get(VOLATILE[0], {}).pop(VOLATILE[1], None)
+    return out

@@ -1,0 +1,157 @@
+"""Generated code reviewed in pull requests (issue 17): `onboard review` says what changed between two bundles
+and what needs human eyes; `onboard check` finds a committed bundle that is stale (edited by hand, made by an
+older template) or no longer verifies, one line each, and `--fix` puts it right. The bundles are OLMoE twins
+(transformers' default config, two experts per token where the default has eight) adapted in this process; the
+golden review is of the committed deepseek-v3 and deepseek-v3.2 bundles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cli import main
+from onboard import codegen
+from onboard.bundle import adapt
+from onboard.check import check_bundle, masked
+from onboard.families import default_config
+from onboard.review import review
+from onboard.source import resolve
+
+pytestmark = pytest.mark.slow  # adapts and checks OLMoE twins: about a minute
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).with_name("golden") / "review-deepseek-v3-to-v3.2.md"
+
+
+def _olmoe(folder: Path, rename: str | None = None) -> Path:
+    config = default_config("olmoe")
+    config.num_experts_per_tok = 2
+    config.save_pretrained(folder)
+    if rename:  # a field transformers renamed: the old name is kept as an unknown key, the new one defaults
+        data = json.loads((folder / "config.json").read_text())
+        data[rename] = data.pop("num_experts_per_tok")
+        (folder / "config.json").write_text(json.dumps(data, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("olmoe")
+    adapt(resolve(str(_olmoe(root / "model"))), root / "bundle")
+    return root / "bundle"
+
+
+def _copy(bundle: Path, to: Path) -> Path:
+    shutil.copytree(bundle, to)
+    return to
+
+
+def _edited_template(name: str, extra: str):
+    """template_text with `extra` appended to template `name` (a template edit, as a pull request makes it)."""
+    original = codegen.template_text
+    return lambda n: original(n) + (extra if n == name else "")
+
+
+def test_a_bundle_records_what_produced_it(made):
+    record = json.loads((made / "provenance.json").read_text())
+    assert record["versions"]["transformers"] and record["versions"]["torch"]
+    assert record["source"]["kind"] == "local" and len(record["source"]["config_sha256"]) == 64
+    files = record["files"]
+    assert {"templates/adapter.py.j2", "templates/kernels/moe_triton.py.j2", "runtime/moe/block.py",
+            "runtime/swap.py"} <= set(files)
+    assert all(len(h) == 64 for h in files.values())
+
+
+def test_a_bundle_reviewed_against_itself_says_no_changes(made):
+    text = review(made, made)
+    assert "No changes" in text and "## Needs human eyes\n\n- nothing\n" in text
+    assert review(made, made, "github") == review(made, made, "github")  # deterministic
+
+
+def test_review_of_a_fresh_bundle_shows_it_in_full(made):
+    text = review(None, made)
+    assert "## Code" in text and "`adapter.py`" in text and "def adapt(" in text
+    assert "| seed |" in text and "runtime MoEBlock" in text
+
+
+def test_check_finds_an_older_template_and_review_names_it(made, tmp_path, monkeypatch):
+    """Planted: the adapter template gains a line. The bundle made before it is stale, naming the template;
+    with --fix it is made again, and the review of old against new lists the changed code under human eyes."""
+    monkeypatch.setattr(codegen, "template_text", _edited_template("adapter.py.j2", "# a template edit\n"))
+    older = _copy(made, tmp_path / "older")
+    result = check_bundle(older, fix=True)
+    assert not result.failed and result.fixed
+    assert any(line.startswith("adapter.py differs") and "templates/adapter.py.j2" in line for line in result.stale)
+    assert (older / "adapter.py").read_text().endswith("# a template edit\n")
+    text = review(made, older)
+    eyes = text.split("## Provenance")[0]
+    assert "code made from changed templates or runtime files (templates/adapter.py.j2): adapter.py" in eyes
+    assert "+# a template edit" in text
+
+
+def test_check_fails_on_a_hand_edit_and_a_failing_bundle_and_fix_makes_them_pass(made, tmp_path, capsys):
+    edited = _copy(made, tmp_path / "edited")
+    with open(edited / "adapter.py", "a") as f:
+        f.write("# tidied by hand\n")
+    failing = _copy(made, tmp_path / "failing")  # the router's weights renormalised: the numbers change
+    adapter = (failing / "adapter.py").read_text()
+    assert "renormalize=False" in adapter
+    (failing / "adapter.py").write_text(adapter.replace("renormalize=False", "renormalize=True"))
+
+    assert main(["check", str(edited), str(failing)]) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert f"{edited}: stale: adapter.py differs from what onboard makes now (nothing it was made from changed: " \
+           f"edited by hand?)" in lines
+    assert any(line.startswith(f"{failing}: no longer verifies") for line in lines)
+    assert main(["check", str(edited)]) == 5  # stale but verifying
+
+    assert main(["check", "--fix", str(edited), str(failing)]) == 0
+    assert (failing / "adapter.py").read_text() == (made / "adapter.py").read_text()
+    assert check_bundle(failing).ok and check_bundle(edited).ok  # fresh ones pass
+
+
+def test_review_lists_a_renamed_config_field_and_a_shrinking_margin(made, tmp_path):
+    renamed = tmp_path / "renamed"
+    adapt(resolve(str(_olmoe(tmp_path / "model", rename="experts_per_token"))), renamed)
+    text = review(made, renamed)
+    eyes = text.split("## Provenance")[0]
+    assert "the model's config changed" in eyes
+    assert "top-2" in text and "top-8" in text  # the spec section: the field fell back to its default
+
+    tight = _copy(made, tmp_path / "tight")
+    record = json.loads((tight / "verification.json").read_text())
+    seed = record["seeds"][1]
+    assert seed["truth"] == "fp64"
+    tol = record["tolerances"]
+    bound = tol["err_factor"] * seed["logits_err_hf"] + tol["err_floor"]
+    seed["logits_err_adapted"] = bound / 3
+    (tight / "verification.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    eyes = review(made, tight).split("## Provenance")[0]
+    assert "verification margin: seed 1 logits is 3.0x inside its tolerance, was" in eyes
+    assert "verification margin" not in review(made, made)
+
+
+def test_numbers_are_masked_when_measured_files_are_compared():
+    assert masked('"err": 3.2e-07, "seed": 2, "loss": 6.25') == '"err": <n>, "seed": 2, "loss": <n>'
+
+
+def test_golden_review_of_deepseek_v3_against_v3_2():
+    """The committed bundles: V3.2 adds DeepSeek sparse attention (DSA) to every layer; the review lists the
+    layers, the runtime's new attention swap and each seed's verification, old beside new."""
+    old, new = ROOT / "bundles" / "deepseek-v3", ROOT / "bundles" / "deepseek-v3.2"
+    text = review(old, new, "github")
+    if os.environ.get("ONBOARD_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "rerun with ONBOARD_UPDATE_GOLDEN=1 after a deliberate change"
+    spec = text.split("## Spec")[1].split("## What runs where")[0]
+    assert "sparse:dsa" in spec and "mla" in spec
+    where = text.split("## What runs where")[1].split("## Code")[0]
+    assert "runtime sparse (sparse:dsa) **changed**" in where
+    seeds = json.loads((new / "verification.json").read_text())["seeds"]
+    for s in seeds:
+        assert f"| {s['seed']} (old) |" in text and f"| {s['seed']} (new) |" in text

