@@ -5,9 +5,11 @@ For each bundle: its verification is run again as committed (on a copy: the bund
 `fix`), and the bundle is made again from its recorded source (`source.json`; an agent's bundle by replaying its
 own `agent.jsonl`) into a scratch folder and compared file by file. A bundle is stale when a file differs, one
 line each, naming what it was made from that changed since (provenance.json: templates, runtime files,
-versions, the model's config) or saying that nothing did (an edit by hand). Files that hold measured errors
-(MEASURED) are compared with their numbers masked: the last digits of a float differ from one CPU to another,
-the verdicts beside them do not. `fix` replaces a stale or failing bundle with the one made now, atomically.
+versions, the model's config) or saying that nothing did (an edit by hand). Files that hold measured errors are
+compared by their verdicts: the last digits of a float, and so which gradient comes out worst, differ from one
+CPU to another; whether each seed passed, what was swapped and how often it ran do not. REVIEW.md is not
+compared: it renders files that are (and a template whose hash provenance.json holds). `fix` replaces a stale
+or failing bundle with the one made now, atomically.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from pathlib import Path
 from onboard import provenance
 from onboard.bundle_files import bundle_source, read_bundle
 
-MEASURED = ("verification.json", "REVIEW.md", "agent.jsonl")
+DERIVED = ("REVIEW.md",)  # rendered from compared files
+SEED_VERDICTS = ("seed", "passed", "truth", "decays", "runtime_calls", "original_calls", "runtime_loss_calls",
+                 "runtime_attention_calls")
 NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?|-?\d+e[-+]?\d+", re.IGNORECASE)
 
 
@@ -61,17 +65,40 @@ def _files(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
 
 
+def verdicts(verification: dict) -> dict:
+    """What verification.json decided, without what it measured."""
+    out = {k: verification.get(k) for k in ("passed", "replaced", "expected", "swaps", "backends")}
+    out["note"] = masked(verification.get("note") or "")
+    out["aux_passed"] = (verification.get("aux_loss") or {}).get("passed")
+    out["kept_apart"] = (verification.get("packed") or {}).get("kept_apart")
+    out["seeds"] = [{k: s.get(k) for k in SEED_VERDICTS} for s in verification.get("seeds", [])]
+    return out
+
+
+def _events(text: str) -> list[dict]:
+    """agent.jsonl with each probe's result cut to its verdict and every number masked."""
+    out = []
+    for line in text.splitlines():
+        event = json.loads(line)
+        if isinstance(event.get("result"), dict):
+            event["result"] = {"passed": event["result"].get("passed")}
+        out.append(json.loads(masked(json.dumps(event, sort_keys=True))))
+    return out
+
+
 def _same(name: str, old: Path, new: Path) -> bool:
     a, b = old.read_bytes(), new.read_bytes()
-    if a == b:
+    if a == b or name in DERIVED:
         return True
-    if name == provenance.FILE:
-        try:
+    try:
+        if name == provenance.FILE:
             return provenance.comparable(json.loads(a)) == provenance.comparable(json.loads(b))
-        except ValueError:
-            return False
-    if name.rsplit("/", 1)[-1] in MEASURED:
-        return masked(a.decode(errors="replace")) == masked(b.decode(errors="replace"))
+        if name == "verification.json":
+            return verdicts(json.loads(a)) == verdicts(json.loads(b))
+        if name == "agent.jsonl":
+            return _events(a.decode()) == _events(b.decode())
+    except (ValueError, AttributeError, TypeError):
+        return False
     return False
 
 

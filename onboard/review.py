@@ -224,13 +224,10 @@ def review(old_dir: Path | None, new_dir: Path, fmt: str = "markdown") -> str:
 
 
 def _identical(old: Bundle, new: Bundle) -> bool:
-    from onboard.check import masked
-
-    def verdicts(b: Bundle) -> str:
-        return masked(json.dumps(b.verification, sort_keys=True))
+    from onboard.check import verdicts
 
     return (old.code_files() == new.code_files() and old.spec == new.spec and old.decision == new.decision
-            and verdicts(old) == verdicts(new) and old.plan == new.plan)
+            and verdicts(old.verification or {}) == verdicts(new.verification or {}) and old.plan == new.plan)
 
 
 def _provenance_section(old: Bundle | None, new: Bundle) -> list[str]:

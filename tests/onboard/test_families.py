@@ -121,7 +121,10 @@ def test_family_spec_agrees_with_config(family):
         for layer, layer_type in zip(spec.layers, types):
             allowed = LAYER_TYPE_KINDS.get(layer_type)
             if allowed:
-                assert layer.attention.kind in allowed, f"layer {layer.index}: {layer_type} -> {layer.attention.kind}"
+                kind = layer.attention.kind
+                # a sliding window over MLA heads (dots3) is MLA with its window in the spec
+                windowed_mla = layer_type == "sliding_attention" and kind == "mla" and layer.attention.window
+                assert kind in allowed or windowed_mla, f"layer {layer.index}: {layer_type} -> {kind}"
     if cfg.get("index_topk") and not types:
         assert all(layer.attention.kind == "sparse:dsa" for layer in spec.layers)
         assert spec.layers[0].attention.index_topk == cfg["index_topk"]
