@@ -103,7 +103,8 @@ def _same(name: str, old: Path, new: Path) -> bool:
 
 
 def causes(old: dict | None, new: dict) -> list[str]:
-    """What the bundle was made from that changed between two provenance records."""
+    """What both bundles were made from that changed between two provenance records (versions, the model's
+    config, templates and runtime files whose contents differ)."""
     if old is None:
         return ["made by an onboard that kept no provenance"]
     out = [f"{name} {old.get('versions', {}).get(name)} -> {version}" for name, version in new["versions"].items()
@@ -111,8 +112,13 @@ def causes(old: dict | None, new: dict) -> list[str]:
     if old.get("source", {}).get("config_sha256") != new["source"]["config_sha256"]:
         out.append("the model's config")
     before, after = old.get("files", {}), new["files"]
-    out += [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
-    return out
+    return out + [name for name in sorted(set(before) & set(after)) if before[name] != after[name]]
+
+
+def uses(old: dict | None, new: dict) -> tuple[list[str], list[str]]:
+    """Templates and runtime files the newer bundle uses that the older did not, and the other way round."""
+    before, after = set((old or {}).get("files", {})), set(new["files"])
+    return sorted(after - before), sorted(before - after)
 
 
 def differences(old: Path, new: Path) -> list[str]:

@@ -3,8 +3,8 @@ request that changes them (`NEW` alone: a fresh bundle reviewed in full, as if a
 
 The page is deterministic (the same two bundles give the same bytes) and opens with what needs human eyes:
 generated code (the agent's), modules newly left unmatched, verification margins that shrank to within
-MARGIN of a tolerance, targets swapped back to HuggingFace code, code made from changed templates or runtime
-files, a changed model config, a bundle that fails verification. Then: provenance, per-layer spec changes,
+MARGIN of a tolerance, targets swapped back to HuggingFace code or newly taken by the runtime, code made from
+changed templates or runtime files, a changed model config, a bundle that fails verification. Then: provenance, per-layer spec changes,
 what runs in the runtime and what stays HuggingFace code (and why), unified diffs of the code, verification
 per seed old beside new, and the plan. `github` format folds the diffs into <details> blocks.
 
@@ -112,29 +112,33 @@ def placements(decision: dict | None) -> dict[str, str]:
     return out
 
 
-def margins(verification: dict | None) -> list[tuple[str, float]]:
-    """(what, bound / error) for every seed's logits, loss and worst gradient."""
+def margins(verification: dict | None) -> list[tuple[str, str, float]]:
+    """(what, which tensor, bound / error) for every seed's logits, loss and worst gradient."""
     if not verification:
         return []
     tol = verification.get("tolerances", {})
+    factor, floor = tol.get("err_factor", 10), tol.get("err_floor", 0)
     out = []
     for s in verification.get("seeds", []):
         seed = f"seed {s.get('seed')}"
         if s.get("truth") == "fp64":
-            checks = [("logits", s.get("logits_err_adapted"), tol.get("err_factor", 10) * (s.get("logits_err_hf") or 0)
-                       + tol.get("err_floor", 0)),
-                      (f"gradient {s.get('grad_err_param')}", s.get("grad_err_adapted"),
-                       tol.get("err_factor", 10) * (s.get("grad_err_hf") or 0) + tol.get("err_floor", 0))]
+            checks = [("logits", "", s.get("logits_err_adapted"), factor * (s.get("logits_err_hf") or 0) + floor),
+                      ("gradient", s.get("grad_err_param"), s.get("grad_err_adapted"),
+                       factor * (s.get("grad_err_hf") or 0) + floor)]
         else:
-            checks = [("logits", s.get("logits_max_rel"), tol.get("logits_rtol")),
-                      (f"gradient {s.get('grad_worst_param')}", s.get("grad_worst_rel"), tol.get("grad_rtol"))]
+            checks = [("logits", "", s.get("logits_max_rel"), tol.get("logits_rtol")),
+                      ("gradient", s.get("grad_worst_param"), s.get("grad_worst_rel"), tol.get("grad_rtol"))]
         ref, adapted = s.get("loss_ref"), s.get("loss_adapted")
         if isinstance(ref, int | float) and isinstance(adapted, int | float):
-            checks.append(("loss", abs(ref - adapted) / max(abs(ref), 1e-30), tol.get("loss_rtol")))
-        for what, error, bound in checks:
+            checks.append(("loss", "", abs(ref - adapted) / max(abs(ref), 1e-30), tol.get("loss_rtol")))
+        for what, tensor, error, bound in checks:
             if isinstance(error, int | float) and isinstance(bound, int | float) and bound > 0:
-                out.append((f"{seed} {what}", bound / error if error > 0 else float("inf")))
+                out.append((f"{seed} {what}", tensor or "", bound / error if error > 0 else float("inf")))
     return out
+
+
+def _times(margin: float) -> str:
+    return "exact" if margin == float("inf") else f"{margin:.1f}x"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -153,17 +157,21 @@ def needs_eyes(old: Bundle | None, new: Bundle) -> list[str]:
     for path, reason in sorted(unmatched(new.spec).items()):
         if path not in before:
             out.append(f"{'newly unmatched' if old else 'unmatched'}: `{path}` ({reason})")
-    old_margins = dict(margins(old.verification)) if old else {}
-    for what, margin in margins(new.verification):
+    old_margins = {what: m for what, _, m in margins(old.verification)} if old else {}
+    for what, tensor, margin in margins(new.verification):
         if margin < MARGIN and (old is None or old_margins.get(what, float("inf")) >= MARGIN
                                 or margin < old_margins.get(what, float("inf"))):
-            was = f", was {old_margins[what]:.1f}x" if what in old_margins else ""
-            out.append(f"verification margin: {what} is {margin:.1f}x inside its tolerance{was}")
+            was = f", was {_times(old_margins[what])}" if what in old_margins else ""
+            of = f" ({tensor})" if tensor else ""
+            out.append(f"verification margin: {what}{of} is {margin:.1f}x inside its tolerance{was}")
     if old is not None:
         before, after = placements(old.decision), placements(new.decision)
         for target, where in sorted(after.items()):
             if where.startswith("HuggingFace code") and not before.get(target, where).startswith("HuggingFace code"):
                 out.append(f"swapped back to HuggingFace code: {target}: was {before[target]}, now {where}")
+            elif not where.startswith("HuggingFace code") and before.get(target) != where:
+                was = f"was {before[target]}, now " if target in before else ""
+                out.append(f"newly taken by the runtime: {target}: {was}{where}")
         changed = _provenance_changes(old.provenance, new.provenance)
         code_changed = [n for n in set(old_code) | set(new.code_files()) if old_code.get(n) != new.code_files().get(n)]
         made_from = [c for c in changed if c.startswith(("templates/", "runtime/"))]
@@ -247,6 +255,12 @@ def _provenance_section(old: Bundle | None, new: Bundle) -> list[str]:
     if old is not None:
         changed = _provenance_changes(old.provenance, new.provenance)
         lines += ["", "Changed since the old bundle: " + (", ".join(f"`{c}`" for c in changed) if changed else "nothing")]
+        if new.provenance:
+            from onboard.check import uses
+
+            added, dropped = uses(old.provenance, new.provenance)
+            lines += [f"Now also made from: {', '.join(f'`{f}`' for f in added)}"] if added else []
+            lines += [f"No longer made from: {', '.join(f'`{f}`' for f in dropped)}"] if dropped else []
     return lines + [""]
 
 
@@ -316,7 +330,7 @@ def _verification_section(old: Bundle | None, new: Bundle) -> list[str]:
     verdict = (lambda b: "PASSED" if (b.verification or {}).get("passed") else "FAILED")
     lines = ["## Verification", ""]
     tol = (new.verification or {}).get("tolerances", {})
-    lines.append("Tolerances: " + ", ".join(f"{k} {_number(v)}" for k, v in sorted(tol.items())))
+    lines.append("Tolerances: " + ", ".join(f"{k} {v:g}" for k, v in sorted(tol.items())))
     lines.append("")
     lines.append(f"Verdict: {verdict(old) + ' -> ' if old else ''}{verdict(new)}")
     lines += ["", "| seed | truth | logits max rel | loss ref / adapted | worst gradient rel | passed |",
@@ -330,13 +344,13 @@ def _verification_section(old: Bundle | None, new: Bundle) -> list[str]:
             lines.append(f"| {tag} | {s.get('truth', '-')} | {_number(s.get('logits_max_rel'))} | "
                          f"{_number(s.get('loss_ref'))} / {_number(s.get('loss_adapted'))} | "
                          f"{_number(s.get('grad_worst_rel'))} (`{s.get('grad_worst_param')}`) | {s.get('passed')} |")
-    m_old = dict(margins(old.verification)) if old else {}
+    m_old = {what: m for what, _, m in margins(old.verification)} if old else {}
     m_new = margins(new.verification)
     if m_new:
         lines += ["", "Margins (bound / error; below 10x needs human eyes):", ""]
-        for what, margin in m_new:
-            was = f" (was {m_old[what]:.1f}x)" if what in m_old else ""
-            lines.append(f"- {what}: {margin:.1f}x{was}")
+        for what, tensor, margin in m_new:
+            was = f" (was {_times(m_old[what])})" if what in m_old else ""
+            lines.append(f"- {what}{f' ({tensor})' if tensor else ''}: {_times(margin)}{was}")
     return lines + [""]
 
 

@@ -155,3 +155,18 @@ def test_golden_review_of_deepseek_v3_against_v3_2():
     seeds = json.loads((new / "verification.json").read_text())["seeds"]
     for s in seeds:
         assert f"| {s['seed']} (old) |" in text and f"| {s['seed']} (new) |" in text
+
+
+@pytest.mark.parametrize("bundle", sorted(p.parent.name for p in (ROOT / "bundles").glob("*/spec.json")))
+def test_every_committed_bundle_records_its_provenance_and_verified(bundle):
+    """The committed bundles (`onboard check` in CI makes each again and compares): one per catalogue model."""
+    folder = ROOT / "bundles" / bundle
+    record = json.loads((folder / "provenance.json").read_text())
+    assert record["source"]["kind"] == "catalogue" and record["source"]["ref"] == bundle
+    assert json.loads((folder / "verification.json").read_text())["passed"]
+
+
+def test_the_catalogue_has_a_committed_bundle_each():
+    from onboard.source import catalogue_index
+
+    assert {p.parent.name for p in (ROOT / "bundles").glob("*/spec.json")} == set(catalogue_index())
