@@ -8,6 +8,7 @@ well wherever its binary is on PATH."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -65,3 +66,35 @@ def test_the_linters_catch_a_broken_workflow(tmp_path):
     assert schema(injected).returncode == 0  # well formed ...
     done = audit(injected)
     assert done.returncode != 0 and "template-injection" in done.stdout + done.stderr  # ... and unsafe
+
+
+def test_the_review_script_reviews_what_a_pull_request_changes(tmp_path):
+    """.github/review-changed-bundles.sh in a repository of its own: one committed bundle edited, one added, one
+    untouched; the review holds the edit (a diff, against the base) and the new bundle in full, nothing else."""
+    repo = tmp_path / "repo"
+    (repo / "bundles").mkdir(parents=True)
+    shutil.copytree(ROOT / ".github", repo / ".github")
+    for name in ("olmoe-1b-7b", "qwen3-8b"):
+        shutil.copytree(ROOT / "bundles" / name, repo / "bundles" / name)
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "base", "--allow-empty")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "bundles")
+    base = git("rev-parse", "HEAD").strip()
+    with open(repo / "bundles" / "olmoe-1b-7b" / "adapter.py", "a") as f:
+        f.write("# an edit in the pull request\n")
+    shutil.copytree(ROOT / "bundles" / "mixtral-8x7b", repo / "bundles" / "mixtral-8x7b")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "change")
+    env = {**os.environ, "NUMBER": "17", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", ".github/review-changed-bundles.sh", base, "review"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    text = (repo / "review" / "review.md").read_text()
+    assert (repo / "review" / "number").read_text().strip() == "17"
+    assert "# onboard review: olmoe-1b-7b -> olmoe-1b-7b" in text and "+# an edit in the pull request" in text
+    assert "# onboard review: mixtral-8x7b\n" in text and "qwen3-8b" not in text
