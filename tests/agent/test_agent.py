@@ -77,7 +77,7 @@ def test_replay_refuses_a_record_of_another_model_and_keeps_the_bundle(deepseek_
 
 
 def test_a_candidate_that_never_returns_is_stopped_by_the_sandbox(zaya, tmp_path):
-    entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(cpu_seconds=8, wall_seconds=60),
+    entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(cpu_seconds=4, wall_seconds=60),
                           path=ZAYA_TASK)
     assert entry.takes is None and "the probe process ended with code" in entry.rounds[0]["outcome"]
 
