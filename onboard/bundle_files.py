@@ -13,7 +13,7 @@ from onboard.errors import OnboardError, one_line
 MARKER = ".onboard-bundle"  # every bundle holds it: what `onboard adapt --force` may replace
 # what `onboard adapt` writes (kernels themselves go to the runtime's kernel store; kernels.json names them)
 FILES = ("spec.json", "source.json", "decision.json", "adapter.py", "kernels.json", "verification.json",
-         "REVIEW.md", "plan.json", "train.sh", "train.slurm", MARKER)
+         "REVIEW.md", "plan.json", "train.sh", "train.slurm", "provenance.json", MARKER)
 REQUIRED = ("spec.json", "adapter.py", "source.json")
 
 

@@ -21,7 +21,7 @@ from onboard import codegen
 from onboard.source import ModelSource
 
 SCHEMA_VERSION = 1
-FILE = "provenance.json"
+FILE = "provenance.json"  # one of bundle_files.FILES
 ROOT = Path(onboard.__file__).resolve().parent.parent  # the project: onboard/, runtime/, templates/
 TEMPLATES = ("adapter.py.j2", "REVIEW.md.j2", "train.sh.j2", "train.slurm.j2")  # every bundle's
 VOLATILE = ("onboard", "commit")  # the field check does not compare
