@@ -45,6 +45,8 @@ class SpeedCheck:
     slower_than: float = 0.8
 
 
+SLOWER = ("passed the probe, but ran below {check.slower_than}x the HuggingFace module's speed (forward + backward, "
+          "{check.width}x the twin's width, {check.tokens} tokens): not swapped in (--keep-slower swaps it in)")
 GENERATED_DIR = "generated"  # below the bundle: the generated files
 RECORD = "agent.jsonl"  # in the bundle: the session's record
 
@@ -58,6 +60,7 @@ class Agent:
         self.recorder.add("session", schema_version=SCHEMA_VERSION, policy=policy.name, model=source.name,
                           rounds=rounds, **(session or {}))
         self.tasks: list[Task] = []
+        self.recorded_speed: dict[tuple[str, int], bool] = {}  # a replay's timing verdicts (ReplayPolicy.speed)
         self.decision_entries: list[GeneratedEntry] = []  # one per task, as the decision holds them
 
     def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> bool:
@@ -141,23 +144,24 @@ class Agent:
     def _slower(self, task: Task, spec: ModelSpec, path: Path, model_ref: str, sandbox: Sandbox,
                 number: int) -> str:
         """Why a candidate that passed the probe is not swapped in for being slower ("" when it is not). Only
-        the verdict goes into the record (timings differ from run to run; the verdict, away from the margin,
-        does not)."""
+        the verdict goes into the record and the bundle (timings differ from run to run; the verdict, away
+        from the margin, does not), and a replay takes the recorded verdict rather than timing again."""
         if self.speed is None:
             return ""
         check = self.speed
-        timed = sandbox.probe({"op": "speed", "model": model_ref, "trust_remote_code": self.source.trust_remote_code,
-                               "layers_path": spec.layers_path, "layer": task.twin_layers[0], "path": task.path,
-                               "candidate": str(path), "width": check.width, "tokens": check.tokens,
-                               "repeats": check.repeats})
-        if "ratio" not in timed:
-            verdict = f"passed the probe, but timing it failed: {timed.get('note', 'no reason given')}"
-        elif timed["ratio"] < check.slower_than:
-            verdict = (f"passed the probe, but ran at {timed['ratio']:.2f}x the HuggingFace module's speed "
-                       f"(forward + backward, {check.width}x the twin's width, {check.tokens} tokens): not swapped "
-                       f"in (--keep-slower swaps it in)")
+        recorded = self.recorded_speed.get((task.path, number))
+        if recorded is not None:
+            verdict = SLOWER.format(check=check) if recorded else ""
         else:
-            verdict = ""
+            timed = sandbox.probe({"op": "speed", "model": model_ref,
+                                   "trust_remote_code": self.source.trust_remote_code,
+                                   "layers_path": spec.layers_path, "layer": task.twin_layers[0], "path": task.path,
+                                   "candidate": str(path), "width": check.width, "tokens": check.tokens,
+                                   "repeats": check.repeats})
+            if "ratio" not in timed:
+                verdict = f"passed the probe, but timing it failed: {timed.get('note', 'no reason given')}"
+            else:
+                verdict = SLOWER.format(check=check) if timed["ratio"] < check.slower_than else ""
         self.recorder.add("speed", task=task.path, round=number, slower=bool(verdict))
         return verdict
 
@@ -221,10 +225,14 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
         if chosen.session.get("model") != source.name:
             raise OnboardError(f"{replay} records a session on {chosen.session.get('model')!r}, not {source.name!r}")
         rounds = chosen.session.get("rounds", rounds)
-        session = {k: v for k, v in chosen.session.items() if k in ("endpoint", "model_name", "calls")}
+        keep_slower = chosen.session.get("keep_slower", keep_slower)
+        session = {k: v for k, v in chosen.session.items() if k in ("endpoint", "model_name", "calls", "keep_slower")}
     else:
         chosen, session = policy_named(policy, **llm)
+        if keep_slower:  # a replay swaps in what this session swapped in
+            session["keep_slower"] = True
     agent = Agent(chosen, source, rounds=rounds, session=session, speed=None if keep_slower else SpeedCheck())
+    agent.recorded_speed = getattr(chosen, "speed", {})
     sandboxes.warm()  # the probe's imports run while this process inspects the model
     spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
     return spec, verification, agent

@@ -85,9 +85,12 @@ class ReplayPolicy:
         self.name = self.session.get("policy", "replay")
         self.candidates = replayed(events)
         self.replies: dict[str, list[dict]] = {}
+        self.speed: dict[tuple[str, int], bool] = {}  # (task, round) -> slower: the session's timing verdicts
         for event in events:
             if event["event"] == "chat" and "reply" in event:
                 self.replies.setdefault(event.get("task", ""), []).append(event["reply"])
+            elif event["event"] == "speed" and "task" in event and "round" in event:
+                self.speed[(event["task"], event["round"])] = bool(event.get("slower"))
 
     def run(self, task, module, trial, record) -> None:
         if self.name != "llm":

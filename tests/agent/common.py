@@ -116,10 +116,11 @@ def family_twin(family: str, folder: Path):
 
 
 def take_on(model, policy, tmp_path, rounds=3, limits=Limits(), speed=SpeedCheck(), path=None):
-    """Run the task at `path` (default: the first) of `model` (a `family_twin`) with `policy`: (entry, agent,
-    staging)."""
+    """Run the task at `path` (default: the first) of `model` (a `family_twin`) with `policy` (a ReplayPolicy
+    brings its recorded timing verdicts): (entry, agent, staging)."""
     source, twin, spec = model
     agent = Agent(policy, source, rounds=rounds, limits=limits, speed=speed)
+    agent.recorded_speed = getattr(policy, "speed", {})
     tasks = leftovers(spec, twin.model, decide(spec, twin))
     task = next(t for t in tasks if t.path == path) if path else tasks[0]
     staging = tmp_path / "staging"

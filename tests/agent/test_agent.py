@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from onboard.agent.loop import RECORD, run
+from onboard.agent.loop import RECORD, SpeedCheck, run
+from onboard.agent.record import ReplayPolicy
 from onboard.agent.sandbox import Limits, Sandbox
 from onboard.errors import OnboardError
 from onboard.families import default_config
@@ -111,9 +112,13 @@ def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_p
     so, and the next, as fast as the module, is taken. With the speed check off (--keep-slower) the slow one is."""
     entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path / "a", path=ZAYA_TASK)
     first, second = entry.rounds
-    assert "passed the probe, but ran at" in first["outcome"] and "not swapped in" in first["outcome"]
+    assert "passed the probe, but ran below 0.8x" in first["outcome"] and "not swapped in" in first["outcome"]
     assert second["outcome"] == "passed the probe" and entry.takes
     assert [e["slower"] for e in agent.recorder.events if e["event"] == "speed"] == [True, False]
+    # a replay takes the recorded verdicts: with a check that would pass anything, round 1 is still refused
+    replayed, _, _ = take_on(zaya, ReplayPolicy(agent.recorder.events), tmp_path / "r", path=ZAYA_TASK,
+                             speed=SpeedCheck(slower_than=0.0))
+    assert "not swapped in" in replayed.rounds[0]["outcome"] and replayed.rounds[1] == second
     kept, _, _ = take_on(zaya, Scripted(SLOW_ZAYA), tmp_path / "b", speed=None, path=ZAYA_TASK)
     assert kept.takes and kept.rounds[0]["outcome"] == "passed the probe"
 
