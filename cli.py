@@ -244,7 +244,7 @@ def _plan_row(c) -> str:
     memory = f"{p.recompute}/{p.offload}" + (f"/chunk{p.loss_chunk}" if p.loss_chunk else "")
     return (f"{p.tp:>3} {p.pp:>3} {p.cp:>3} {p.dp_shard:>5} {p.dp_replicate:>5} {p.ep:>4} {p.micro_batch:>3} "
             f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} {c.tokens_per_s:>12,.0f}"
-            + (" *" if c.extrapolates_on else ""))
+            f" {'no' if c.not_runnable else 'yes':>4}" + (" *" if c.extrapolates_on else ""))
 
 
 def cmd_plan(args) -> int:
@@ -272,24 +272,34 @@ def cmd_plan(args) -> int:
         print(json.dumps({"model": spec.name, "hardware": report.hardware.name, "devices": args.devices,
                           "global_batch": report.global_batch, "predictor": report.predictor_label,
                           "layouts": report.result.layouts, "fitting": len(report.result.ranked),
-                          "search_s": round(seconds, 3), "plans": [c.plan.to_dict() for c in top],
+                          "search_s": round(seconds, 3),
+                          "plans": [{**c.plan.to_dict(), "not_runnable": c.not_runnable} for c in top],
+                          "best_runnable": report.best.plan.to_dict() if report.best else None,
                           "suggestions": report.suggestions}, indent=2, sort_keys=True))
         return 0 if report.best else 4
     print(f"{spec.name} on {args.devices} x {report.hardware.name}, {args.mode}, seq {args.seq_len}, "
           f"global batch {report.global_batch}: {len(report.result.ranked)} of {report.result.layouts} layouts fit "
           f"({seconds:.2f}s, predictor {report.predictor_label})")
-    if not report.best:
+    if not report.fastest:
         print("no plan fits in memory:")
         for line in report.suggestions:
             print(f"  - {line}")
         return 4
     print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'fsdp':>5} {'repl':>5} {'ep':>4} {'mb':>3} {'accum':>5}  "
-          f"{'recompute/offload/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12}")
+          f"{'recompute/offload/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12} {'runs':>4}")
     for c in top:
         print(_plan_row(c))
+    if report.best is not None and report.best not in top:
+        print("best runnable:")
+        print(_plan_row(report.best))
     if any(c.extrapolates_on for c in top):
         print("* outside the predictor's training runs (see `onboard predict`): the learned correction is a guess")
-    print(f"plan: {args.out}" + (f"; plot: {args.plot}" if args.plot else ""))
+    for reason in dict.fromkeys(r for c in top for r in c.not_runnable):
+        print(f"runs no: {reason}")
+    if report.best is None:
+        print("no plan that fits is one onboard train runs yet: nothing written")
+        return 4
+    print(f"plan: {args.out} (the fastest runnable plan)" + (f"; plot: {args.plot}" if args.plot else ""))
     return 0
 
 

@@ -66,6 +66,12 @@ class PlanReport:
 
     @property
     def best(self) -> Candidate | None:
+        """The fastest plan that fits and that the runtime runs (what plan.json gets)."""
+        return next((c for c in self.result.ranked if not c.not_runnable), None)
+
+    @property
+    def fastest(self) -> Candidate | None:
+        """The fastest plan that fits, runnable or not."""
         return self.result.ranked[0] if self.result.ranked else None
 
 

@@ -18,6 +18,7 @@ from predictors.costmodel import Estimate, estimate, fits
 from predictors.features import features
 from predictors.hardware import Hardware
 from runtime.dims import Dims
+from runtime.parallel.mesh import not_runnable
 from runtime.plan import LoRA, Plan
 
 LOSS_CHUNK = 8192  # tokens per loss chunk: the logits of a chunk stay small next to a layer's activations
@@ -43,6 +44,11 @@ class Candidate:
     @property
     def memory_bytes(self) -> float:
         return self.estimate.memory_per_device_bytes
+
+    @property
+    def not_runnable(self) -> list[str]:
+        """Why runtime.parallel cannot lay this plan out yet (empty when `onboard train` runs it)."""
+        return not_runnable(self.plan)
 
 
 @dataclass

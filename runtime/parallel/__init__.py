@@ -28,8 +28,8 @@ from runtime.model_tree import moe_blocks
 from runtime.parallel.api import parallelize
 from runtime.parallel.expert import ExpertParallel, shard_experts
 from runtime.parallel.grads import clip_grad_norm_, grad_norm
-from runtime.parallel.mesh import ParallelMesh, build_mesh
+from runtime.parallel.mesh import ParallelMesh, build_mesh, not_runnable
 from runtime.parallel.state import gather_experts, load_full_state
 
 __all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "clip_grad_norm_", "gather_experts",
-           "grad_norm", "load_full_state", "moe_blocks", "parallelize", "shard_experts"]
+           "grad_norm", "load_full_state", "moe_blocks", "not_runnable", "parallelize", "shard_experts"]

@@ -49,13 +49,27 @@ def _ep_split(plan: Plan) -> tuple[int, int]:
                      f"dp_replicate*dp_shard={dp}")
 
 
+NOT_BUILT = {"tp": "tensor", "pp": "pipeline", "cp": "context"}  # degrees runtime.parallel does not lay out yet
+
+
+def not_runnable(plan: Plan) -> list[str]:
+    """Why runtime.parallel cannot lay out `plan` (empty when it can): the one answer the planner, the training
+    loop and `build_mesh` all use."""
+    out = list(plan.problems())
+    out += [f"{kind} parallelism ({name} > 1) is not built in runtime.parallel yet"
+            for name, kind in NOT_BUILT.items() if getattr(plan, name) != 1]
+    if plan.ep > 1 and not out:
+        try:
+            _ep_split(plan)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
 def build_mesh(plan: Plan) -> ParallelMesh:
     """The meshes for `plan` on the initialised default process group (CPU/gloo or GPU/nccl)."""
-    unsupported = [f"{name}={getattr(plan, name)}" for name in ("tp", "pp", "cp") if getattr(plan, name) != 1]
-    if unsupported:
-        raise ValueError(f"parallel degrees not supported yet: {', '.join(unsupported)}")
-    if plan.problems():
-        raise ValueError("; ".join(plan.problems()))
+    if why := not_runnable(plan):
+        raise ValueError("; ".join(why))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise ValueError(f"the plan needs {plan.world_size} processes, this run has {world}")

@@ -210,11 +210,10 @@ def _unpack(built) -> tuple[nn.Module, dict, object | None]:
 
 def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig) -> TrainResult:
     check_outputs(cfg)
-    problems = plan.problems()
-    if problems:
+    from runtime.parallel.mesh import not_runnable
+
+    if problems := not_runnable(plan):
         raise ValueError(f"the plan cannot run: {'; '.join(problems)}")
-    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1:
-        raise ValueError("tensor, pipeline and context parallelism are not supported by this training loop")
     rank, world, device = _init_distributed()
     if world != plan.world_size:
         raise ValueError(f"the plan lays out {plan.world_size} processes, and {world} were started")

@@ -68,7 +68,8 @@ def test_plan_and_predict_verbs_round_trip(tmp_path, deepseek, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", str(spec), "--devices", "256", "--hardware", "H100", "--top", "3", "--out", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "tokens/s" in table and len([line for line in table.splitlines() if line.strip()[:1].isdigit()]) == 3
+    ranked = table.split("best runnable:")[0]  # the runnable plan follows the top three when it is not among them
+    assert "tokens/s" in table and len([line for line in ranked.splitlines() if line.strip()[:1].isdigit()]) == 3
     plan = Plan.load(out)
     assert plan.world_size == 256 and plan.predicted["hardware"] == "H100"
     assert main(["predict", str(spec), "--plan", str(out), "--hardware", "H100", "--json"]) == 0
@@ -124,3 +125,53 @@ def test_predictor_verbs(tmp_path, capsys):
     assert "cost median" in table and "learned median" in table and table.rstrip().splitlines()[-1].startswith("all")
     assert main(["predictor", "train", "--logs", str(tmp_path / "missing.jsonl")]) == 1
     assert Path(models / "throughput-v1.joblib").exists()
+
+
+ACCEPTS = """
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from runtime.parallel import build_mesh
+from runtime.plan import Plan
+plans = [Plan.from_dict(d) for d in json.loads(sys.stdin.read())]
+world = plans[0].world_size
+dist.init_process_group("fake", rank=world - 1, world_size=world, store=FakeStore())
+for plan in plans:
+    mesh = build_mesh(plan)
+    assert mesh.world_size == world and (mesh.ep_group is not None) == (plan.ep > 1)
+print("accepted", len(plans))
+"""
+
+
+@pytest.mark.parametrize("model, devices, hardware, mode", [
+    ("onboard-flagship-2.8t", 128, "Ascend-910C", "lora"), ("deepseek-v3", 256, "H800", "full"),
+    ("qwen3-30b-a3b", 16, "H100", "full")])
+def test_the_planner_keeps_its_word(inspected, model, devices, hardware, mode):
+    """Issue 18: every plan among the top ten is one the runtime lays out (runtime.parallel.build_mesh on a fake
+    process group of the plan's world size accepts it) or says why not; plan.json gets the fastest runnable."""
+    import subprocess
+    import sys
+
+    spec = inspected(model)[0]
+    report = plan_model(spec, devices=devices, hardware_name=hardware, mode=mode, seq_len=8192)
+    top = report.result.ranked[:10]
+    runnable = [c for c in top if not c.not_runnable]
+    assert all(any("not built in runtime.parallel yet" in r for r in c.not_runnable) for c in top
+               if c not in runnable)
+    best = report.best
+    assert best is not None and not best.not_runnable
+    assert best is next(c for c in report.result.ranked if not c.not_runnable)
+    plans = [c.plan for c in runnable if c.plan.world_size == devices] + [best.plan]
+    done = subprocess.run([sys.executable, "-c", ACCEPTS], input=json.dumps([p.to_dict() for p in plans]),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"accepted {len(plans)}" in done.stdout, done.stderr[-2000:]
+
+
+def test_plan_prints_which_plans_run_and_writes_a_runnable_one(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "onboard-flagship-2.8t", "--devices", "128", "--hardware", "Ascend-910C", "--mode", "lora",
+                 "--seq-len", "8192", "--trust-remote-code", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "runs" in text.splitlines()[1] and "runs no: context parallelism (cp > 1) is not built" in text
+    plan = Plan.from_dict(json.loads(out.read_text()))
+    assert (plan.tp, plan.pp, plan.cp) == (1, 1, 1) and plan.world_size == 128
