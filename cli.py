@@ -333,15 +333,19 @@ def cmd_predictor(args) -> int:
         for reason, count in t["skipped_reasons"].items():
             print(f"  skipped {count}: {reason}")
         return 0
-    scores, data = evaluate_predictor(args.logs)
-    print(f"leave-one-model-out over {len(data)} runs of {len(set(data.groups))} models "
-          f"({len(data.skipped)} lines/runs skipped); absolute % error of step time")
-    for reason, count in Counter(s.reason for s in data.skipped).most_common(5):
-        print(f"  skipped {count}: {reason}")
-    print(f"{'source':<22} {'runs':>5} {'cost median':>12} {'cost mean':>10} {'learned median':>15} {'learned mean':>13}")
-    for s in scores:
-        print(f"{s.source:<22} {s.runs:>5} {s.cost_median:>12.1%} {s.cost_mean:>10.1%} "
-              f"{s.learned_median:>15.1%} {s.learned_mean:>13.1%}")
+    for by in ("model", "source") if args.hold_out == "both" else (args.hold_out,):
+        scores, data = evaluate_predictor(args.logs, by=by)
+        held = len(set(data.groups if by == "model" else data.sources))
+        print(f"leave-one-{by}-out over {len(data)} runs ({held} {by}s held out in turn; {len(data.skipped)} "
+              f"lines/runs skipped); absolute % error of step time")
+        if by == "model" or args.hold_out != "both":
+            for reason, count in Counter(s.reason for s in data.skipped).most_common(5):
+                print(f"  skipped {count}: {reason}")
+        print(f"{'source':<22} {'runs':>5} {'cost median':>12} {'cost mean':>10} {'learned median':>15} "
+              f"{'learned mean':>13}")
+        for s in scores:
+            print(f"{s.source:<22} {s.runs:>5} {s.cost_median:>12.1%} {s.cost_mean:>10.1%} "
+                  f"{s.learned_median:>15.1%} {s.learned_mean:>13.1%}")
     return 0
 
 
@@ -489,7 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_predict)
 
     p = verb("predictor", help="train or evaluate the learned throughput predictor")
-    p.add_argument("action", choices=("train", "eval"), help="train a new version, or evaluate leave-one-model-out")
+    p.add_argument("action", choices=("train", "eval"),
+                   help="train a new version, or evaluate it on runs of what it was not trained on")
+    p.add_argument("--hold-out", default="both", choices=("model", "source", "both"),
+                   help="eval: hold out one model at a time, one source (benchmark suite) at a time, or both "
+                        "(default)")
     p.add_argument("--logs", nargs="+", help="run-log files or directories (default: what ships in predictors/data)")
     p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites")
     p.set_defaults(func=cmd_predictor)

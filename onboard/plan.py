@@ -201,8 +201,8 @@ def train_predictor(logs: list[str] | None, out: str | None):
         raise OnboardError(str(e)) from None
 
 
-def evaluate_predictor(logs: list[str] | None):
+def evaluate_predictor(logs: list[str] | None, by: str = "model"):
     try:
-        return learned.evaluate(logs or None)
+        return learned.evaluate(logs or None, by=by)
     except PredictorError as e:
         raise OnboardError(str(e)) from None

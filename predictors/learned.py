@@ -228,14 +228,21 @@ class SourceScore:
     learned_mean: float
 
 
-def evaluate(paths=None, data: Dataset | None = None) -> tuple[list[SourceScore], Dataset]:
-    """Leave-one-model-out absolute % error of step time, pure cost model vs learned, per source and 'all'."""
+HOLD_OUT = ("model", "source")  # what evaluate holds out at a time
+
+
+def evaluate(paths=None, data: Dataset | None = None, by: str = "model") -> tuple[list[SourceScore], Dataset]:
+    """Absolute % error of step time, pure cost model vs learned, per source and 'all', each run predicted by a
+    model trained without its group: leave-one-model-out (`by="model"`), or leave-one-source-out (`"source"`: a
+    whole benchmark suite held out, as a new cluster or framework is)."""
+    if by not in HOLD_OUT:
+        raise PredictorError(f"hold out by {by!r}: choose from {', '.join(HOLD_OUT)}")
     data = data or load_dataset([Path(p) for p in (paths or default_training_paths())])
-    groups = np.array(data.groups)
-    if len(set(data.groups)) < 2:
-        raise PredictorError("leave-one-model-out needs runs of at least two models")
+    groups = np.array(data.groups if by == "model" else data.sources)
+    if len(set(groups)) < 2:
+        raise PredictorError(f"leave-one-{by}-out needs runs of at least two {by}s")
     predicted = np.empty(len(data))
-    for name in sorted(set(data.groups)):
+    for name in sorted(set(groups)):
         held = groups == name
         keep = ~held
         model = fit(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k])

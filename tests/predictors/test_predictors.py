@@ -307,3 +307,23 @@ def test_bundled_model_is_trained_on_everything_that_ships():
     trained = {f["path"]: f["sha256"] for f in meta["training"]["files"]}
     shipped = {learned._shown(f): learned._sha256(f) for f in learned._files_of(learned.default_training_paths())}
     assert trained == shipped, "the newest model in predictors/models/ predates the shipped run logs; retrain it"
+
+
+def test_leave_one_source_out_holds_a_whole_source_back(tmp_path, monkeypatch):
+    """Issue 19: a source's runs are predicted by a model trained on the other sources only (the fits are
+    watched: each saw every source but the one held out)."""
+    seen = []
+    fit = learned.fit
+
+    def spy(X, y, sources):
+        seen.append(set(sources))
+        return fit(X, y, sources)
+
+    monkeypatch.setattr(learned, "fit", spy)
+    scores, data = learned.evaluate([_head(40, tmp_path)], by="source")
+    names = sorted(set(data.sources))
+    assert len(names) >= 2 and len(seen) == len(names)
+    assert all(set(names) - trained == {held} for trained, held in zip(seen, names))
+    assert scores[-1].runs == len(data) and all(np.isfinite(s.learned_mean) for s in scores)
+    with pytest.raises(learned.PredictorError, match="hold out by"):
+        learned.evaluate([_head(40, tmp_path)], by="chip")
