@@ -324,6 +324,7 @@ def cmd_predict(args) -> int:
 def cmd_predictor(args) -> int:
     from collections import Counter
 
+    from onboard.errors import OnboardError
     from onboard.plan import evaluate_predictor, train_predictor
 
     if args.action == "train":
@@ -334,7 +335,13 @@ def cmd_predictor(args) -> int:
             print(f"  skipped {count}: {reason}")
         return 0
     for by in ("model", "source") if args.hold_out == "both" else (args.hold_out,):
-        scores, data = evaluate_predictor(args.logs, by=by)
+        try:
+            scores, data = evaluate_predictor(args.logs, by=by)
+        except OnboardError as exc:
+            if args.hold_out != "both" or by == "model":
+                raise
+            print(f"no leave-one-source-out: {exc}")  # runs of one source: nothing to hold out against
+            continue
         held = len(set(data.groups if by == "model" else data.sources))
         print(f"leave-one-{by}-out over {len(data)} runs ({held} {by}s held out in turn; {len(data.skipped)} "
               f"lines/runs skipped); absolute % error of step time")

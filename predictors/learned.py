@@ -5,10 +5,21 @@ wrong rather than the whole answer, and a model never seen in training still get
 physics. Each source carries equal total weight, so the 1,440 single-node vTrain rows do not drown
 the multi-node ones.
 
+The correction knows its reach. Trees say nothing useful about a run unlike every training run, so the
+log-correction is multiplied by
+
+    w(x) = exp(-(d(x) / (REACH * r))^2)
+
+where d(x) is the distance from x to the nearest training run in standardised feature space and r the 90th
+percentile of the training runs' own nearest-neighbour distances: a run among the training runs keeps the
+whole correction, one far from all of them gets the cost model's answer. Held out a whole source at a time,
+this keeps the learned median at or below the cost model's on every source (README).
+
 Saved as `throughput-vN.joblib` (the scikit-learn estimator) with `throughput-vN.json` beside it (version,
 training files with their digests, row counts per source, skipped lines, scikit-learn version, and the
-model file's sha256, which loading checks). Training writes the next free version; nothing is ever
-overwritten or deleted. joblib files are pickles: load only files you or this package wrote.
+model file's sha256, which loading checks) and, from v6, `throughput-vN.reach.npz` (the standardised training
+runs, sha256 in the JSON). Training writes the next free version; nothing is ever overwritten or deleted.
+joblib files are pickles: load only files you or this package wrote.
 """
 
 from __future__ import annotations
@@ -42,6 +53,45 @@ FORMAT = 1
 # the last word beyond this factor. 8x because the small single-node vTrain GPTs run up to ~8x slower
 # than the cost model says (launch and framework overheads it does not model); 4x cost them 2 points.
 MAX_CORRECTION = 8.0
+REACH = 4.0  # in units of the training runs' 90th-percentile nearest-neighbour distance (module docstring)
+
+
+@dataclass
+class Reach:
+    """The training runs in standardised feature space, and the weight each new run gives the correction."""
+    mean: np.ndarray
+    scale: np.ndarray
+    points: np.ndarray
+    radius: float
+
+    @classmethod
+    def fit(cls, X: np.ndarray) -> Reach:
+        mean, scale = X.mean(0), X.std(0) + 1e-9
+        points = (X - mean) / scale
+        own = _nearest(points, points, skip_self=True)
+        return cls(mean, scale, points, float(np.quantile(own, 0.9)) or 1.0)
+
+    def weight(self, X: np.ndarray) -> np.ndarray:
+        d = _nearest((np.asarray(X, dtype=float) - self.mean) / self.scale, self.points)
+        return np.exp(-(d / (REACH * self.radius)) ** 2)
+
+
+def _nearest(queries: np.ndarray, points: np.ndarray, *, skip_self: bool = False) -> np.ndarray:
+    """Distance from each query to its nearest point (to its nearest other point when queries are the points)."""
+    out = np.empty(len(queries))
+    for start in range(0, len(queries), 512):
+        q = queries[start:start + 512]
+        d2 = (q * q).sum(1)[:, None] - 2 * q @ points.T + (points * points).sum(1)[None, :]
+        if skip_self:
+            d2[np.arange(len(q)), np.arange(start, start + len(q))] = np.inf
+        out[start:start + 512] = np.sqrt(np.maximum(d2.min(1), 0.0))
+    return out
+
+
+def shrunk(log_correction: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+    """The multiplier: the clipped log-correction, scaled by the reach weight where there is one."""
+    log = np.clip(log_correction, -np.log(MAX_CORRECTION), np.log(MAX_CORRECTION))
+    return np.exp(log if weight is None else weight * log)
 
 
 def default_training_paths() -> list[Path]:
@@ -98,13 +148,15 @@ class Predictor:
     model: HistGradientBoostingRegressor
     meta: dict
     path: Path | None = None
+    reach: Reach | None = None  # None for versions trained before v6: the correction is not shrunk
 
     def correction(self, X: np.ndarray) -> np.ndarray:
-        """Multiplier on the cost model's step time, one per row, within MAX_CORRECTION either way."""
+        """Multiplier on the cost model's step time, one per row, within MAX_CORRECTION either way and shrunk
+        toward 1 as a row leaves the training runs (`Reach`)."""
         X = np.asarray(X, dtype=float).reshape(-1, len(FEATURES))
         with threadpool_limits(1):
-            raw = np.exp(self.model.predict(X))
-        return np.clip(raw, 1 / MAX_CORRECTION, MAX_CORRECTION)
+            log = self.model.predict(X)
+        return shrunk(log, self.reach.weight(X) if self.reach is not None else None)
 
     def outside(self, x) -> list[str]:
         """Features of one row outside what training saw: there the correction is an extrapolation."""
@@ -141,7 +193,7 @@ def train(paths=None, out=None) -> Predictor:
         raise PredictorError(f"{out} is a file: --out takes a new .joblib path or a directory")
     if out.suffix == ".joblib":
         target = out
-        if target.exists() or target.with_suffix(".json").exists():
+        if target.exists() or target.with_suffix(".json").exists() or target.with_suffix(".reach.npz").exists():
             raise PredictorError(f"{target} exists; retraining never overwrites a model, choose a new name")
         version = _next_version(target.parent)
     else:
@@ -151,10 +203,15 @@ def train(paths=None, out=None) -> Predictor:
     model = fit(data.X, data.target, data.sources)
     target.parent.mkdir(parents=True, exist_ok=True)
     joblib.dump(model, target)
+    reach = Reach.fit(data.X)
+    reach_file = target.with_suffix(".reach.npz")
+    with open(reach_file, "wb") as f:
+        np.savez(f, mean=reach.mean, scale=reach.scale, points=reach.points, radius=np.array(reach.radius))
     meta = {
         "format": FORMAT, "version": version, "kind": "HistGradientBoostingRegressor on log(measured / cost model)",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sklearn": sklearn.__version__, "features": list(FEATURES), "model_sha256": _sha256(target),
+        "reach": {"file": reach_file.name, "sha256": _sha256(reach_file), "factor": REACH},
         "feature_range": {name: [float(data.X[:, i].min()), float(data.X[:, i].max())]
                           for i, name in enumerate(FEATURES)},
         "training": {
@@ -165,7 +222,7 @@ def train(paths=None, out=None) -> Predictor:
         },
     }
     target.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    return Predictor(model, meta, target)
+    return Predictor(model, meta, target, reach)
 
 
 def _current_names(meta: dict) -> dict:
@@ -215,7 +272,18 @@ def load(path=None) -> Predictor:
         raise PredictorError(f"predictor model file {path} cannot be loaded: {type(e).__name__}: {e}") from None
     if not hasattr(model, "predict"):
         raise PredictorError(f"predictor model file {path} does not hold an estimator")
-    return Predictor(model, meta, path)
+    return Predictor(model, meta, path, _load_reach(path, meta))
+
+
+def _load_reach(path: Path, meta: dict) -> Reach | None:
+    record = meta.get("reach")
+    if not record:
+        return None
+    file = path.with_name(record["file"])
+    if not file.is_file() or _sha256(file) != record.get("sha256"):
+        raise PredictorError(f"predictor reach file {file} is missing or corrupt (its sha256 does not match)")
+    with np.load(file) as z:
+        return Reach(z["mean"], z["scale"], z["points"], float(z["radius"]))
 
 
 @dataclass
@@ -247,8 +315,8 @@ def evaluate(paths=None, data: Dataset | None = None, by: str = "model") -> tupl
         keep = ~held
         model = fit(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k])
         with threadpool_limits(1):
-            factor = np.clip(np.exp(model.predict(data.X[held])), 1 / MAX_CORRECTION, MAX_CORRECTION)
-        predicted[held] = data.cost_step[held] * factor
+            log = model.predict(data.X[held])
+        predicted[held] = data.cost_step[held] * shrunk(log, Reach.fit(data.X[keep]).weight(data.X[held]))
     cost_err = np.abs(data.cost_step - data.measured) / data.measured
     learned_err = np.abs(predicted - data.measured) / data.measured
     sources = np.array(data.sources)

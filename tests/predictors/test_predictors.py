@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from predictors import learned, published
 from predictors.costmodel import estimate
@@ -327,3 +328,28 @@ def test_leave_one_source_out_holds_a_whole_source_back(tmp_path, monkeypatch):
     assert scores[-1].runs == len(data) and all(np.isfinite(s.learned_mean) for s in scores)
     with pytest.raises(learned.PredictorError, match="hold out by"):
         learned.evaluate([_head(40, tmp_path)], by="chip")
+
+
+def test_the_correction_fades_as_a_run_leaves_the_training_runs():
+    """Issue 19: a run among the training runs keeps the whole correction; one moved away from all of them
+    (another chip's figures, 100x the devices) keeps less and less, down to the cost model's answer."""
+    model = learned.load()
+    assert model.reach is not None and model.label == "throughput-v6"
+    data = load_dataset(learned.default_training_paths())
+    x = data.X[len(data) // 2]
+    assert model.reach.weight(x[None])[0] == pytest.approx(1.0)
+    far = [model.reach.weight((x + k * model.reach.scale * model.reach.radius)[None])[0] for k in (1, 3, 10, 100)]
+    assert far == sorted(far, reverse=True) and far[0] < 1 and far[-1] < 1e-6
+    with threadpool_limits(1):
+        log = model.model.predict((x + 100 * model.reach.scale * model.reach.radius)[None])
+    assert abs(log[0]) > 0.01  # the trees would still correct it ...
+    assert model.correction((x + 100 * model.reach.scale * model.reach.radius)[None])[0] == pytest.approx(1.0)  # ... not now
+
+
+@pytest.mark.slow
+def test_held_out_sources_are_never_priced_worse_than_by_the_cost_model():
+    """Issue 19's first bar, on the published runs: each benchmark suite held out in turn, the learned median
+    error is at most the cost model's (the overall 15% bar is not met: see the README)."""
+    scores, _ = learned.evaluate(sorted(DATA_DIR.glob("published_runs*.jsonl")), by="source")
+    for s in scores:
+        assert s.learned_median <= s.cost_median + 1e-9, s
