@@ -102,25 +102,6 @@ def _same(name: str, old: Path, new: Path) -> bool:
     return False
 
 
-def causes(old: dict | None, new: dict) -> list[str]:
-    """What both bundles were made from that changed between two provenance records (versions, the model's
-    config, templates and runtime files whose contents differ)."""
-    if old is None:
-        return ["made by an onboard that kept no provenance"]
-    out = [f"{name} {old.get('versions', {}).get(name)} -> {version}" for name, version in new["versions"].items()
-           if old.get("versions", {}).get(name) != version]
-    if old.get("source", {}).get("config_sha256") != new["source"]["config_sha256"]:
-        out.append("the model's config")
-    before, after = old.get("files", {}), new["files"]
-    return out + [name for name in sorted(set(before) & set(after)) if before[name] != after[name]]
-
-
-def uses(old: dict | None, new: dict) -> tuple[list[str], list[str]]:
-    """Templates and runtime files the newer bundle uses that the older did not, and the other way round."""
-    before, after = set((old or {}).get("files", {})), set(new["files"])
-    return sorted(after - before), sorted(before - after)
-
-
 def differences(old: Path, new: Path) -> list[str]:
     """One line per file of bundle `old` that differs from bundle `new`, with what changed in between."""
     def record(folder: Path) -> dict | None:
@@ -132,7 +113,7 @@ def differences(old: Path, new: Path) -> list[str]:
     lines = [f"{name}: no longer made" for name in sorted(before - after)]
     lines += [f"{name}: made now, missing from the bundle" for name in sorted(after - before)]
     if changed or lines:
-        why = causes(record(old), record(new))
+        why = provenance.causes(record(old), record(new))
         since = (f"changed since it was made: {', '.join(why[:6])}{' ...' if len(why) > 6 else ''}" if why
                  else "nothing it was made from changed: edited by hand?")
         lines += [f"{name} differs from what onboard makes now ({since})" for name in changed]

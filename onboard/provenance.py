@@ -138,3 +138,22 @@ def comparable(record: dict) -> dict:
     out = json.loads(json.dumps(record))
     out.get(VOLATILE[0], {}).pop(VOLATILE[1], None)
     return out
+
+
+def causes(old: dict | None, new: dict) -> list[str]:
+    """What both bundles were made from that changed between two provenance records (versions, the model's
+    config, templates and runtime files whose contents differ)."""
+    if old is None:
+        return ["made by an onboard that kept no provenance"]
+    out = [f"{name} {old.get('versions', {}).get(name)} -> {version}" for name, version in new["versions"].items()
+           if old.get("versions", {}).get(name) != version]
+    if old.get("source", {}).get("config_sha256") != new["source"]["config_sha256"]:
+        out.append("the model's config")
+    before, after = old.get("files", {}), new["files"]
+    return out + [name for name in sorted(set(before) & set(after)) if before[name] != after[name]]
+
+
+def uses(old: dict | None, new: dict) -> tuple[list[str], list[str]]:
+    """Templates and runtime files the newer bundle uses that the older did not, and the other way round."""
+    before, after = set((old or {}).get("files", {})), set(new["files"])
+    return sorted(after - before), sorted(before - after)

@@ -20,6 +20,7 @@ import difflib
 import json
 from pathlib import Path
 
+from onboard import provenance
 from onboard.bundle_files import read_bundle
 from onboard.errors import OnboardError
 from onboard.report import ranges
@@ -37,7 +38,8 @@ class Bundle:
         self.decision = self._json("decision.json")
         self.verification = self._json("verification.json")
         self.plan = self._json("plan.json")
-        self.provenance = self._json("provenance.json")
+        self.provenance = self._json(provenance.FILE)
+        self.code = self._code_files()
 
     def _json(self, name: str):
         path = self.folder / name
@@ -48,7 +50,7 @@ class Bundle:
         except ValueError:
             raise OnboardError(f"{path}: not JSON") from None
 
-    def code_files(self) -> dict[str, str]:
+    def _code_files(self) -> dict[str, str]:
         names = [n for n in CODE if (self.folder / n).is_file()]
         names += sorted(f"generated/{p.name}" for p in (self.folder / "generated").glob("*.py"))
         return {name: (self.folder / name).read_text() for name in names}
@@ -148,9 +150,9 @@ def _times(margin: float) -> str:
 def needs_eyes(old: Bundle | None, new: Bundle) -> list[str]:
     out = []
     old_generated = old.generated() if old else {}
-    old_code = old.code_files() if old else {}
+    old_code = old.code if old else {}
     for name, entry in new.generated().items():
-        if old is None or old_code.get(name) != new.code_files().get(name) or name not in old_generated:
+        if old is None or old_code.get(name) != new.code.get(name) or name not in old_generated:
             out.append(f"generated code: `{name}` replaces `{entry.get('path')}` ({entry.get('replaces')}), written by "
                        f"the {entry.get('policy')} policy: review it as code from a pull request")
     before = unmatched(old.spec) if old else {}
@@ -173,7 +175,7 @@ def needs_eyes(old: Bundle | None, new: Bundle) -> list[str]:
                 was = f"was {before[target]}, now " if target in before else ""
                 out.append(f"newly taken by the runtime: {target}: {was}{where}")
         changed = _provenance_changes(old.provenance, new.provenance)
-        code_changed = [n for n in set(old_code) | set(new.code_files()) if old_code.get(n) != new.code_files().get(n)]
+        code_changed = [n for n in set(old_code) | set(new.code) if old_code.get(n) != new.code.get(n)]
         made_from = [c for c in changed if c.startswith(("templates/", "runtime/"))]
         if code_changed and made_from:
             out.append(f"code made from changed templates or runtime files ({', '.join(made_from[:5])}"
@@ -186,11 +188,7 @@ def needs_eyes(old: Bundle | None, new: Bundle) -> list[str]:
 
 
 def _provenance_changes(old: dict | None, new: dict | None) -> list[str]:
-    from onboard.check import causes
-
-    if new is None:
-        return []
-    return causes(old, new)
+    return provenance.causes(old, new) if new is not None else []
 
 
 def _diff(name: str, a: str, b: str) -> str:
@@ -234,7 +232,7 @@ def review(old_dir: Path | None, new_dir: Path, fmt: str = "markdown") -> str:
 def _identical(old: Bundle, new: Bundle) -> bool:
     from onboard.check import verdicts
 
-    return (old.code_files() == new.code_files() and old.spec == new.spec and old.decision == new.decision
+    return (old.code == new.code and old.spec == new.spec and old.decision == new.decision
             and verdicts(old.verification or {}) == verdicts(new.verification or {}) and old.plan == new.plan)
 
 
@@ -256,9 +254,7 @@ def _provenance_section(old: Bundle | None, new: Bundle) -> list[str]:
         changed = _provenance_changes(old.provenance, new.provenance)
         lines += ["", "Changed since the old bundle: " + (", ".join(f"`{c}`" for c in changed) if changed else "nothing")]
         if new.provenance:
-            from onboard.check import uses
-
-            added, dropped = uses(old.provenance, new.provenance)
+            added, dropped = provenance.uses(old.provenance, new.provenance)
             lines += [f"Now also made from: {', '.join(f'`{f}`' for f in added)}"] if added else []
             lines += [f"No longer made from: {', '.join(f'`{f}`' for f in dropped)}"] if dropped else []
     return lines + [""]
@@ -307,13 +303,13 @@ def _placement_section(old: Bundle | None, new: Bundle) -> list[str]:
 
 def _code_section(old: Bundle | None, new: Bundle, fmt: str) -> list[str]:
     lines = ["## Code", ""]
-    after = new.code_files()
+    after = new.code
     if old is None:
         for name, text in after.items():
             lang = "json" if name.endswith(".json") else "python" if name.endswith(".py") else "bash"
             lines += _fence(text, lang, fmt, f"`{name}`") + [""]
         return lines
-    before = old.code_files()
+    before = old.code
     diffs = [(n, _diff(n, before.get(n, ""), after.get(n, ""))) for n in sorted(set(before) | set(after))]
     diffs = [(n, d) for n, d in diffs if d]
     if not diffs:
