@@ -182,7 +182,31 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
     model = source.build(model_config, experts_implementation="grouped_mm")
     load_adapter(bundle).adapt(model)
     twin = twin_config(source)  # the fields the twin shrank by what they drive, where names fell short
-    return model, trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
+    record = trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
+    declare_tensor_parallel(model, spec, source.config.to_dict(), cfg)
+    return model, record
+
+
+def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg: dict) -> None:
+    """Tell `runtime.parallel` which modules of the adapted `model` tensor parallelism may split: the spec's
+    softmax-family attention layers and dense MLPs, in the layers the model has. Head counts are the trained
+    config's (`cfg`), read from the fields that hold the spec's at full scale (`full`), as the run log's are. The
+    runtime adds the shared experts of its MoE blocks itself."""
+    from runtime.parallel.mesh import TP_ATTENTION
+    from runtime.parallel.tensor import Heads, declare
+
+    prefix = spec["layers_path"]
+    kept = list(enumerate(spec.get("layers", [])))[:len(model.get_submodule(prefix))]
+    split = [(i, layer) for i, layer in kept if (layer.get("attention") or {}).get("kind") in TP_ATTENTION]
+    attention = {}
+    if split:  # the record of the split layers alone: its first attention's heads are theirs, not a linear one's
+        record = trained_record({**spec, "layers": [layer for _, layer in split]}, full, cfg, model)
+        if record.get("heads") and record.get("kv_heads"):
+            heads = Heads(record["heads"], record["kv_heads"])
+            attention = {f"{prefix}.{i}.{layer['attention']['path']}": heads for i, layer in split}
+    mlps = [f"{prefix}.{i}.{layer['mlp']['path']}" for i, layer in kept
+            if (layer.get("mlp") or {}).get("kind") == "dense" and layer["mlp"].get("path")]
+    declare(model, attention=attention, mlps=mlps)
 
 
 def weights_source(bundle, model: str, *, online: bool = False, trust_remote_code: bool = False):
@@ -213,7 +237,9 @@ def _pretrained_model(bundle, weights: str, trust_remote_code: bool):
     except ValueError as exc:
         raise OnboardError(str(exc)) from None
     cfg = source.config.to_dict()
-    return model, trained_record(spec, cfg, cfg, model), pretrained
+    record = trained_record(spec, cfg, cfg, model)
+    declare_tensor_parallel(model, spec, cfg, cfg)
+    return model, record, pretrained
 
 
 def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,

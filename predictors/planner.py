@@ -36,6 +36,7 @@ class Candidate:
     estimate: Estimate
     step_time_s: float = 0.0  # learned prediction (the cost model's when no predictor is given)
     extrapolates_on: list = field(default_factory=list)  # features outside the predictor's training runs
+    model: Dims | None = None  # what the plan is for: the model-dependent part of `not_runnable`
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,7 +49,7 @@ class Candidate:
     @property
     def not_runnable(self) -> list[str]:
         """Why runtime.parallel cannot lay this plan out yet (empty when `onboard train` runs it)."""
-        return not_runnable(self.plan)
+        return not_runnable(self.plan, self.model)
 
 
 @dataclass
@@ -106,10 +107,10 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
             est = estimate(d, plan, hw, precision)
             result.estimates += 1
             if fits(est, hw):
-                result.ranked.append(Candidate(plan, est, est.step_time_s))
+                result.ranked.append(Candidate(plan, est, est.step_time_s, model=d))
                 break
             if best is None or est.memory_per_device_bytes < best.memory_bytes:
-                best = Candidate(plan, est, est.step_time_s)
+                best = Candidate(plan, est, est.step_time_s, model=d)
         else:
             result.infeasible.append(best)
     if global_batch % devices and not result.layouts:

@@ -1,4 +1,5 @@
-"""`parallelize`: LoRA, expert parallelism and FSDP2 applied to a (runtime-adapted) HuggingFace model."""
+"""`parallelize`: LoRA, tensor parallelism, expert parallelism and FSDP2 applied to a (runtime-adapted)
+HuggingFace model."""
 
 from __future__ import annotations
 
@@ -32,16 +33,28 @@ def mixed_precision(plan: Plan, device_type: str) -> MixedPrecisionPolicy | None
 
 def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None,
                 precision: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Apply LoRA (plan.lora), expert parallelism (plan.ep) and FSDP2 to `model` in place; returns it.
+    """Apply LoRA (plan.lora), tensor parallelism (plan.tp), expert parallelism (plan.ep) and FSDP2 to `model` in
+    place; returns it.
 
     `trace`, when given, collects the expert-parallel issue / wait events of every MoE block. `precision`: FSDP2's
     mixed-precision policy (`mixed_precision`), None for fp32 throughout."""
     shard = {"mp_policy": precision} if precision is not None else {}
+    splits = None
+    if plan.tp > 1:  # read before LoRA wraps the projections: the probe runs the model as it was built
+        from runtime.parallel.tensor import find_splits, problems
+
+        splits = find_splits(model)
+        if why := problems(splits, plan.tp):
+            raise ValueError("; ".join(why))
     if plan.lora is not None:
         from runtime.lora import apply_lora, has_lora
 
         if not has_lora(model):  # adapters already in place (loaded, or initialised by the caller) are kept
             apply_lora(model, plan.lora)
+    if splits is not None:
+        from runtime.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.tp, splits)
     blocks = moe_blocks(model)
     if plan.ep > 1:
         if not blocks:
@@ -69,6 +82,6 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
                 # sum would divide a second time.
                 block.experts.set_force_sum_reduction_for_comms(True)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh.dense, **shard)
-    fully_shard(model, mesh=mesh.dense, **shard)
+        fully_shard(layer, mesh=mesh.data_parallel, **shard)
+    fully_shard(model, mesh=mesh.data_parallel, **shard)
     return model

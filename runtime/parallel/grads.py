@@ -1,16 +1,24 @@
 """Gradient norm and clipping over a parallelized model, as one process training on every rank's data sees them.
 
-After FSDP2's reduction each rank holds a shard of every dense gradient (the same shard on each replica) and
-a shard of its own experts' gradients. Squares are summed locally, then over the shard group (dense) or over
-the expert shard group and the EP group (experts); replicas hold copies and are not summed again.
+After FSDP2's reduction a rank holds a piece of each gradient: a shard over the data-parallel mesh, a tp shard of
+a split projection, its own experts' rows. The pieces of one gradient across the world are copies of
+`distinct` different pieces, so
+
+    |g|^2 = sum over ranks of  sum over its pieces p of  |p|^2 / copies(p),     copies = world / distinct,
+
+where `distinct` multiplies the sizes of the mesh dimensions that shard the tensor (and ep for expert rows).
+One all-reduce over the world gives every rank the same norm whatever the layout.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from runtime.model_tree import moe_blocks
 from runtime.parallel.mesh import ParallelMesh
@@ -20,21 +28,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _distinct(t: torch.Tensor) -> int:
+    """How many different pieces of the tensor `t` is one of (1 for a whole tensor)."""
+    if not isinstance(t, DTensor):
+        return 1
+    # FSDP2 over a tp-split dimension shards it a second time as a _StridedShard
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                     if isinstance(p, (Shard, _StridedShard)))
+
+
 def grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
     """The global L2 norm of all gradients (collective: every rank calls it)."""
     expert_ids = {id(p) for _, block in moe_blocks(model) if block.expert_parallel is not None
                   for p in block.experts.parameters()}
-    squares = {True: torch.zeros((), dtype=torch.float64), False: torch.zeros((), dtype=torch.float64)}
+    world = mesh.world_size
+    total = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
-        if p.grad is not None:
-            squares[id(p) in expert_ids] += _local(p.grad).double().pow(2).sum()
-    dense, experts = squares[False], squares[True]
+        if p.grad is None:
+            continue
+        distinct = _distinct(p.grad) * (mesh.ep if id(p) in expert_ids else 1)
+        total += _local(p.grad).double().pow(2).sum() * (distinct / world)
     if mesh.dense is not None:
-        dist.all_reduce(dense, group=mesh.dense.get_group("dp_shard"))
-    if mesh.experts is not None:
-        dist.all_reduce(experts, group=mesh.experts.get_group("edp_shard"))
-        dist.all_reduce(experts, group=mesh.ep_group)
-    return (dense + experts).sqrt().float()
+        dist.all_reduce(total)
+    return total.sqrt().float()
 
 
 def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float) -> torch.Tensor:

@@ -1,8 +1,12 @@
-"""The device mesh of a plan: data-parallel replicate x shard for dense weights, an expert-parallel view for experts.
+"""The device mesh of a plan: data-parallel replicate x shard x tensor-parallel for dense weights, an
+expert-parallel view for experts.
 
 Expert parallelism is carved out of the data-parallel ranks (see `runtime.plan`). Ranks are laid out as
 
-    (dp_replicate / er, er, dp_shard / es, es)      ep = er * es
+    (dp_replicate / er, er, dp_shard / es, es, tp)      ep = er * es
+
+tensor parallelism innermost (the ranks of a tp group are neighbours: one node's devices, where the all-reduce
+after every split module is cheapest). The ranks of a tp group read the same data and compute the same experts.
 
 with `es = ep` when ep divides dp_shard (the EP group lies inside one shard group, as in torchtitan), or
 `es = dp_shard` when the EP group spans every shard group and part of the replicas. Dense weights see the
@@ -24,10 +28,21 @@ from runtime.plan import Plan
 @dataclass
 class ParallelMesh:
     plan: Plan
-    dense: DeviceMesh | None  # ("dp_replicate", "dp_shard"); None in a single process
+    dense: DeviceMesh | None  # ("dp_replicate", "dp_shard", "tp"); None in a single process
     experts: DeviceMesh | None  # ("edp_replicate", "edp_shard"); None without expert parallelism
     ep_group: dist.ProcessGroup | None
     ep_rank: int = 0
+    dp_rank: int = 0  # which data-parallel slice of each batch this rank reads (the same across a tp group)
+
+    @property
+    def data_parallel(self) -> DeviceMesh | None:
+        """The ("dp_replicate", "dp_shard") mesh FSDP2 shards and reduces over (None in a single process)."""
+        return None if self.dense is None else self.dense["dp_replicate", "dp_shard"]
+
+    @property
+    def tp(self) -> DeviceMesh | None:
+        """The tensor-parallel mesh (None without tensor parallelism)."""
+        return None if self.dense is None or self.plan.tp == 1 else self.dense["tp"]
 
     @property
     def ep(self) -> int:
@@ -49,13 +64,26 @@ def _ep_split(plan: Plan) -> tuple[int, int]:
                      f"dp_replicate*dp_shard={dp}")
 
 
-NOT_BUILT = {"tp": "tensor", "pp": "pipeline", "cp": "context"}  # degrees runtime.parallel does not lay out yet
+NOT_BUILT = {"pp": "pipeline", "cp": "context"}  # degrees runtime.parallel does not lay out yet
 
 
-def not_runnable(plan: Plan) -> list[str]:
+# attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA's low-rank paths, DSA's indexer
+# and linear attention's fused projections and convolutions stay whole on every tp rank
+TP_ATTENTION = ("softmax", "sliding", "chunked")
+
+
+def not_runnable(plan: Plan, model=None) -> list[str]:
     """Why runtime.parallel cannot lay out `plan` (empty when it can): the one answer the planner, the training
-    loop and `build_mesh` all use."""
+    loop and `build_mesh` all use. `model` (a `runtime.dims.Dims`, optional) adds what depends on the model:
+    tensor parallelism needs attention it splits and head counts tp divides."""
     out = list(plan.problems())
+    if plan.tp > 1 and model is not None:
+        whole = sorted({m.kind for m in model.mixers if m.kind not in TP_ATTENTION})
+        if whole:
+            out.append(f"tensor parallelism over {', '.join(whole)} attention is not built (it splits "
+                       f"{', '.join(TP_ATTENTION)} attention by head)")
+        if model.heads % plan.tp or model.kv_heads % plan.tp:
+            out.append(f"tp={plan.tp} does not divide {model.heads} query and {model.kv_heads} key/value heads")
     out += [f"{kind} parallelism ({name} > 1) is not built in runtime.parallel yet"
             for name, kind in NOT_BUILT.items() if getattr(plan, name) != 1]
     if plan.ep > 1 and not out:
@@ -77,12 +105,14 @@ def build_mesh(plan: Plan) -> ParallelMesh:
         return ParallelMesh(plan, None, None, None)
     er, es = _ep_split(plan)
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    ranks = torch.arange(world).view(plan.dp_replicate // er, er, plan.dp_shard // es, es)
-    dense = DeviceMesh(device, ranks.reshape(plan.dp_replicate, plan.dp_shard),
-                       mesh_dim_names=("dp_replicate", "dp_shard"))
+    ranks = torch.arange(world).view(plan.dp_replicate // er, er, plan.dp_shard // es, es, plan.tp)
+    dense = DeviceMesh(device, ranks.reshape(plan.dp_replicate, plan.dp_shard, plan.tp),
+                       mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_rank = dense["dp_replicate"].get_local_rank() * plan.dp_shard + dense["dp_shard"].get_local_rank()
     if plan.ep == 1:
-        return ParallelMesh(plan, dense, None, None)
-    by_expert = ranks.permute(0, 2, 1, 3).reshape(plan.dp_replicate // er, plan.dp_shard // es, plan.ep)
-    full = DeviceMesh(device, by_expert, mesh_dim_names=("edp_replicate", "edp_shard", "ep"))
+        return ParallelMesh(plan, dense, None, None, dp_rank=dp_rank)
+    # experts are replicated over tp: each tp position has its own expert mesh
+    by_expert = ranks.permute(0, 2, 1, 3, 4).reshape(plan.dp_replicate // er, plan.dp_shard // es, plan.ep, plan.tp)
+    full = DeviceMesh(device, by_expert, mesh_dim_names=("edp_replicate", "edp_shard", "ep", "tp"))
     return ParallelMesh(plan, dense, full["edp_replicate", "edp_shard"], full["ep"].get_group(),
-                        full["ep"].get_local_rank())
+                        full["ep"].get_local_rank(), dp_rank=dp_rank)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.dims import Dims
 from runtime.memory import ActivationOffload, apply_recompute
 from runtime.plan import Plan
 from runtime.runlog import RunLogWriter
@@ -132,11 +133,11 @@ def _moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _clip(model: nn.Module, params: list, mesh, max_norm: float) -> None:
-    if mesh is not None and mesh.ep > 1:
-        try:  # expert shards live on their own meshes: the parallel layer sums their norms group by group
-            from runtime.parallel.grads import clip_grad_norm_
-        except ImportError:
-            raise ValueError("gradient clipping with expert parallelism needs runtime.parallel.grads") from None
+    if mesh is not None and mesh.dense is not None:
+        # gradients live on several meshes (data-parallel shards, tp splits, expert slices): the parallel layer
+        # weighs each piece by how many ranks hold it
+        from runtime.parallel.grads import clip_grad_norm_
+
         clip_grad_norm_(model, mesh, max_norm)
     else:
         nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
@@ -156,14 +157,14 @@ def _on(inputs: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def _evaluate(model, source, plan: Plan, cfg: TrainConfig, rank: int, world: int, device, autocast) -> tuple[float, int]:
+def _evaluate(model, source, plan: Plan, cfg: TrainConfig, dp_rank: int, world: int, device, autocast) -> tuple[float, int]:
     """(mean loss over the held-out target tokens of every rank, their count): `cfg.eval_batches` micro-batches
     per rank, each window read once (they are indexed as the micro-steps of one step)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), autocast:
         for micro in range(cfg.eval_batches):
-            inputs = _on(data.model_inputs(source, 0, micro, rank % plan.dp, grad_accum=cfg.eval_batches,
+            inputs = _on(data.model_inputs(source, 0, micro, dp_rank, grad_accum=cfg.eval_batches,
                                            dp=plan.dp, micro_batch=plan.micro_batch), device)
             targets = int((inputs["labels"][..., 1:] != -100).sum())
             loss = model(**inputs, use_cache=False).loss
@@ -219,6 +220,8 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
         raise ValueError(f"the plan lays out {plan.world_size} processes, and {world} were started")
     torch.manual_seed(cfg.seed)  # every rank builds the same initial weights
     model, record, pretrained = _unpack(factory())
+    if plan.tp > 1 and record and (problems := not_runnable(plan, Dims.from_record(record))):
+        raise ValueError(f"the plan cannot run on this model: {'; '.join(problems)}")  # as the planner said
     vocab = record.get("vocab") or getattr(getattr(model, "config", None), "vocab_size", None)
     if pretrained is None:
         model.to(device)
@@ -268,12 +271,13 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
 
         bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, leave=False)
     blocks = _moe_blocks(model)
+    dp_rank = mesh.dp_rank if mesh is not None else 0  # which slice of each batch this rank reads
     results = []
     reset_peak_memory(device)
     try:
         for step in range(start, cfg.steps):
             results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks,
-                                 rank, world, device))
+                                 dp_rank, world, device))
             r = results[-1]
             if writer:
                 writer.step(step, step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
@@ -284,7 +288,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
                 bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
             done = step + 1
             if held_out is not None and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
-                loss, tokens = _evaluate(model, held_out, plan, cfg, rank, world, device, autocast)
+                loss, tokens = _evaluate(model, held_out, plan, cfg, dp_rank, world, device, autocast)
                 if writer:
                     writer.eval(done, loss=loss, tokens=tokens)
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -315,7 +319,7 @@ def _export(model, pretrained, cfg: TrainConfig) -> None:
     model.train()
 
 
-def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks, rank, world, device):
+def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks, dp_rank, world, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -323,7 +327,7 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
     loss_sum = torch.zeros((), dtype=torch.float64)
     counts = [torch.zeros(0, dtype=torch.float64) for _ in blocks]
     for micro in range(plan.grad_accum):
-        inputs = _on(data.model_inputs(source, step, micro, rank % plan.dp, grad_accum=plan.grad_accum, dp=plan.dp,
+        inputs = _on(data.model_inputs(source, step, micro, dp_rank, grad_accum=plan.grad_accum, dp=plan.dp,
                                        micro_batch=plan.micro_batch), device)
         with offload, autocast:
             loss = model(**inputs, use_cache=False).loss / plan.grad_accum
@@ -349,6 +353,7 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
         dist.all_reduce(stats)
         comm += time.perf_counter() - t
         stats[0] /= world
+        stats[1:] /= plan.tp  # the ranks of a tp group route the same tokens
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 torch.set_num_threads(1)
 
@@ -39,12 +40,17 @@ def load_model(folder: str):
     if folder not in _PRISTINE:
         from onboard.bundle_files import load_adapter
         from onboard.source import resolve
+        from onboard.train import declare_tensor_parallel
         from onboard.twin import build_twin
 
         name = (Path(folder) / "model.txt").read_text().strip()
-        model = build_twin(resolve(name), run_check=False).model
+        source = resolve(name)
+        model = build_twin(source, run_check=False).model
         model.load_state_dict(torch.load(Path(folder) / "weights.pt"))
         load_adapter(Path(folder)).adapt(model)
+        spec = json.loads((Path(folder) / "spec.json").read_text())
+        # what tensor parallelism may split, as onboard train declares it
+        declare_tensor_parallel(model, spec, source.config.to_dict(), model.config.to_dict())
         _PRISTINE[folder] = model.float().train()
     return copy.deepcopy(_PRISTINE[folder])
 
@@ -77,12 +83,11 @@ def run_case(case: dict) -> dict:
     )
     from runtime.plan import Plan
 
-    rank = dist.get_rank()
     plan = Plan.from_dict(case["plan"])
     mesh = build_mesh(plan)
     trace: list = []
     model = prepared(case, plan, mesh, trace)
-    ids = torch.load(case["batch"])[rank * plan.micro_batch:(rank + 1) * plan.micro_batch]
+    ids = torch.load(case["batch"])[mesh.dp_rank * plan.micro_batch:(mesh.dp_rank + 1) * plan.micro_batch]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=case["lr"])
     out = {"losses": [], "trace": trace}
     for step in range(case["steps"]):
@@ -97,6 +102,8 @@ def run_case(case: dict) -> dict:
             out["grad_norm"] = grad_norm(model, mesh).item()
         opt.step()
         opt.zero_grad()
+    out["tp_split"] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)
+                             and p.device_mesh.mesh_dim_names[-1] == "tp" and p.placements[-1].is_shard())
     out["comm_seconds"] = sum(b.expert_parallel.comm.seconds for _, b in moe_blocks(model) if b.expert_parallel)
     out["params"] = gather_experts(model, dict(model.named_parameters()))
     if plan.lora is not None:

@@ -125,9 +125,11 @@ MODELS = ("qwen3-30b-a3b", "qwen3-next-80b-a3b")  # an MoE family and a hybrid (
 LAYOUTS = {  # world size: {layout: plan degrees}
     2: {"fsdp": {"dp_shard": 2}, "ep": {"dp_replicate": 2, "ep": 2}, "fsdp_ep": {"dp_shard": 2, "ep": 2}},
     4: {"fsdp": {"dp_shard": 4}, "ep": {"dp_replicate": 4, "ep": 4}, "fsdp_ep": {"dp_shard": 4, "ep": 2},
-        "hsdp_ep": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
+        "hsdp_ep": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        "tp_fsdp": {"dp_shard": 2, "tp": 2}, "tp_fsdp_ep": {"dp_shard": 2, "tp": 2, "ep": 2}},
 }
-ROUND_TRIP = ("fsdp_ep", "hsdp_ep")  # save / load checked where both FSDP2 shards and expert slices exist
+# save / load checked where both FSDP2 shards and expert slices exist, and tp-split tensors with them
+ROUND_TRIP = ("fsdp_ep", "hsdp_ep", "tp_fsdp_ep")
 CASES = [(world, name, layout, lora) for world in LAYOUTS for name in MODELS for layout in LAYOUTS[world]
          for lora in (False, True)]
 
@@ -179,8 +181,14 @@ def test_matches_single_process(results, models, world, name, layout, lora):
     run = results(world)
     got = run["out"][case_id(world, name, layout, lora)]
     plan = plan_for(world, layout, lora)
-    batch = torch.load(batch_for(world, run["folder"]))
+    batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch]  # a tp group reads one slice
     want_losses, want_grads, want_params = reference(models[name], plan, batch, 3)
+    if plan.tp > 1:  # softmax attention heads and shared experts split; linear attention and experts whole
+        split = got["tp_split"]
+        assert any(".self_attn.o_proj." in n for n in split) and not any("linear_attn" in n for n in split)
+        assert any(".shared.0." in n for n in split) == (name == "qwen3-next-80b-a3b")
+        assert not any(".experts." in n for n in split)
+        assert any(".lora_" in n for n in split) == lora
     assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     assert sorted(got["grads"]) == sorted(want_grads)
     for key, want in want_grads.items():
@@ -314,8 +322,8 @@ def test_grouped_lora_equals_merged_expert_weights(qwen3):
 def test_plan_problems_are_clear_errors():
     from runtime.parallel import build_mesh
 
-    with pytest.raises(ValueError, match=r"tensor parallelism \(tp > 1\) is not built"):
-        build_mesh(Plan(tp=2))
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp > 1\) is not built"):
+        build_mesh(Plan(pp=2))
     with pytest.raises(ValueError, match="needs 4 processes"):
         build_mesh(Plan(dp_shard=4))
     with pytest.raises(ValueError, match="ep=3"):

@@ -1,0 +1,137 @@
+"""How tensor parallelism reads a module's projections (runtime.parallel.tensor.find_splits), in one process:
+the split it finds on HuggingFace's own attention and MLP modules, and the refusals, each planted on a module
+that is otherwise splittable. The multi-process runs that train with the splits are in test_parallel.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from runtime.parallel.tensor import Heads, declare, find_splits, problems
+
+HIDDEN, HEADS, KV, DIM, FFN, VOCAB = 16, 4, 2, 4, 24, 32
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with a per-head query norm; `plant` breaks one thing tensor parallelism needs."""
+
+    def __init__(self, plant: str | None = None):
+        super().__init__()
+        self.plant = plant
+        self.q_proj = nn.Linear(HIDDEN, HEADS * DIM)
+        self.k_proj = nn.Linear(HIDDEN, KV * DIM)
+        self.v_proj = nn.Linear(HIDDEN, KV * DIM)
+        self.o_proj = nn.Linear(HEADS * DIM, HIDDEN)
+        self.q_norm = nn.RMSNorm(HEADS * DIM if plant == "norm over all heads" else DIM)
+        if plant == "sinks":
+            self.sinks = nn.Parameter(torch.zeros(HEADS))
+        if plant == "low rank":
+            self.q_a = nn.Linear(HIDDEN, 8)
+            self.q_proj = nn.Linear(8, HEADS * DIM)
+
+    def forward(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        x = self.q_a(hidden_states) if self.plant == "low rank" else hidden_states
+        if self.plant == "norm over all heads":
+            q = self.q_norm(self.q_proj(x)).view(b, s, -1, DIM)
+        else:
+            q = self.q_norm(self.q_proj(x).view(b, s, -1, DIM))
+        k = self.k_proj(hidden_states).view(b, s, -1, DIM)
+        v = self.v_proj(hidden_states).view(b, s, -1, DIM)
+        k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        if self.plant == "sinks":
+            out = out + self.sinks.view(1, -1, 1, 1)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+
+
+class MLP(nn.Module):
+    def __init__(self, fused: bool = False):
+        super().__init__()
+        self.fused = fused
+        self.gate_up = nn.Linear(HIDDEN, 2 * FFN) if fused else None
+        self.gate, self.up = (None, None) if fused else (nn.Linear(HIDDEN, FFN), nn.Linear(HIDDEN, FFN))
+        self.down = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, -1) if self.fused else (self.gate(x), self.up(x))
+        return self.down(F.silu(gate) * up)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, attention: Attention, mlp: MLP):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=VOCAB)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.attn, self.mlp = attention, mlp
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids, labels=None, use_cache=False):
+        h = self.embed(input_ids)
+        h = h + self.attn(hidden_states=h)[0]
+        return self.head(h + self.mlp(h))
+
+
+def splits_of(model: nn.Module):
+    declare(model, attention={"attn": Heads(HEADS, KV)}, mlps=["mlp"])
+    return {s.path: s for s in find_splits(model)}
+
+
+def test_projections_split_by_what_they_read_and_write():
+    found = splits_of(TinyLM(Attention(), MLP()))
+    attn, mlp = found["attn"], found["mlp"]
+    assert sorted(attn.colwise) == ["k_proj", "q_proj", "v_proj"] and attn.rowwise == "o_proj"
+    assert attn.per_head == (("q_norm", 2),)  # (batch, tokens, heads, head dim): the heads are dimension 2
+    assert sorted(mlp.colwise) == ["gate", "up"] and mlp.rowwise == "down" and mlp.heads is None
+    assert problems(list(found.values()), 2) == []
+    assert problems(list(found.values()), 4) == ["attn: 4 query and 2 key/value heads do not divide by tp=4"]
+
+
+@pytest.mark.parametrize(("attention", "mlp", "why"), [
+    ("low rank", False, "attn.q_proj neither reads attn's input nor writes its output"),
+    ("sinks", False, "attn.sinks is a parameter of the attention itself"),
+    ("norm over all heads", False, r"attn.q_norm \(input \(1, 7, 16\)\) is not a per-head module"),
+    (None, True, r"mlp's input projections are \[48\] wide and its output projection reads 24"),
+])
+def test_what_a_split_would_get_wrong_is_refused(attention, mlp, why):
+    """Each planted module computes something a contiguous split of its projections would change: refused,
+    naming the module, where a split by name would have run and trained wrong numbers."""
+    with pytest.raises(ValueError, match=why):
+        splits_of(TinyLM(Attention(attention), MLP(fused=mlp)))
+
+
+def test_nothing_declared_and_meta_models_are_refused():
+    with pytest.raises(ValueError, match="nothing declares which modules split"):
+        find_splits(TinyLM(Attention(), MLP()))
+    with torch.device("meta"):
+        model = TinyLM(Attention(), MLP())
+    declare(model, attention={}, mlps=["mlp"])
+    with pytest.raises(ValueError, match="meta device"):
+        find_splits(model)
+
+
+def _tiny(model_type: str, **extra):
+    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def test_huggingface_modules_split_or_are_refused_by_what_they_compute():
+    """transformers' own Qwen3 attention (per-head q / k norms) and MLP split; OLMoE normalises q and k over all
+    heads at once, which a head split would change: refused."""
+    qwen = _tiny("qwen3")
+    declare(qwen, attention={f"model.layers.{i}.self_attn": Heads(4, 2) for i in range(2)},
+            mlps=[f"model.layers.{i}.mlp" for i in range(2)])
+    found = {s.path: s for s in find_splits(qwen)}
+    attn = found["model.layers.0.self_attn"]
+    assert sorted(attn.colwise) == ["k_proj", "q_proj", "v_proj"] and attn.rowwise == "o_proj"
+    assert sorted(attn.per_head) == [("k_norm", 2), ("q_norm", 2)]
+    assert found["model.layers.1.mlp"].rowwise == "down_proj"
+    olmoe = _tiny("olmoe", num_experts=4, num_experts_per_tok=2)
+    declare(olmoe, attention={"model.layers.0.self_attn": Heads(4, 2)}, mlps=[])
+    with pytest.raises(ValueError, match="q_norm .* is not a per-head module"):
+        find_splits(olmoe)
