@@ -9,6 +9,11 @@ from torch import nn
 from runtime.moe.block import MoEBlock
 
 
+class Vacated(nn.Module):
+    """A module of the model another rank runs (a pipeline stage's cut: `runtime.parallel.pipeline`): it holds no
+    parameters, and the layer-stack search and `decoder_layers` look past it."""
+
+
 def tensor_at(root: nn.Module, path: str) -> torch.Tensor:
     """The parameter or buffer at a dotted path below `root` (the object itself: no copy)."""
     owner, _, name = path.rpartition(".")
@@ -27,7 +32,9 @@ def find_layer_stack(model: nn.Module, num_layers: int | None = None) -> tuple[s
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if any(next(child.parameters(), None) is None for child in module):
+        if any(next(child.parameters(), None) is None for child in module if not isinstance(child, Vacated)):
+            continue
+        if all(isinstance(child, Vacated) for child in module):
             continue
         if "expert" in name.split(".")[-1]:
             continue
@@ -39,9 +46,11 @@ def find_layer_stack(model: nn.Module, num_layers: int | None = None) -> tuple[s
     return best[1]
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """A HuggingFace model's decoder layers (its config's `num_hidden_layers` breaks ties)."""
-    return find_layer_stack(model, getattr(getattr(model, "config", None), "num_hidden_layers", None))[1]
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """A HuggingFace model's decoder layers that this rank runs (its config's `num_hidden_layers` breaks ties): all
+    of them, or a pipeline stage's."""
+    stack = find_layer_stack(model, getattr(getattr(model, "config", None), "num_hidden_layers", None))[1]
+    return [layer for layer in stack if not isinstance(layer, Vacated)]
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:

@@ -17,16 +17,17 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 2  # 2: the field `swap` is called `offload`
+SCHEMA_VERSION = 3  # 2: the field `swap` is called `offload`; 3: pipeline fields `pp_schedule`, `pp_layers`
 # Version 1 differs only in that name, and measured run logs (predictors/data/runlogs/) keep their version-1
-# plans, so both are read. Writing says 2 so that an older runtime refuses a new plan by its version rather
-# than as an unknown field.
-READABLE_VERSIONS = (1, 2)
+# plans, so all are read (a plan without the pipeline fields takes their defaults). Writing says 3 so that an
+# older runtime refuses a new plan by its version rather than as an unknown field.
+READABLE_VERSIONS = (1, 2, 3)
 RENAMED = {"swap": "offload"}  # a field's old name -> its name now
 
 RECOMPUTE = ("none", "selective", "full")  # selective: attention / MoE internals; full: whole decoder layers
 OFFLOAD = ("none", "moe", "all")  # which matmul / grouped-matmul outputs are saved to host memory
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
+PP_SCHEDULES = ("1f1b", "gpipe")  # torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe
 MAX_DEGREE = 2**20  # no layout has more ranks along one axis; larger figures are typos (1e9) or overflow
 MAX_TOKENS = 2**26  # sequence length / loss chunk bound, far above any released context
 
@@ -55,6 +56,8 @@ class Plan:
     lora: LoRA | None = None  # None: full training
     dtype: str = "bf16"
     overlap: bool = True  # expert compute overlaps the All-to-All
+    pp_schedule: str = "1f1b"  # the pipeline schedule (pp > 1), one of PP_SCHEDULES
+    pp_layers: list[int] | None = None  # decoder layers per pipeline stage (the planner's cost balance); None: even
     # filled by the predictor; absent for a hand-written plan
     predicted: dict = field(default_factory=dict)  # step_time_s, tokens_per_s, memory_per_device_bytes
 
@@ -89,6 +92,8 @@ class Plan:
             out.append(f"ep={self.ep} must divide the data-parallel ranks dp*cp={self.dp * self.cp}")
         if num_experts is not None and self.ep > 1 and num_experts % self.ep:
             out.append(f"ep={self.ep} must divide the {num_experts} experts")
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp:
+            out.append(f"pp_layers names {len(self.pp_layers)} stages for pp={self.pp}")
         if self.lora is not None and self.lora.rank < 1:
             out.append(f"LoRA rank must be at least 1, got {self.lora.rank}")
         return out
@@ -153,9 +158,13 @@ def _field_problems(values: dict) -> list[str]:
         value = values.get(name, 1)
         if not (value is None and name == "loss_chunk") and not (_whole(value) and 1 <= value <= MAX_TOKENS):
             out.append(f"{name} must be a whole number of tokens from 1 to {MAX_TOKENS}, got {value!r}")
-    for name, allowed in (("recompute", RECOMPUTE), ("offload", OFFLOAD), ("dtype", DTYPES)):
+    for name, allowed in (("recompute", RECOMPUTE), ("offload", OFFLOAD), ("dtype", DTYPES),
+                          ("pp_schedule", PP_SCHEDULES)):
         if name in values and values[name] not in allowed:
             out.append(f"{name} must be one of {', '.join(allowed)}, got {values[name]!r}")
+    layers = values.get("pp_layers")
+    if layers is not None and not (isinstance(layers, list) and layers and all(_whole(n) and n >= 1 for n in layers)):
+        out.append(f"pp_layers must be a list of positive layer counts or null, got {layers!r}")
     if "overlap" in values and not isinstance(values["overlap"], bool):
         out.append(f"overlap must be true or false, got {values['overlap']!r}")
     if "predicted" in values and not isinstance(values["predicted"], dict):

@@ -46,6 +46,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         splits = find_splits(model)
         if why := problems(splits, plan.tp):
             raise ValueError("; ".join(why))
+    if plan.pp > 1:  # checked whole (one process, one forward), then cut to this rank's stage
+        from runtime.parallel.pipeline import check_stages, cut, stage_layers
+
+        stages = stage_layers(plan, len(decoder_layers(model)))
+        cut(model, stages, mesh.pp_rank, check_stages(model, stages))
+        if splits is not None:  # the splits of modules other stages run are theirs
+            kept = {name for name, _ in model.named_modules()}
+            splits = [s for s in splits if s.path in kept]
     if plan.lora is not None:
         from runtime.lora import apply_lora, has_lora
 

@@ -4,10 +4,11 @@ After FSDP2's reduction a rank holds a piece of each gradient: a shard over the 
 a split projection, its own experts' rows. The pieces of one gradient across the world are copies of
 `distinct` different pieces, so
 
-    |g|^2 = sum over ranks of  sum over its pieces p of  |p|^2 / copies(p),     copies = world / distinct,
+    |g|^2 = sum over ranks of  sum over its pieces p of  |p|^2 / copies(p),     copies = (world / pp) / distinct,
 
-where `distinct` multiplies the sizes of the mesh dimensions that shard the tensor (and ep for expert rows).
-One all-reduce over the world gives every rank the same norm whatever the layout.
+where `distinct` multiplies the sizes of the mesh dimensions that shard the tensor (and ep for expert rows), and
+world / pp ranks hold the stage a tensor belongs to. One all-reduce over the world (every stage) gives every rank
+the same norm whatever the layout.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ def grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
     """The global L2 norm of all gradients (collective: every rank calls it)."""
     expert_ids = {id(p) for _, block in moe_blocks(model) if block.expert_parallel is not None
                   for p in block.experts.parameters()}
-    world = mesh.world_size
+    stage_ranks = mesh.world_size // mesh.plan.pp
     total = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
         if p.grad is None:
             continue
         distinct = _distinct(p.grad) * (mesh.ep if id(p) in expert_ids else 1)
-        total += _local(p.grad).double().pow(2).sum() * (distinct / world)
+        total += _local(p.grad).double().pow(2).sum() * (distinct / stage_ranks)
     if mesh.dense is not None:
         dist.all_reduce(total)
     return total.sqrt().float()

@@ -3,10 +3,11 @@ expert-parallel view for experts.
 
 Expert parallelism is carved out of the data-parallel ranks (see `runtime.plan`). Ranks are laid out as
 
-    (dp_replicate / er, er, dp_shard / es, es, tp)      ep = er * es
+    (pp, dp_replicate / er, er, dp_shard / es, es, tp)      ep = er * es
 
 tensor parallelism innermost (the ranks of a tp group are neighbours: one node's devices, where the all-reduce
-after every split module is cheapest). The ranks of a tp group read the same data and compute the same experts.
+after every split module is cheapest), pipeline stages outermost (one activation send per micro-batch crosses
+them). The ranks of a tp group read the same data and compute the same experts; so do the stages of a pipeline.
 
 with `es = ep` when ep divides dp_shard (the EP group lies inside one shard group, as in torchtitan), or
 `es = dp_shard` when the EP group spans every shard group and part of the replicas. Dense weights see the
@@ -28,11 +29,12 @@ from runtime.plan import Plan
 @dataclass
 class ParallelMesh:
     plan: Plan
-    dense: DeviceMesh | None  # ("dp_replicate", "dp_shard", "tp"); None in a single process
+    dense: DeviceMesh | None  # ("pp", "dp_replicate", "dp_shard", "tp"); None in a single process
     experts: DeviceMesh | None  # ("edp_replicate", "edp_shard"); None without expert parallelism
     ep_group: dist.ProcessGroup | None
     ep_rank: int = 0
-    dp_rank: int = 0  # which data-parallel slice of each batch this rank reads (the same across a tp group)
+    dp_rank: int = 0  # which data-parallel slice of each batch this rank reads (the same across tp and pp)
+    pp_rank: int = 0  # this rank's pipeline stage
 
     @property
     def data_parallel(self) -> DeviceMesh | None:
@@ -43,6 +45,11 @@ class ParallelMesh:
     def tp(self) -> DeviceMesh | None:
         """The tensor-parallel mesh (None without tensor parallelism)."""
         return None if self.dense is None or self.plan.tp == 1 else self.dense["tp"]
+
+    @property
+    def pp(self) -> DeviceMesh | None:
+        """The pipeline mesh: this rank's position in each stage, across the stages (None without pipelining)."""
+        return None if self.dense is None or self.plan.pp == 1 else self.dense["pp"]
 
     @property
     def ep(self) -> int:
@@ -64,7 +71,7 @@ def _ep_split(plan: Plan) -> tuple[int, int]:
                      f"dp_replicate*dp_shard={dp}")
 
 
-NOT_BUILT = {"pp": "pipeline", "cp": "context"}  # degrees runtime.parallel does not lay out yet
+NOT_BUILT = {"cp": "context"}  # degrees runtime.parallel does not lay out yet
 
 
 # attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA's low-rank paths, DSA's indexer
@@ -105,14 +112,16 @@ def build_mesh(plan: Plan) -> ParallelMesh:
         return ParallelMesh(plan, None, None, None)
     er, es = _ep_split(plan)
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    ranks = torch.arange(world).view(plan.dp_replicate // er, er, plan.dp_shard // es, es, plan.tp)
-    dense = DeviceMesh(device, ranks.reshape(plan.dp_replicate, plan.dp_shard, plan.tp),
-                       mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    dp_rank = dense["dp_replicate"].get_local_rank() * plan.dp_shard + dense["dp_shard"].get_local_rank()
+    ranks = torch.arange(world).view(plan.pp, plan.dp_replicate // er, er, plan.dp_shard // es, es, plan.tp)
+    dense = DeviceMesh(device, ranks.reshape(plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp),
+                       mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    where = {"dp_rank": dense["dp_replicate"].get_local_rank() * plan.dp_shard + dense["dp_shard"].get_local_rank(),
+             "pp_rank": dense["pp"].get_local_rank()}
     if plan.ep == 1:
-        return ParallelMesh(plan, dense, None, None, dp_rank=dp_rank)
-    # experts are replicated over tp: each tp position has its own expert mesh
-    by_expert = ranks.permute(0, 2, 1, 3, 4).reshape(plan.dp_replicate // er, plan.dp_shard // es, plan.ep, plan.tp)
-    full = DeviceMesh(device, by_expert, mesh_dim_names=("edp_replicate", "edp_shard", "ep", "tp"))
+        return ParallelMesh(plan, dense, None, None, **where)
+    # experts are replicated over tp and live in one stage: each (stage, tp position) has its own expert mesh
+    by_expert = ranks.permute(0, 1, 3, 2, 4, 5).reshape(plan.pp, plan.dp_replicate // er, plan.dp_shard // es,
+                                                        plan.ep, plan.tp)
+    full = DeviceMesh(device, by_expert, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep", "tp"))
     return ParallelMesh(plan, dense, full["edp_replicate", "edp_shard"], full["ep"].get_group(),
-                        full["ep"].get_local_rank(), dp_rank=dp_rank)
+                        full["ep"].get_local_rank(), **where)

@@ -128,10 +128,6 @@ def hardware(device: torch.device, world: int) -> dict:
     return {"name": name, "devices": world, "device_type": device.type, "threads": torch.get_num_threads()}
 
 
-def _moe_blocks(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "tokens_per_expert")]
-
-
 def _clip(model: nn.Module, params: list, mesh, max_norm: float) -> None:
     if mesh is not None and mesh.dense is not None:
         # gradients live on several meshes (data-parallel shards, tp splits, expert slices): the parallel layer
@@ -157,18 +153,24 @@ def _on(inputs: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def _evaluate(model, source, plan: Plan, cfg: TrainConfig, dp_rank: int, world: int, device, autocast) -> tuple[float, int]:
+def _evaluate(model, source, plan: Plan, cfg: TrainConfig, dp_rank: int, world: int, device, autocast,
+              pipeline=None) -> tuple[float, int]:
     """(mean loss over the held-out target tokens of every rank, their count): `cfg.eval_batches` micro-batches
-    per rank, each window read once (they are indexed as the micro-steps of one step)."""
+    per rank (under a pipeline, rounded up to whole schedules), each window read once (they are indexed as the
+    micro-steps of one step)."""
     model.eval()
+    count = cfg.eval_batches if pipeline is None else -(-cfg.eval_batches // plan.grad_accum) * plan.grad_accum
+    batches = _micro_batches(source, 0, dp_rank, plan, device, count)
+    targets = [int((inputs["labels"][..., 1:] != -100).sum()) for inputs in batches]
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), autocast:
-        for micro in range(cfg.eval_batches):
-            inputs = _on(data.model_inputs(source, 0, micro, dp_rank, grad_accum=cfg.eval_batches,
-                                           dp=plan.dp, micro_batch=plan.micro_batch), device)
-            targets = int((inputs["labels"][..., 1:] != -100).sum())
-            loss = model(**inputs, use_cache=False).loss
-            total += torch.tensor([float(loss) * targets, targets], dtype=torch.float64)
+        if pipeline is None:
+            losses = [float(model(**inputs, use_cache=False).loss) for inputs in batches]
+        else:
+            losses = [loss for i in range(0, count, plan.grad_accum)
+                      for loss in pipeline.evaluate(batches[i:i + plan.grad_accum])]
+    if losses:  # a pipeline's loss is on its last stage
+        total += torch.tensor([sum(a * n for a, n in zip(losses, targets)), sum(targets)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(total)
     model.train()
@@ -215,6 +217,9 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
 
     if problems := not_runnable(plan):
         raise ValueError(f"the plan cannot run: {'; '.join(problems)}")
+    if plan.pp > 1 and (cfg.export_hf or cfg.export_peft):
+        raise ValueError("exports gather the whole model, which pipeline stages hold in parts: export from a "
+                         "checkpoint of this run with pp=1 (not built: gathering across stages)")
     rank, world, device = _init_distributed()
     if world != plan.world_size:
         raise ValueError(f"the plan lays out {plan.world_size} processes, and {world} were started")
@@ -230,7 +235,9 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
                 for p in model.parameters():
                     dist.broadcast(p.data, 0)
     model.train()
-    mesh = None
+    # every MoE layer's (path, experts), taken before a pipeline stage keeps only its own: the run log's counts
+    slots = [(name, m.num_experts) for name, m in model.named_modules() if hasattr(m, "tokens_per_expert")]
+    mesh = pipeline = None
     if world > 1 or plan.lora is not None:
         from runtime.parallel import build_mesh, parallelize
         from runtime.parallel.api import mixed_precision
@@ -239,6 +246,10 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
         precision = mixed_precision(plan, device.type) if world > 1 else None
         # LoRA, expert parallelism, FSDP2 (gradient reduction included; bf16 compute on an accelerator)
         model = parallelize(model, plan, mesh, precision=precision)
+        if plan.pp > 1:
+            from runtime.parallel.pipeline import Pipeline
+
+            pipeline = Pipeline(model, plan, mesh, device, torch.bfloat16 if precision is not None else torch.float32)
     if pretrained is not None:  # built on the meta device: allocate this rank's shards, then read into them
         model.to_empty(device=device)
         loaded = pretrained.load(model)
@@ -270,14 +281,13 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, leave=False)
-    blocks = _moe_blocks(model)
     dp_rank = mesh.dp_rank if mesh is not None else 0  # which slice of each batch this rank reads
     results = []
     reset_peak_memory(device)
     try:
         for step in range(start, cfg.steps):
-            results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks,
-                                 dp_rank, world, device))
+            results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, slots,
+                                 pipeline, dp_rank, world, device))
             r = results[-1]
             if writer:
                 writer.step(step, step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
@@ -288,7 +298,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
                 bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
             done = step + 1
             if held_out is not None and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
-                loss, tokens = _evaluate(model, held_out, plan, cfg, dp_rank, world, device, autocast)
+                loss, tokens = _evaluate(model, held_out, plan, cfg, dp_rank, world, device, autocast, pipeline)
                 if writer:
                     writer.eval(done, loss=loss, tokens=tokens)
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -319,47 +329,62 @@ def _export(model, pretrained, cfg: TrainConfig) -> None:
     model.train()
 
 
-def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, blocks, dp_rank, world, device):
+def _micro_batches(source, step: int, dp_rank: int, plan: Plan, device, count: int) -> list[dict]:
+    """This rank's `count` micro-batches of a step (every rank of a tp group and of a pipeline reads the same)."""
+    return [_on(data.model_inputs(source, step, micro, dp_rank, grad_accum=count, dp=plan.dp,
+                                  micro_batch=plan.micro_batch), device) for micro in range(count)]
+
+
+def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, slots, pipeline, dp_rank, world,
+          device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    counts = [torch.zeros(0, dtype=torch.float64) for _ in blocks]
-    for micro in range(plan.grad_accum):
-        inputs = _on(data.model_inputs(source, step, micro, dp_rank, grad_accum=plan.grad_accum, dp=plan.dp,
-                                       micro_batch=plan.micro_batch), device)
+    micro_batches = _micro_batches(source, step, dp_rank, plan, device, plan.grad_accum)
+    counts: dict[str, torch.Tensor] = {}
+    if pipeline is not None:
+        pipeline.expert_tokens.clear()
         with offload, autocast:
-            loss = model(**inputs, use_cache=False).loss / plan.grad_accum
-        loss.backward()
-        loss_sum += loss.detach().double().cpu()
-        for i, block in enumerate(blocks):
-            if block.tokens_per_expert is not None:
-                c = block.tokens_per_expert.double().cpu()
-                counts[i] = c if counts[i].numel() == 0 else counts[i] + c
+            loss_sum = torch.tensor(pipeline.step(micro_batches), dtype=torch.float64)
+        counts = pipeline.expert_tokens
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for inputs in micro_batches:
+            with offload, autocast:
+                loss = model(**inputs, use_cache=False).loss / plan.grad_accum
+            loss.backward()
+            loss_sum += loss.detach().double().cpu()
+            for name, _ in slots:
+                counted = model.get_submodule(name).tokens_per_expert
+                if counted is not None:
+                    counts[name] = counts.get(name, 0) + counted.double().cpu()
     comm = 0.0
     if cfg.clip:
         t = time.perf_counter()
         _clip(model, params, mesh, cfg.clip)
         comm += time.perf_counter() - t if world > 1 else 0.0  # the norm's all-reduce dominates it
     optimizer.step()
-    for block in blocks:  # time blocked on expert-parallel token exchanges (what overlap did not hide)
-        clock = getattr(getattr(block, "expert_parallel", None), "comm", None)
+    for name, _ in slots:  # time blocked on expert-parallel token exchanges (what overlap did not hide)
+        clock = getattr(getattr(model.get_submodule(name), "expert_parallel", None), "comm", None)
         if clock is not None:
             comm += clock.reset()
-    stats = torch.cat([loss_sum.reshape(1), *counts])
+    # every MoE layer of the model in one vector (a pipeline stage fills its own layers'), summed over the world
+    stats = torch.cat([loss_sum.reshape(1), *(torch.as_tensor(counts.get(name, torch.zeros(size)),
+                                                              dtype=torch.float64).reshape(size)
+                                              for name, size in slots)])
     if world > 1:
         t = time.perf_counter()
         dist.all_reduce(stats)
         comm += time.perf_counter() - t
-        stats[0] /= world
+        stats[0] /= world // plan.pp  # the last stage's ranks hold the loss (every rank without a pipeline)
         stats[1:] /= plan.tp  # the ranks of a tp group route the same tokens
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
     expert_tokens, offset = [], 1
-    for c in counts:
-        expert_tokens.append([int(v) for v in stats[offset:offset + c.numel()].tolist()])
-        offset += c.numel()
+    for _, size in slots:
+        expert_tokens.append([int(v) for v in stats[offset:offset + size].tolist()])
+        offset += size
     return StepResult(step, float(stats[0]), elapsed, plan.tokens_per_step / elapsed, peak_memory_bytes(device),
                       comm, expert_tokens)

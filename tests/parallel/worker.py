@@ -45,7 +45,15 @@ def load_model(folder: str):
 
         name = (Path(folder) / "model.txt").read_text().strip()
         source = resolve(name)
-        model = build_twin(source, run_check=False).model
+        deeper = Path(folder) / "layers.txt"  # the twin's first N layers (pipeline stages need several)
+        if deeper.exists():
+            from onboard.train import scaled_config
+
+            cfg = scaled_config(source, layers=int(deeper.read_text()))
+            torch.manual_seed(0)
+            model = source.build(type(source.config).from_dict(cfg), experts_implementation="grouped_mm")
+        else:
+            model = build_twin(source, run_check=False).model
         model.load_state_dict(torch.load(Path(folder) / "weights.pt"))
         load_adapter(Path(folder)).adapt(model)
         spec = json.loads((Path(folder) / "spec.json").read_text())
@@ -72,6 +80,22 @@ def prepared(case: dict, plan, mesh, trace=None):
     return parallelize(model, plan, mesh, trace=trace, precision=precision)
 
 
+def whole(state: dict, plan) -> dict:
+    """A pipeline stage's full tensors merged with every other stage's (each rank of a stage holds them all)."""
+    if plan.pp == 1:
+        return state
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, state)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def every(ok: bool) -> bool:
+    """Whether `ok` holds on every rank."""
+    flag = torch.tensor(int(ok))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
 def run_case(case: dict) -> dict:
     from runtime.lora import load_lora_state_dict, lora_state_dict
     from runtime.parallel import (
@@ -87,27 +111,38 @@ def run_case(case: dict) -> dict:
     mesh = build_mesh(plan)
     trace: list = []
     model = prepared(case, plan, mesh, trace)
-    ids = torch.load(case["batch"])[mesh.dp_rank * plan.micro_batch:(mesh.dp_rank + 1) * plan.micro_batch]
+    rows = plan.micro_batch * plan.grad_accum  # this data-parallel rank's sequences
+    ids = torch.load(case["batch"])[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]
+    pipe = None
+    if plan.pp > 1:
+        from runtime.parallel.pipeline import Pipeline
+
+        pipe = Pipeline(model, plan, mesh, torch.device("cpu"))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=case["lr"])
     out = {"losses": [], "trace": trace}
     for step in range(case["steps"]):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        mean = loss.detach().clone()
+        if pipe is None:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            mean = loss.detach().clone()
+        else:  # micro-batches through the stages; the loss is on the last stage
+            micro = [{"input_ids": m, "labels": m} for m in ids.split(plan.micro_batch)]
+            mean = torch.tensor(pipe.step(micro))
         dist.all_reduce(mean)
-        out["losses"].append(mean.item() / dist.get_world_size())
+        out["losses"].append(mean.item() / (dist.get_world_size() // plan.pp))
         if step == 0:
-            out["grads"] = gather_experts(model, {n: p.grad for n, p in model.named_parameters()
-                                                  if p.grad is not None})
+            out["grads"] = whole(gather_experts(model, {n: p.grad for n, p in model.named_parameters()
+                                                        if p.grad is not None}), plan)
             out["grad_norm"] = grad_norm(model, mesh).item()
         opt.step()
         opt.zero_grad()
-    out["tp_split"] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)
-                             and p.device_mesh.mesh_dim_names[-1] == "tp" and p.placements[-1].is_shard())
+    out["tp_split"] = sorted(whole({n: None for n, p in model.named_parameters() if isinstance(p, DTensor)
+                                    and p.device_mesh.mesh_dim_names[-1] == "tp" and p.placements[-1].is_shard()},
+                                   plan))
     out["comm_seconds"] = sum(b.expert_parallel.comm.seconds for _, b in moe_blocks(model) if b.expert_parallel)
-    out["params"] = gather_experts(model, dict(model.named_parameters()))
+    out["params"] = whole(gather_experts(model, dict(model.named_parameters())), plan)
     if plan.lora is not None:
-        out["adapters"] = lora_state_dict(model)
+        out["adapters"] = whole(lora_state_dict(model), plan)
     if not case.get("round_trip"):
         return out
     # checkpoint round trip: full state out of this model, into a fresh one laid out the same way
@@ -115,13 +150,13 @@ def run_case(case: dict) -> dict:
     fresh = prepared(case, plan, mesh)
     load_full_state(fresh, full)
     again = gather_experts(fresh)
-    out["state_reloaded"] = set(again) == set(full) and all(torch.equal(again[k], v) for k, v in full.items())
+    out["state_reloaded"] = every(set(again) == set(full) and all(torch.equal(again[k], v) for k, v in full.items()))
     if plan.lora is not None:
-        adapters = out["adapters"]
         fresh = prepared(case, plan, mesh)
-        load_lora_state_dict(fresh, adapters)
+        mine = lora_state_dict(model)  # this stage's
+        load_lora_state_dict(fresh, mine)
         again = lora_state_dict(fresh)
-        out["reloaded"] = set(again) == set(adapters) and all(torch.equal(again[k], v) for k, v in adapters.items())
+        out["reloaded"] = every(set(again) == set(mine) and all(torch.equal(again[k], v) for k, v in mine.items()))
     return out
 
 

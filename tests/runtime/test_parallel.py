@@ -59,9 +59,10 @@ def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout
     assert not failed, failed
 
 
-def write_bundle(name: str, folder: Path) -> Path:
-    """A catalogue model's tiny twin, its rendered adapter (runtime MoE blocks around HuggingFace's own
-    parameters) and its weights, as tests/parallel/worker.py `load_model` reads them."""
+def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
+    """A catalogue model's tiny twin (or its first `layers` layers at twin width), its rendered adapter (runtime
+    MoE blocks around HuggingFace's own parameters) and its weights, as tests/parallel/worker.py `load_model`
+    reads them."""
     from onboard.capture import capture
     from onboard.codegen import render_adapter
     from onboard.decision import decide
@@ -77,7 +78,15 @@ def write_bundle(name: str, folder: Path) -> Path:
     (folder / "spec.json").write_text(spec.to_json())
     (folder / "adapter.py").write_text(render_adapter(spec, decide(spec, twin)))
     (folder / "model.txt").write_text(name)
-    torch.save(twin.model.state_dict(), folder / "weights.pt")
+    model = twin.model
+    if layers is not None:
+        from onboard.train import scaled_config
+
+        (folder / "layers.txt").write_text(str(layers))
+        torch.manual_seed(0)
+        model = source.build(type(source.config).from_dict(scaled_config(source, layers=layers)),
+                             experts_implementation="grouped_mm")
+    torch.save(model.state_dict(), folder / "weights.pt")
     return folder
 
 
@@ -86,9 +95,10 @@ class _Bundles(dict):
         super().__init__()
         self.folder = folder
 
-    def __missing__(self, name: str) -> Path:
-        self[name] = write_bundle(name, self.folder / name)
-        return self[name]
+    def __missing__(self, key: str) -> Path:
+        name, _, layers = key.partition("@")  # "name@4": the twin's first 4 layers
+        self[key] = write_bundle(name, self.folder / key.replace("@", "-"), int(layers) if layers else None)
+        return self[key]
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +136,12 @@ LAYOUTS = {  # world size: {layout: plan degrees}
     2: {"fsdp": {"dp_shard": 2}, "ep": {"dp_replicate": 2, "ep": 2}, "fsdp_ep": {"dp_shard": 2, "ep": 2}},
     4: {"fsdp": {"dp_shard": 4}, "ep": {"dp_replicate": 4, "ep": 4}, "fsdp_ep": {"dp_shard": 4, "ep": 2},
         "hsdp_ep": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
-        "tp_fsdp": {"dp_shard": 2, "tp": 2}, "tp_fsdp_ep": {"dp_shard": 2, "tp": 2, "ep": 2}},
+        "tp_fsdp": {"dp_shard": 2, "tp": 2}, "tp_fsdp_ep": {"dp_shard": 2, "tp": 2, "ep": 2},
+        "pp_fsdp": {"pp": 2, "dp_shard": 2, "grad_accum": 2}, "pp_tp": {"pp": 2, "tp": 2, "grad_accum": 2}},
 }
+DEEPER = 4  # pipeline layouts train the twin's first 4 layers: two stages of two
 # save / load checked where both FSDP2 shards and expert slices exist, and tp-split tensors with them
-ROUND_TRIP = ("fsdp_ep", "hsdp_ep", "tp_fsdp_ep")
+ROUND_TRIP = ("fsdp_ep", "hsdp_ep", "tp_fsdp_ep", "pp_tp")
 CASES = [(world, name, layout, lora) for world in LAYOUTS for name in MODELS for layout in LAYOUTS[world]
          for lora in (False, True)]
 
@@ -137,6 +149,10 @@ CASES = [(world, name, layout, lora) for world in LAYOUTS for name in MODELS for
 def plan_for(world: int, layout: str, lora: bool, **extra) -> Plan:
     return Plan(**LAYOUTS[world][layout], seq_len=SEQ, dtype="fp32",
                 lora=LoRA(rank=4, alpha=8.0) if lora else None, **extra)
+
+
+def model_key(name: str, layout: str) -> str:
+    return f"{name}@{DEEPER}" if layout.startswith("pp") else name
 
 
 def case_id(world, name, layout, lora, suffix="") -> str:
@@ -158,7 +174,7 @@ def results(models, tmp_path_factory):
     def get(world: int) -> dict:
         if world not in cache:
             folder = tmp_path_factory.mktemp(f"world{world}")
-            cases = [{"id": case_id(w, name, layout, lora), "model": str(models[name]),
+            cases = [{"id": case_id(w, name, layout, lora), "model": str(models[model_key(name, layout)]),
                       "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)),
                       "lora_seed": 3, "steps": STEPS, "lr": LR, "round_trip": layout in ROUND_TRIP}
                      for w, name, layout, lora in CASES if w == world]
@@ -182,7 +198,7 @@ def test_matches_single_process(results, models, world, name, layout, lora):
     got = run["out"][case_id(world, name, layout, lora)]
     plan = plan_for(world, layout, lora)
     batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch]  # a tp group reads one slice
-    want_losses, want_grads, want_params = reference(models[name], plan, batch, 3)
+    want_losses, want_grads, want_params = reference(models[model_key(name, layout)], plan, batch, 3)
     if plan.tp > 1:  # softmax attention heads and shared experts split; linear attention and experts whole
         split = got["tp_split"]
         assert any(".self_attn.o_proj." in n for n in split) and not any("linear_attn" in n for n in split)
@@ -322,8 +338,8 @@ def test_grouped_lora_equals_merged_expert_weights(qwen3):
 def test_plan_problems_are_clear_errors():
     from runtime.parallel import build_mesh
 
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp > 1\) is not built"):
-        build_mesh(Plan(pp=2))
+    with pytest.raises(ValueError, match=r"context parallelism \(cp > 1\) is not built"):
+        build_mesh(Plan(cp=2))
     with pytest.raises(ValueError, match="needs 4 processes"):
         build_mesh(Plan(dp_shard=4))
     with pytest.raises(ValueError, match="ep=3"):

@@ -1,0 +1,291 @@
+"""Pipeline parallelism: the decoder stack cut into `pp` stages, run by torch.distributed.pipelining's schedules.
+
+    stages = stage_layers(plan, num_layers)          # layer ranges, plan.pp_layers (the planner's cost balance)
+    check_stages(model, stages)                     # one process, before cutting: the stages reproduce the loss
+    stage = cut(model, stages, pp_rank)             # this rank keeps its layers (and the embedding / the head)
+    pipe = Pipeline(model, stage, plan, mesh, device)
+    loss = pipe.step(micro_batches)                 # forward and backward of every micro-batch, 1F1B or GPipe
+
+Every stage runs the HuggingFace model's own code, so whatever a family does between its layers (masks for
+each layer type, rotary tables, per-layer position handling) happens as it does unsplit:
+
+- stage 0 runs the decoder from `input_ids` with the later layers and the final norm passed through, and sends
+  the hidden states;
+- a middle stage runs the decoder from `inputs_embeds` (the received hidden states), its own layers only;
+- the last stage runs the causal LM from `inputs_embeds` with the labels, so the loss is the runtime's chunked
+  loss (the logits never exist), and returns it as the stage's output.
+
+That is exact only when the decoder does nothing to `inputs_embeds` before its first layer (Gemma scales them)
+and the loss needs nothing from other stages (a router-balance loss sums over every layer), which is why
+`check_stages` runs the stages in sequence in one process and compares the loss with the model's before any
+rank cuts anything. Tied input and output embeddings sit on the first and the last stage: refused.
+
+The modules a stage does not run are replaced by parameter-free stand-ins (layers and the norm pass their input
+through; the embedding and the head refuse to run), so the optimizer, FSDP2 and checkpoints see the stage's
+parameters only, under the full model's names: the stages' checkpoints together are the whole model's. Each
+micro-batch's other inputs (labels, packed-document positions) reach every stage from the data, which every rank
+of a pipeline reads alike, rather than through the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.model_tree import Vacated, find_layer_stack
+from runtime.plan import Plan
+
+_STAGE = "pipeline_stage"  # the attribute `cut` sets on a model (read by `stage_of` only)
+
+
+def stage_layers(plan: Plan, num_layers: int) -> list[range]:
+    """The decoder layers of each stage: plan.pp_layers when the planner balanced them, else an even split (the
+    first stages one layer longer when pp does not divide the layers). ValueError when they do not fit."""
+    counts = plan.pp_layers
+    if counts is None:
+        base, extra = divmod(num_layers, plan.pp)
+        counts = [base + (i < extra) for i in range(plan.pp)]
+    if len(counts) != plan.pp or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"pipeline stages of {counts} layers do not cover the model's {num_layers} layers with "
+                         f"pp={plan.pp} non-empty stages")
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(a, a + n) for a, n in zip(starts, counts)]
+
+
+@dataclass
+class Parts:
+    """Where the pieces a stage keeps or drops live in the model."""
+    layers: str  # the decoder layer stack (ModuleList)
+    decoder: str  # the module whose forward runs the stack (it takes input_ids or inputs_embeds)
+    norm: str | None  # the decoder's child whose output is its last hidden state (None: there is none)
+    hidden: int = 0  # the width of the hidden states stages send each other
+
+
+@dataclass
+class Stage:
+    index: int
+    num_stages: int
+    layers: range
+    parts: Parts
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def stage_of(model: nn.Module) -> Stage | None:
+    """The stage `cut` left `model` as, or None for a whole model."""
+    return getattr(model, _STAGE, None)
+
+
+def _passthrough(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class _PassThrough(Vacated):
+    """A layer (or the final norm) another stage runs: returns its input. Keeps the plain attributes of the module
+    it stands for (a layer's attention type, its index), which the decoder's loop may read."""
+
+    def __init__(self, replaced: nn.Module):
+        super().__init__()
+        for key, value in vars(replaced).items():
+            if not key.startswith("_") and not isinstance(value, (nn.Module, torch.Tensor)) and key != "training":
+                setattr(self, key, value)
+
+    def forward(self, *args, **kwargs):
+        return _passthrough(*args, **kwargs)
+
+
+class _Elsewhere(Vacated):
+    """The embedding or the LM head on a stage that does not hold it."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"the {self.what} lives on another pipeline stage")
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    owner, _, name = path.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, name, module)
+
+
+def find_parts(model: nn.Module) -> Parts:
+    """The layer stack, the decoder that runs it and its final norm, found by a forward pass of `model` (the norm
+    is the decoder's child that writes the decoder's output)."""
+    layers, _ = find_layer_stack(model, getattr(getattr(model, "config", None), "num_hidden_layers", None))
+    decoder = layers.rpartition(".")[0]
+    decoder_module = model.get_submodule(decoder) if decoder else model
+    made, out = {}, {}
+    hooks = [child.register_forward_hook(lambda m, a, o, n=name: made.setdefault(n, o))
+             for name, child in decoder_module.named_children()]
+    hooks.append(decoder_module.register_forward_hook(lambda m, a, o: out.setdefault("state", o)))
+    try:
+        with torch.no_grad():
+            model(**_probe_inputs(model))
+    finally:
+        for h in hooks:
+            h.remove()
+    state = getattr(out.get("state"), "last_hidden_state", None)
+    norm = next((name for name, o in made.items() if o is state), None)
+    return Parts(layers, decoder, f"{decoder}.{norm}" if decoder and norm else norm,
+                 state.shape[-1] if isinstance(state, torch.Tensor) else 0)
+
+
+def _probe_inputs(model: nn.Module) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(model.parameters()).device)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def run_stage(model: nn.Module, stage: Stage, x: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """One stage's forward on one micro-batch: hidden states out (the loss on the last stage)."""
+    kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "use_cache")}
+    kwargs["input_ids" if stage.first else "inputs_embeds"] = x
+    if stage.last:
+        return type(model).forward(model, labels=inputs["labels"], use_cache=False, **kwargs).loss
+    decoder = model.get_submodule(stage.parts.decoder) if stage.parts.decoder else model
+    return decoder(use_cache=False, **kwargs).last_hidden_state
+
+
+@contextmanager
+def _skipping(modules: list[nn.Module]):
+    for m in modules:
+        m.forward = _passthrough
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward
+
+
+def check_stages(model: nn.Module, stages: list[range], parts: Parts | None = None) -> Parts:
+    """Run the stages one after another in this process and compare the loss with the whole model's; returns the
+    parts. ValueError when pipelining this model would change its numbers (or cannot run it)."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("pipeline parallelism checks its stages with a forward pass, which a model on the meta device "
+                         "(released weights, read after parallelising) cannot run yet")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is embed.weight:
+        raise ValueError("pipeline parallelism: the input and output embeddings are tied, and they sit on the "
+                         "first and the last stage; tied embeddings across stages are not built")
+    parts = parts or find_parts(model)
+    if parts.norm is None:
+        raise ValueError("pipeline parallelism: no module of the decoder writes its last hidden state")
+    inputs = _probe_inputs(model)
+    stack = model.get_submodule(parts.layers)
+    with torch.no_grad():
+        want = model(**inputs).loss
+        x = inputs["input_ids"]
+        for i, layers in enumerate(stages):
+            stage = Stage(i, len(stages), layers, parts)
+            skipped = [layer for j, layer in enumerate(stack) if j not in layers]
+            if not stage.last:
+                skipped.append(model.get_submodule(parts.norm))
+            try:
+                with _skipping(skipped):
+                    x = run_stage(model, stage, x, inputs)
+            except Exception as exc:  # noqa: BLE001 - whatever the family's code raises, said in one line
+                raise ValueError(f"pipeline parallelism: stage {i} does not run on its own: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not torch.allclose(x, want, rtol=1e-5, atol=1e-6):
+        raise ValueError(f"pipeline parallelism: the stages compute loss {x.item():.6g}, the model {want.item():.6g} "
+                         f"(its decoder changes inputs_embeds before the first layer, or its loss reads every layer)")
+    return parts
+
+
+def cut(model: nn.Module, stages: list[range], index: int, parts: Parts) -> Stage:
+    """Keep stage `index` of `model` (in place): other stages' layers, and the embedding, final norm and head where
+    this stage does not run them, become parameter-free stand-ins."""
+    stage = Stage(index, len(stages), stages[index], parts)
+    stack = model.get_submodule(parts.layers)
+    for j in range(len(stack)):
+        if j not in stage.layers:
+            stack[j] = _PassThrough(stack[j])
+    if not stage.first:
+        _replace(model, _path_of(model, model.get_input_embeddings()), _Elsewhere("embedding"))
+    if not stage.last:
+        _replace(model, parts.norm, _PassThrough(model.get_submodule(parts.norm)))
+        head = model.get_output_embeddings()
+        if head is not None:
+            _replace(model, _path_of(model, head), _Elsewhere("LM head"))
+    setattr(model, _STAGE, stage)
+    return stage
+
+
+class Pipeline:
+    """The schedule of one rank's stage: `step` runs forward and backward of every micro-batch of a step."""
+
+    def __init__(self, model: nn.Module, plan: Plan, mesh, device: torch.device, dtype: torch.dtype = torch.float32):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.model, self.stage = model, stage_of(model)
+        if self.stage is None:
+            raise ValueError("the model was not cut into pipeline stages (runtime.parallel.parallelize does it)")
+        self.inputs: deque = deque()
+        model.forward = self._forward  # PipelineStage calls the model: its FSDP2 hooks run, then this
+        # what the stage receives and sends, given rather than inferred (inference would run the model on meta
+        # tensors, and take micro-batch inputs meant for the real run)
+        hidden = torch.empty(plan.micro_batch, plan.seq_len, self.stage.parts.hidden, dtype=dtype, device="meta",
+                             requires_grad=True)  # received hidden states carry their gradient back
+        ids = torch.empty(plan.micro_batch, plan.seq_len, dtype=torch.long, device="meta")
+        self.pipe_stage = PipelineStage(model, self.stage.index, self.stage.num_stages, device,
+                                        input_args=ids if self.stage.first else hidden,
+                                        output_args=torch.empty((), device="meta") if self.stage.last else hidden,
+                                        group=mesh.pp.get_group())
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.pp_schedule]
+        self.micro = plan.grad_accum
+        self.schedule = schedule(self.pipe_stage, n_microbatches=self.micro, loss_fn=self._loss, scale_grads=True)
+        self.expert_tokens: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output  # the last stage's output is its micro-batch's loss already
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = self.inputs.popleft()
+        out = run_stage(self.model, self.stage, x, inputs)
+        if torch.is_grad_enabled():  # a micro-batch's routing, counted once (recompute does not come through here)
+            for name, m in self.model.named_modules():
+                counts = getattr(m, "tokens_per_expert", None)
+                if counts is not None:
+                    self.expert_tokens[name] = self.expert_tokens.get(name, 0) + counts.detach().double().cpu()
+        return out
+
+    def evaluate(self, micro_batches: list[dict]) -> list[float]:
+        """The loss of each micro-batch, forward only (on the last stage; an empty list on the others)."""
+        self.inputs.extend(micro_batches)
+        ids = torch.cat([m["input_ids"] for m in micro_batches])
+        losses: list = []
+        self.schedule.eval(*([ids] if self.stage.first else []), target=ids if self.stage.last else None,
+                           losses=losses)
+        self.inputs.clear()
+        return [float(loss) for loss in losses] if self.stage.last else []
+
+    def step(self, micro_batches: list[dict]) -> float:
+        """Forward and backward of the micro-batches (gradients are those of their mean loss); returns the sum of
+        their losses over their count on the last stage, 0 on the others."""
+        if len(micro_batches) != self.micro:
+            raise ValueError(f"the schedule runs {self.micro} micro-batches, got {len(micro_batches)}")
+        self.inputs.extend(micro_batches)
+        ids = torch.cat([m["input_ids"] for m in micro_batches])
+        losses: list = []
+        self.schedule.step(*([ids] if self.stage.first else []), target=ids if self.stage.last else None,
+                           losses=losses, return_outputs=False)
+        self.inputs.clear()
+        return math.fsum(float(loss) for loss in losses) / self.micro if self.stage.last else 0.0
