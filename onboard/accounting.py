@@ -11,18 +11,29 @@ Conventions (stated because published figures differ on them):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from onboard.spec import ModelSpec
-from runtime.dims import Dims
+from runtime.dims import Dims, mixers_of
 from runtime.runlog import model_record
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def dims_of(spec: ModelSpec) -> Dims:
-    """The spec's key dimensions: the record a run log carries (`runtime.runlog.model_record`)."""
-    return Dims.from_record(model_record(spec.to_dict()))
+    """The spec's key dimensions: the record a run log carries (`runtime.runlog.model_record`), with the decoder
+    stack in order (each layer's mixer and MLP kind), which a run log does not carry."""
+    d = Dims.from_record(model_record(spec.to_dict()))
+    layers = spec.to_dict().get("layers") or []
+    shapes = [dataclasses.replace(m, layers=0) for m in d.mixers]
+    stack = []
+    for layer in layers:
+        mixer = dataclasses.replace(mixers_of([layer.get("attention") or {}])[0], layers=0)
+        if mixer not in shapes or len(layers) != d.layers:
+            return d  # a stack that does not add up to the record's mixers: priced by layer counts
+        stack.append((shapes.index(mixer), (layer.get("mlp") or {}).get("kind") == "moe"))
+    return dataclasses.replace(d, stack=tuple(stack))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from predictors import pipeline
 from predictors.hardware import Hardware
 from runtime.dims import Dims
 from runtime.plan import Plan
@@ -123,8 +124,9 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     world = plan.world_size
     s, b, m = plan.seq_len, plan.micro_batch, plan.grad_accum
     tokens_step = plan.tokens_per_step
-    layers_stage = math.ceil(d.layers / plan.pp)
-    stage_share = layers_stage * plan.pp / d.layers  # the heaviest stage sets the pace
+    # the stage with the most layers holds the most activations; the slowest one sets the pace
+    layers_stage = max(plan.pp_layers) if plan.pp_layers else math.ceil(d.layers / plan.pp)
+    stage_share = pipeline.share(d, plan)
     lora = plan.lora is not None
     n_lora, n_lora_active = lora_params(d, plan)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from predictors import pipeline
 from predictors.costmodel import Estimate, estimate, fits
 from predictors.features import features
 from predictors.hardware import Hardware
@@ -101,9 +102,10 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
     for layout in layouts(d, devices, hw, seq_len, global_batch):
         result.layouts += 1
         best = None
+        stages = pipeline.layers_per_stage(d, layout["pp"], seq_len)  # balanced by cost where the stack is known
         for recompute, offload, chunk in POLICIES:
             plan = Plan(**layout, seq_len=seq_len, recompute=recompute, offload=offload, lora=lora, dtype=precision,
-                        loss_chunk=LOSS_CHUNK if chunk else None)
+                        loss_chunk=LOSS_CHUNK if chunk else None, pp_layers=stages)
             est = estimate(d, plan, hw, precision)
             result.estimates += 1
             if fits(est, hw):

@@ -157,6 +157,9 @@ class Dims:
     params_total: int
     params_active: int
     mixers: tuple[Mixer, ...]
+    # the decoder stack in order, where it is known (a ModelSpec; not a run log): per layer, the index of its
+    # mixer in `mixers` and whether its MLP is MoE. Pipeline stages are balanced over it (predictors.pipeline).
+    stack: tuple[tuple[int, bool], ...] = ()
 
     @classmethod
     def from_record(cls, m: dict) -> Dims:
@@ -188,6 +191,18 @@ class Dims:
         total, active = count_params(**base)
         return cls(**base, params_total=num("params_total", total), params_active=num("params_active", active),
                    mixers=mixers)
+
+    def layer_flops(self, seq_len: int) -> list[float]:
+        """Forward FLOPs per token of each decoder layer of `stack` (empty when it is not known): its attention
+        projections and token mixing, and its MLP's active parameters (routed top-k, shared experts, router)."""
+        dense = 2 * 3 * self.hidden * self.ffn
+        moe = 2 * (self.top_k + self.shared_experts) * 3 * self.hidden * self.expert_ffn + 2 * self.hidden * self.experts
+        return [2 * self.attention_params_per_layer + self.mixers[i].flops(seq_len) / self.mixers[i].layers
+                + (moe if is_moe else dense) for i, is_moe in self.stack]
+
+    def head_flops(self) -> float:
+        """Forward FLOPs per token of the LM head (the last pipeline stage's)."""
+        return 2 * self.vocab * self.hidden
 
     @property
     def dense_layers(self) -> int:

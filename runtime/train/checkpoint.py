@@ -75,22 +75,43 @@ def _global_key(key: str, shards: dict[str, tuple[int, int, int]]) -> str:
     return key
 
 
-def _checkpoint_view(model_state: dict, optim_state: dict, shards: dict) -> tuple[dict, dict]:
-    """The state dicts under checkpoint names (the same tensors; param_groups keep local names, which are
-    the same on every rank)."""
+def _pp(model: torch.nn.Module) -> int:
+    from runtime.parallel.pipeline import stage_of
+
+    stage = stage_of(model)
+    return 1 if stage is None else stage.num_stages
+
+
+def _groups_key(model: torch.nn.Module) -> str:
+    """Where the optimizer's param_groups go: one entry, or one per pipeline stage (each stage's groups list its
+    own parameters, and DCP would keep one rank's copy of an entry every rank writes)."""
+    from runtime.parallel.pipeline import stage_of
+
+    stage = stage_of(model)
+    return "param_groups" if stage is None else f"param_groups@stage{stage.index}of{stage.num_stages}"
+
+
+def _checkpoint_view(model_state: dict, optim_state: dict, shards: dict, groups: str) -> tuple[dict, dict]:
+    """The state dicts under checkpoint names (the same tensors): expert keys made unique across EP ranks
+    (param_groups keep local names, the same on every rank of a stage), param_groups under `groups`."""
+    optim = {k: v for k, v in optim_state.items() if k != "param_groups"}
+    optim[groups] = optim_state["param_groups"]
     if not shards:
-        return model_state, optim_state
+        return model_state, optim
     return ({_global_key(k, shards): v for k, v in model_state.items()},
-            {**optim_state, "state": {_global_key(k, shards): v for k, v in optim_state["state"].items()}})
+            {**optim, "state": {_global_key(k, shards): v for k, v in optim_state["state"].items()}})
 
 
-def _local_view(model_state: dict, optim_state: dict, view: tuple[dict, dict], shards: dict) -> tuple[dict, dict]:
+def _local_view(model_state: dict, optim_state: dict, view: tuple[dict, dict], shards: dict,
+                groups: str) -> tuple[dict, dict]:
     """`view` (as `_checkpoint_view` named it, now loaded) back under the model's own names."""
-    if not shards:
-        return view
     model_view, optim_view = view
+    optim = {k: v for k, v in optim_view.items() if k != groups}
+    optim["param_groups"] = optim_view[groups]
+    if not shards:
+        return model_view, optim
     return ({k: model_view[_global_key(k, shards)] for k in model_state},
-            {**optim_view, "state": {k: optim_view["state"][_global_key(k, shards)] for k in optim_state["state"]}})
+            {**optim, "state": {k: optim_view["state"][_global_key(k, shards)] for k in optim_state["state"]}})
 
 
 def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -105,9 +126,10 @@ def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         tmp.mkdir()
     _barrier()
     shards = _expert_shards(model)
-    model_state, optim_state = _checkpoint_view(*get_state_dict(model, optimizer), shards)
+    model_state, optim_state = _checkpoint_view(*get_state_dict(model, optimizer), shards, _groups_key(model))
     dcp.save({"model": model_state, "optim": optim_state,
-              "train": {"step": step, "data_position": data_position, "ep": _ep(shards)}}, checkpoint_id=str(tmp))
+              "train": {"step": step, "data_position": data_position, "ep": _ep(shards), "pp": _pp(model)}},
+             checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -159,16 +181,18 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
         return {"step": 0, "data_position": 0, "path": None, "skipped": skipped} if skipped else None
     path = candidate
     shards = _expert_shards(model)
-    layout = {"train": {"ep": 1}}  # checkpoints from before `ep` was recorded held no expert-parallel runs
+    layout = {"train": {"ep": 1, "pp": 1}}  # checkpoints from before these were recorded had neither
     dcp.load(layout, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-    if layout["train"]["ep"] != _ep(shards):
-        raise ValueError(f"checkpoint {path} was saved with expert parallelism ep={layout['train']['ep']} and "
-                         f"this run has ep={_ep(shards)}: resume with the plan's ep it was saved with")
+    for name, kind, here in (("ep", "expert", _ep(shards)), ("pp", "pipeline", _pp(model))):
+        if layout["train"][name] != here:
+            raise ValueError(f"checkpoint {path} was saved with {kind} parallelism {name}={layout['train'][name]} and "
+                             f"this run has {name}={here}: resume with the plan's {name} it was saved with")
     model_state, optim_state = get_state_dict(model, optimizer)
-    model_view, optim_view = _checkpoint_view(model_state, optim_state, shards)
+    groups = _groups_key(model)
+    model_view, optim_view = _checkpoint_view(model_state, optim_state, shards, groups)
     state = {"model": model_view, "optim": optim_view, "train": {"step": 0, "data_position": 0}}
     dcp.load(state, checkpoint_id=str(path))
-    model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards)
+    model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards, groups)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     rng = path / f"rng-{_rank()}.pt"
     if rng.is_file():

@@ -337,6 +337,8 @@ def _micro_batches(source, step: int, dp_rank: int, plan: Plan, device, count: i
 
 def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, slots, pipeline, dp_rank, world,
           device):
+    here = dict(model.named_modules())
+    blocks = {name: here[name] for name, _ in slots if name in here}  # this rank's (its pipeline stage's)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -355,8 +357,8 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
                 loss = model(**inputs, use_cache=False).loss / plan.grad_accum
             loss.backward()
             loss_sum += loss.detach().double().cpu()
-            for name, _ in slots:
-                counted = model.get_submodule(name).tokens_per_expert
+            for name, block in blocks.items():
+                counted = block.tokens_per_expert
                 if counted is not None:
                     counts[name] = counts.get(name, 0) + counted.double().cpu()
     comm = 0.0
@@ -365,8 +367,8 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
         _clip(model, params, mesh, cfg.clip)
         comm += time.perf_counter() - t if world > 1 else 0.0  # the norm's all-reduce dominates it
     optimizer.step()
-    for name, _ in slots:  # time blocked on expert-parallel token exchanges (what overlap did not hide)
-        clock = getattr(getattr(model.get_submodule(name), "expert_parallel", None), "comm", None)
+    for block in blocks.values():  # time blocked on expert-parallel token exchanges (what overlap did not hide)
+        clock = getattr(getattr(block, "expert_parallel", None), "comm", None)
         if clock is not None:
             comm += clock.reset()
     # every MoE layer of the model in one vector (a pipeline stage fills its own layers'), summed over the world

@@ -208,7 +208,8 @@ def test_cli_trains_in_process_and_bundle_has_train_sh(bundle, tmp_path):
 
 def _torchrun(bundle, config, plan, log, ck, steps, every):
     kwargs = json.dumps({"bundle": str(bundle), "config": str(config)})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+    world = Plan.load(plan).world_size
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m",
            "runtime.train", "--model", "onboard.train:build_model", "--model-kwargs", kwargs, "--plan", str(plan),
            "--steps", str(steps), "--lr", "1e-2", "--runlog", str(log), "--no-progress", "--threads", "1"]
     if ck:
@@ -239,12 +240,15 @@ def _step_losses(log) -> dict[int, float]:
 
 
 @pytest.mark.multiprocess
-def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path):
-    steps, every = 60, 10
+@pytest.mark.parametrize(("layout", "steps", "every"), [
+    ({"dp_shard": 2}, 60, 10),
+    # two pipeline stages of one layer, each split over two tensor-parallel ranks: 4 processes
+    ({"pp": 2, "tp": 2, "micro_batch": 1, "grad_accum": 2}, 16, 4)], ids=["fsdp", "pp-tp"])
+def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path, layout, steps, every):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(train_config(bundle, layers=2)))
     plan = tmp_path / "plan.json"
-    plan.write_text(_plan(dp_shard=2).to_json())
+    plan.write_text(_plan(**layout).to_json())
     whole = _torchrun(bundle, config, plan, tmp_path / "whole.jsonl", None, steps, every)
     out, _ = whole.communicate(timeout=300)
     assert whole.returncode == 0, out.decode()[-6000:]

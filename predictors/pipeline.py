@@ -1,0 +1,95 @@
+"""Pipeline stages balanced by cost, and the time a schedule leaves them idle.
+
+A stage's time per micro-batch is proportional to the forward FLOPs per token of its layers (`Dims.layer_flops`:
+a layer of 896 routed experts at top-16 and a dense layer are not counted alike), plus the LM head on the last
+stage. `balance` cuts the stack into contiguous stages minimising the slowest one,
+
+    min over cuts of  max_k  sum_{i in stage k} c_i        (dynamic programming over prefix sums, O(pp L^2)),
+
+and `share` is what the cost model multiplies a perfectly even split by: the slowest stage over the mean.
+
+For 1F1B and GPipe alike each of the p stages idles p - 1 micro-batch slots of the slowest stage per step, so with
+m micro-batches of time t the step takes (m + p - 1) t and the idle fraction (the bubble) is (p - 1) / (m + p - 1).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from runtime.dims import Dims
+from runtime.plan import Plan
+
+
+@lru_cache(maxsize=256)
+def _balance(costs: tuple[float, ...], stages: int, tail: float) -> tuple[int, ...]:
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the slowest stage when the first i layers form k stages; cut[k][i]: where the last one starts
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            extra = tail if k == stages else 0.0
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    counts, i = [], n
+    for k in range(stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return tuple(reversed(counts))
+
+
+def balance(costs: list[float], stages: int, tail: float = 0.0) -> list[int]:
+    """Layers per stage: contiguous, non-empty, the slowest stage as fast as it can be (`tail`: a cost the last
+    stage carries besides its layers, the LM head)."""
+    if not 1 <= stages <= len(costs):
+        raise ValueError(f"{len(costs)} layers do not make {stages} non-empty stages")
+    return list(_balance(tuple(costs), stages, tail))
+
+
+def even(layers: int, stages: int) -> list[int]:
+    """Layers per stage split by count (the first stages one longer), as the runtime does without a balance."""
+    base, extra = divmod(layers, stages)
+    return [base + (i < extra) for i in range(stages)]
+
+
+def stage_costs(costs: list[float], counts: list[int], tail: float = 0.0) -> list[float]:
+    """Each stage's cost for `counts` layers per stage."""
+    out, start = [], 0
+    for n in counts:
+        out.append(sum(costs[start:start + n]))
+        start += n
+    out[-1] += tail
+    return out
+
+
+def layers_per_stage(d: Dims, pp: int, seq_len: int) -> list[int] | None:
+    """The cost-balanced split of `d`'s stack over pp stages (None when the stack is not known, or pp is 1)."""
+    if pp == 1 or not d.stack or pp > len(d.stack):
+        return None
+    return balance(d.layer_flops(seq_len), pp, d.head_flops())
+
+
+def share(d: Dims, plan: Plan) -> float:
+    """The slowest stage's share of a step's compute over an even 1 / pp: 1 for a perfect balance. With the stack
+    known, from the layers' costs and plan.pp_layers (an even split by count when it has none); without, the
+    count-based figure the predictors were trained with (the stage with the most layers)."""
+    if plan.pp == 1:
+        return 1.0
+    if not d.stack or len(d.stack) != d.layers:
+        return math.ceil(d.layers / plan.pp) * plan.pp / d.layers
+    costs = d.layer_flops(plan.seq_len)
+    counts = plan.pp_layers if plan.pp_layers and sum(plan.pp_layers) == len(costs) else even(len(costs), plan.pp)
+    per_stage = stage_costs(costs, counts, d.head_flops())
+    return max(per_stage) * plan.pp / sum(per_stage)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The share of a 1F1B / GPipe step each stage spends idle: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1) if pp > 1 else 0.0
