@@ -105,7 +105,8 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
         stages = pipeline.layers_per_stage(d, layout["pp"], seq_len)  # balanced by cost where the stack is known
         for recompute, offload, chunk in POLICIES:
             plan = Plan(**layout, seq_len=seq_len, recompute=recompute, offload=offload, lora=lora, dtype=precision,
-                        loss_chunk=LOSS_CHUNK if chunk else None, pp_layers=stages)
+                        loss_chunk=LOSS_CHUNK if chunk else None, pp_layers=stages,
+                        pp_schedule="1f1b" if layout["grad_accum"] >= layout["pp"] else "gpipe")
             est = estimate(d, plan, hw, precision)
             result.estimates += 1
             if fits(est, hw):

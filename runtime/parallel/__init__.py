@@ -1,20 +1,25 @@
-"""Parallel layout: device mesh, FSDP2, expert parallelism.
+"""Parallel layout: device mesh, FSDP2, expert, tensor and pipeline parallelism.
 
 Usage (every rank, after `torch.distributed.init_process_group`; a single process needs no group):
 
-    mesh = build_mesh(plan)                  # ParallelMesh: dense mesh, expert mesh, EP group
-    model = parallelize(model, plan, mesh)   # LoRA (plan.lora) -> EP -> FSDP2, in place; returns model
+    mesh = build_mesh(plan)                  # ParallelMesh: (pp, dp_replicate, dp_shard, tp) mesh, expert mesh, EP group
+    model = parallelize(model, plan, mesh)   # LoRA -> tp -> pipeline stage -> EP -> FSDP2, in place; returns model
 
 `parallelize` steps, in this order (each one relies on the previous):
 1. LoRA when `plan.lora`: adapters on attention projections (nn.Linear) and grouped adapters on expert
    stacks; everything else frozen (`runtime.lora`).
+1a. Tensor parallelism when `plan.tp > 1` (`runtime.parallel.tensor`): which projections split is read from one
+   forward pass of the whole model; pipeline parallelism when `plan.pp > 1` (`runtime.parallel.pipeline`): the
+   stages are checked against the whole model's loss, then this rank keeps its stage; then the tp split is
+   applied to what the stage kept. The training step of a pipeline is `Pipeline.step` (a torch schedule).
 2. Expert parallelism when `plan.ep > 1`: every `runtime.moe.MoEBlock` keeps E/ep experts (its rank's
    slice of each stack, LoRA stacks included, as plain local Parameters) and gets an `ExpertParallel`
    hook that exchanges tokens with `all_to_all_single` (variable splits, async, local experts computed
    while remote tokens are in flight when `plan.overlap`).
 3. FSDP2 over the data-parallel ranks: experts `fully_shard`ed first over the ranks holding the same
    experts (gradients divided by the whole data-parallel size, so they match single-process training on
-   the concatenated batch), then each decoder layer, then the root, on the (dp_replicate, dp_shard) mesh.
+   the concatenated batch), then each decoder layer, then the root, on the (dp_replicate, dp_shard) mesh
+   (tp-split parameters become 2-D DTensors).
 
 Parameters keep their dtype (no FSDP2 mixed-precision policy): bf16 compute is the caller's autocast.
 Each rank feeds its own micro-batch; the gradients equal those of one process on all ranks' batches with

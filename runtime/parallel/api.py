@@ -33,19 +33,27 @@ def mixed_precision(plan: Plan, device_type: str) -> MixedPrecisionPolicy | None
 
 def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None,
                 precision: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Apply LoRA (plan.lora), tensor parallelism (plan.tp), expert parallelism (plan.ep) and FSDP2 to `model` in
-    place; returns it.
+    """Apply LoRA (plan.lora), tensor parallelism (plan.tp), pipeline stages (plan.pp: this rank keeps its own),
+    expert parallelism (plan.ep) and FSDP2 to `model` in place; returns it. What needs the whole model (LoRA's
+    initialisation, the tensor-parallel probe, the pipeline check) happens before the cut.
 
     `trace`, when given, collects the expert-parallel issue / wait events of every MoE block. `precision`: FSDP2's
     mixed-precision policy (`mixed_precision`), None for fp32 throughout."""
     shard = {"mp_policy": precision} if precision is not None else {}
+    if plan.lora is not None:  # on the whole model, so every stage's adapters start as one process's would
+        from runtime.lora import apply_lora, has_lora
+
+        if not has_lora(model):  # adapters already in place (loaded, or initialised by the caller) are kept
+            apply_lora(model, plan.lora)
     splits = None
-    if plan.tp > 1:  # read before LoRA wraps the projections: the probe runs the model as it was built
+    if plan.tp > 1:  # how each declared module splits, read from one forward pass of the whole model
         from runtime.parallel.tensor import find_splits, problems
 
         splits = find_splits(model)
         if why := problems(splits, plan.tp):
             raise ValueError("; ".join(why))
+    if plan.ep > 1 and not moe_blocks(model):
+        raise ValueError("ep > 1 but the model has no runtime MoE blocks (adapt it first)")
     if plan.pp > 1:  # checked whole (one process, one forward), then cut to this rank's stage
         from runtime.parallel.pipeline import check_stages, cut, stage_layers
 
@@ -54,19 +62,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         if splits is not None:  # the splits of modules other stages run are theirs
             kept = {name for name, _ in model.named_modules()}
             splits = [s for s in splits if s.path in kept]
-    if plan.lora is not None:
-        from runtime.lora import apply_lora, has_lora
-
-        if not has_lora(model):  # adapters already in place (loaded, or initialised by the caller) are kept
-            apply_lora(model, plan.lora)
     if splits is not None:
         from runtime.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.tp, splits)
-    blocks = moe_blocks(model)
+    blocks = moe_blocks(model)  # this rank's (a pipeline stage may hold none)
     if plan.ep > 1:
-        if not blocks:
-            raise ValueError("ep > 1 but the model has no runtime MoE blocks (adapt it first)")
         unsplit = _experts_outside_blocks(model)
         if unsplit:
             raise ValueError(f"ep > 1: expert parallelism covers runtime MoEBlocks only; {len(unsplit)} "

@@ -91,6 +91,9 @@ def not_runnable(plan: Plan, model=None) -> list[str]:
                        f"{', '.join(TP_ATTENTION)} attention by head)")
         if model.heads % plan.tp or model.kv_heads % plan.tp:
             out.append(f"tp={plan.tp} does not divide {model.heads} query and {model.kv_heads} key/value heads")
+    if plan.pp > 1 and plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
+        out.append(f"the 1F1B schedule needs at least pp={plan.pp} micro-batches per step, the plan has "
+                   f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")
     out += [f"{kind} parallelism ({name} > 1) is not built in runtime.parallel yet"
             for name, kind in NOT_BUILT.items() if getattr(plan, name) != 1]
     if plan.ep > 1 and not out:

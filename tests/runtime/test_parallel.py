@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel" / "worker.py"
 SEQ = 12
 LR = 0.5
-STEPS = 2
+STEPS = 3
 
 
 def _free_port() -> int:

@@ -289,6 +289,25 @@ def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path, la
 
 
 @pytest.mark.multiprocess
+def test_memory_policies_compose_with_pipeline_and_tensor_parallelism(bundle, tmp_path):
+    """pp 2 x tp 2 with full recompute and MoE activation offload trains with the losses of one process without
+    either (AdamW, clipping, 2 micro-batches a step, through the training loop)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(train_config(bundle, layers=2)))
+    runs = {}
+    for name, layout in (("one", {}), ("pp-tp", {"pp": 2, "tp": 2, "recompute": "full", "offload": "moe"})):
+        plan = tmp_path / f"{name}.json"
+        plan.write_text(_plan(micro_batch=1, grad_accum=2, **layout).to_json())
+        proc = _torchrun(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out.decode()[-6000:]
+        runs[name] = _step_losses(tmp_path / f"{name}.jsonl")
+    assert sorted(runs["one"]) == [0, 1, 2]
+    for step, loss in runs["one"].items():
+        assert runs["pp-tp"][step] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.multiprocess
 def test_cli_launches_torchrun_for_two_processes_with_expert_parallelism(bundle, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(_plan(dp_shard=2, ep=2).to_json())
