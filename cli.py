@@ -243,7 +243,8 @@ def _plan_row(c) -> str:
     p = c.plan
     memory = f"{p.recompute}/{p.offload}" + (f"/chunk{p.loss_chunk}" if p.loss_chunk else "")
     return (f"{p.tp:>3} {p.pp:>3} {p.cp:>3} {p.dp_shard:>5} {p.dp_replicate:>5} {p.ep:>4} {p.micro_batch:>3} "
-            f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} {c.tokens_per_s:>12,.0f}"
+            f"{p.grad_accum:>5}  {memory:<24} {c.memory_bytes / 1e9:>8.1f} {c.step_time_s:>9.3f} "
+            f"{f'{c.low_s:.2f}-{c.high_s:.2f}':>13} {c.tokens_per_s:>12,.0f}"
             f" {'no' if c.not_runnable else 'yes':>4}" + (" *" if c.extrapolates_on else ""))
 
 
@@ -286,7 +287,7 @@ def cmd_plan(args) -> int:
             print(f"  - {line}")
         return 4
     print(f"{'tp':>3} {'pp':>3} {'cp':>3} {'fsdp':>5} {'repl':>5} {'ep':>4} {'mb':>3} {'accum':>5}  "
-          f"{'recompute/offload/loss':<24} {'GB/dev':>8} {'step s':>9} {'tokens/s':>12} {'runs':>4}")
+          f"{'recompute/offload/loss':<24} {'GB/dev':>8} {'step s':>9} {'90% interval':>13} {'tokens/s':>12} {'runs':>4}")
     for c in top:
         print(_plan_row(c))
     if report.best is not None and report.best not in top:
@@ -294,6 +295,7 @@ def cmd_plan(args) -> int:
         print(_plan_row(report.best))
     if any(c.extrapolates_on for c in top):
         print("* outside the predictor's training runs (see `onboard predict`): the learned correction is a guess")
+    print("ranked by the slow end of each 90% interval (the interval widens as a plan leaves the training runs)")
     for reason in dict.fromkeys(r for c in top for r in c.not_runnable):
         print(f"runs no: {reason}")
     if report.best is None:
@@ -312,8 +314,10 @@ def cmd_predict(args) -> int:
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
+    low, high = out["step_time_interval_s"]
     print(f"{out['model']} on {out['devices']} x {out['hardware']} ({out['predictor']}): "
-          f"step {out['step_time_s']:.3f} s (cost model {out['cost_model_step_time_s']:.3f} s), "
+          f"step {out['step_time_s']:.3f} s ({out['interval_coverage']:.0%} interval {low:.3f}-{high:.3f} s; "
+          f"cost model {out['cost_model_step_time_s']:.3f} s), "
           f"{out['tokens_per_s']:,.0f} tokens/s, {out['memory_per_device_bytes'] / 1e9:.1f} GB per device "
           f"of {out['memory_capacity_bytes'] / 1e9:.0f}")
     if out["extrapolates_on"]:

@@ -16,6 +16,7 @@ from onboard.outputs import write_atomically
 from onboard.spec import ModelSpec
 from predictors import learned
 from predictors.errors import PredictorError
+from predictors.features import features
 from predictors.hardware import Hardware, find
 from predictors.planner import Candidate, SearchResult, default_global_batch, search
 from runtime.dims import Dims
@@ -77,6 +78,7 @@ class PlanReport:
 
 def _stamp(c: Candidate, hw: Hardware, devices: int, label: str) -> Plan:
     c.plan.predicted = {"step_time_s": round(c.step_time_s, 6), "tokens_per_s": round(c.tokens_per_s, 1),
+                        "step_time_interval_s": [round(c.low_s, 6), round(c.high_s, 6)],
                         "memory_per_device_bytes": int(c.memory_bytes), "cost_model_step_time_s":
                         round(c.estimate.step_time_s, 6), "hardware": hw.name, "devices": devices,
                         "predictor": label, "extrapolates_on": c.extrapolates_on}
@@ -150,9 +152,11 @@ def predict_plan(spec: ModelSpec, plan_path, *, hardware_name: str, predictor: s
     hw = hardware(hardware_name)
     model = load_predictor(predictor)
     step, est, outside = model.explain(d, plan, hw, plan.dtype)
+    low, high = model.bounds([features(d, plan, hw, plan.dtype, est)], [step])
     return {"model": spec.name, "hardware": hw.name, "devices": plan.world_size, "predictor": model.label,
             "extrapolates_on": outside,
             "step_time_s": step, "tokens_per_s": plan.tokens_per_step / step,
+            "step_time_interval_s": [float(low[0]), float(high[0])], "interval_coverage": learned.COVERAGE,
             "cost_model_step_time_s": est.step_time_s,
             "memory_per_device_bytes": int(est.memory_per_device_bytes),
             "memory_capacity_bytes": int(hw.memory_bytes),

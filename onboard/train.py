@@ -189,7 +189,8 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
 
 def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg: dict) -> None:
     """Tell `runtime.parallel` which modules of the adapted `model` tensor parallelism may split: the spec's
-    softmax-family attention layers and dense MLPs, in the layers the model has. Head counts are the trained
+    softmax-family attention layers and dense MLPs, in the layers the model has, and every layer's attention and
+    MLP (the blocks sequence parallelism gathers the sequence for). Head counts are the trained
     config's (`cfg`), read from the fields that hold the spec's at full scale (`full`), as the run log's are. The
     runtime adds the shared experts of its MoE blocks itself."""
     from runtime.parallel.mesh import TP_ATTENTION
@@ -206,7 +207,9 @@ def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg:
             attention = {f"{prefix}.{i}.{layer['attention']['path']}": heads for i, layer in split}
     mlps = [f"{prefix}.{i}.{layer['mlp']['path']}" for i, layer in kept
             if (layer.get("mlp") or {}).get("kind") == "dense" and layer["mlp"].get("path")]
-    declare(model, attention=attention, mlps=mlps)
+    blocks = [f"{prefix}.{i}.{part['path']}" for i, layer in kept
+              for part in (layer.get("attention") or {}, layer.get("mlp") or {}) if part.get("path")]
+    declare(model, attention=attention, mlps=mlps, blocks=blocks)
 
 
 def weights_source(bundle, model: str, *, online: bool = False, trust_remote_code: bool = False):

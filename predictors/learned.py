@@ -18,7 +18,8 @@ this keeps the learned median at or below the cost model's on every source (READ
 Saved as `throughput-vN.joblib` (the scikit-learn estimator) with `throughput-vN.json` beside it (version,
 training files with their digests, row counts per source, skipped lines, scikit-learn version, and the
 model file's sha256, which loading checks) and, from v6, `throughput-vN.reach.npz` (the standardised training
-runs, sha256 in the JSON). Training writes the next free version; nothing is ever overwritten or deleted.
+runs, sha256 in the JSON) and, from v8, the calibration of its interval (`Interval`: every prediction comes with
+one). Training writes the next free version; nothing is ever overwritten or deleted.
 joblib files are pickles: load only files you or this package wrote.
 """
 
@@ -71,9 +72,13 @@ class Reach:
         own = _nearest(points, points, skip_self=True)
         return cls(mean, scale, points, float(np.quantile(own, 0.9)) or 1.0)
 
-    def weight(self, X: np.ndarray) -> np.ndarray:
+    def distance(self, X: np.ndarray) -> np.ndarray:
+        """Distance to the nearest training run, in units of REACH x radius (1: where the weight is 1/e)."""
         d = _nearest((np.asarray(X, dtype=float) - self.mean) / self.scale, self.points)
-        return np.exp(-(d / (REACH * self.radius)) ** 2)
+        return d / (REACH * self.radius)
+
+    def weight(self, X: np.ndarray) -> np.ndarray:
+        return np.exp(-self.distance(X) ** 2)
 
 
 def _nearest(queries: np.ndarray, points: np.ndarray, *, skip_self: bool = False) -> np.ndarray:
@@ -86,6 +91,52 @@ def _nearest(queries: np.ndarray, points: np.ndarray, *, skip_self: bool = False
             d2[np.arange(len(q)), np.arange(start, start + len(q))] = np.inf
         out[start:start + 512] = np.sqrt(np.maximum(d2.min(1), 0.0))
     return out
+
+
+@dataclass
+class Interval:
+    """How far a prediction may be off, as a log-ratio half-width h: the step time lies in [t e^-h, t e^h] for
+    about COVERAGE of runs. Near the training runs h is the learned predictor's held-out error (`learned`), far
+    from them the cost model's (`cost_model`), as the correction fades:
+
+        h(x) = w(x) learned + (1 - w(x)) cost_model,    w = exp(-u^2), the correction's own weight (`Reach`)
+
+    Each is a typical new source's: per source, the COVERAGE quantile of |log(measured / predicted)| (each run
+    predicted by a model fitted without its model's runs, FOLDS folds by model) or of |log(measured / cost
+    model)|; then the median over sources. A plan unlike every training run gets the cost model's typical error
+    on a cluster or framework it has not seen, not the error of the worst-modelled source (the CPU run logs and
+    single-node vTrain GPTs, where the cost model is off by up to 30x)."""
+    learned: float
+    cost_model: float
+
+    def half_width(self, distance: np.ndarray) -> np.ndarray:
+        w = np.exp(-np.asarray(distance, dtype=float) ** 2)
+        return w * self.learned + (1 - w) * self.cost_model
+
+
+COVERAGE = 0.9
+FOLDS = 5
+
+
+def _typical(errors: np.ndarray, sources: list) -> float:
+    """The median over sources of each source's COVERAGE quantile of `errors`."""
+    by = np.array(sources)
+    return float(np.median([np.quantile(errors[by == s], COVERAGE) for s in sorted(set(sources))]))
+
+
+def calibrate(data: Dataset) -> Interval:
+    """The interval's two half-widths from held-out predictions of `data` (folds by model)."""
+    names = sorted(set(data.groups))
+    fold_of = {name: i % FOLDS for i, name in enumerate(names)}
+    folds = np.array([fold_of[g] for g in data.groups])
+    held_log = np.empty(len(data))
+    for k in range(min(FOLDS, len(names))):
+        held, keep = folds == k, folds != k
+        model = fit(data.X[keep], data.target[keep], [s for s, m in zip(data.sources, keep) if m])
+        with threadpool_limits(1):
+            log = model.predict(data.X[held])
+        held_log[held] = np.log(shrunk(log, Reach.fit(data.X[keep]).weight(data.X[held])))
+    return Interval(_typical(np.abs(data.target - held_log), data.sources), _typical(np.abs(data.target), data.sources))
 
 
 def shrunk(log_correction: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
@@ -150,6 +201,23 @@ class Predictor:
     path: Path | None = None
     reach: Reach | None = None  # None for versions trained before v6: the correction is not shrunk
 
+    @property
+    def interval(self) -> Interval | None:
+        """The calibrated interval (versions from v8; None before)."""
+        found = self.meta.get("interval")
+        return Interval(found["learned"], found["cost_model"]) if found and self.reach is not None else None
+
+    def bounds(self, X: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(low, high) step times around the predicted `step` of each row of X: COVERAGE of held-out runs lie
+        within, wider the further a row is from the training runs (`Interval`). Without a calibration (versions
+        before v8), the cost model's spread of a factor MAX_CORRECTION either way."""
+        step = np.asarray(step, dtype=float)
+        if self.interval is None:
+            return step / MAX_CORRECTION, step * MAX_CORRECTION
+        X = np.asarray(X, dtype=float).reshape(-1, len(FEATURES))
+        h = self.interval.half_width(self.reach.distance(X))
+        return step * np.exp(-h), step * np.exp(h)
+
     def correction(self, X: np.ndarray) -> np.ndarray:
         """Multiplier on the cost model's step time, one per row, within MAX_CORRECTION either way and shrunk
         toward 1 as a row leaves the training runs (`Reach`)."""
@@ -204,6 +272,7 @@ def train(paths=None, out=None) -> Predictor:
     target.parent.mkdir(parents=True, exist_ok=True)
     joblib.dump(model, target)
     reach = Reach.fit(data.X)
+    interval = calibrate(data)
     reach_file = target.with_suffix(".reach.npz")
     with open(reach_file, "wb") as f:
         np.savez(f, mean=reach.mean, scale=reach.scale, points=reach.points, radius=np.array(reach.radius))
@@ -212,6 +281,8 @@ def train(paths=None, out=None) -> Predictor:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sklearn": sklearn.__version__, "features": list(FEATURES), "model_sha256": _sha256(target),
         "reach": {"file": reach_file.name, "sha256": _sha256(reach_file), "factor": REACH},
+        "interval": {"coverage": COVERAGE, "folds": FOLDS, "learned": interval.learned,
+                     "cost_model": interval.cost_model},
         "feature_range": {name: [float(data.X[:, i].min()), float(data.X[:, i].max())]
                           for i, name in enumerate(FEATURES)},
         "training": {

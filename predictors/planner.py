@@ -38,6 +38,8 @@ class Candidate:
     step_time_s: float = 0.0  # learned prediction (the cost model's when no predictor is given)
     extrapolates_on: list = field(default_factory=list)  # features outside the predictor's training runs
     model: Dims | None = None  # what the plan is for: the model-dependent part of `not_runnable`
+    low_s: float = 0.0  # the predicted step time's interval (predictors.learned.Interval); the point without one
+    high_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -120,9 +122,15 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
         result.notes.append(f"global batch {global_batch} leaves no legal data-parallel split of {devices} devices")
     if predictor is not None and result.ranked:
         X = np.array([features(d, c.plan, hw, precision, c.estimate) for c in result.ranked])
-        for c, x, factor in zip(result.ranked, X, predictor.correction(X)):
-            c.step_time_s = c.estimate.step_time_s * float(factor)
+        steps = np.array([c.estimate.step_time_s for c in result.ranked]) * predictor.correction(X)
+        low, high = predictor.bounds(X, steps)
+        for c, x, step, lo, hi in zip(result.ranked, X, steps, low, high):
+            c.step_time_s, c.low_s, c.high_s = float(step), float(lo), float(hi)
             c.extrapolates_on = predictor.outside(x)
-    result.ranked.sort(key=lambda c: (-c.tokens_per_s, c.memory_bytes))
+    for c in result.ranked:
+        c.high_s = c.high_s or c.step_time_s
+        c.low_s = c.low_s or c.step_time_s
+    # conservative: by the slow end of each interval (where intervals do not overlap, the order of the points)
+    result.ranked.sort(key=lambda c: (c.high_s / c.plan.tokens_per_step, -c.tokens_per_s, c.memory_bytes))
     result.infeasible.sort(key=lambda c: c.memory_bytes)
     return result

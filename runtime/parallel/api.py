@@ -62,10 +62,14 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         if splits is not None:  # the splits of modules other stages run are theirs
             kept = {name for name, _ in model.named_modules()}
             splits = [s for s in splits if s.path in kept]
-    if splits is not None:
-        from runtime.parallel.tensor import apply_tensor_parallel
+    if splits is not None:  # with sequence parallelism between each layer's blocks
+        from runtime.parallel.sequence import apply_sequence_parallel
+        from runtime.parallel.tensor import apply_tensor_parallel, declared
 
-        apply_tensor_parallel(model, mesh.tp, splits)
+        here = dict(model.named_modules())
+        blocks = {path: here[path] for path in declared(model)["blocks"] if path in here}
+        apply_tensor_parallel(model, mesh.tp, splits, sequence=set(blocks))
+        apply_sequence_parallel(decoder_layers(model), blocks, {s.path for s in splits} & set(blocks), mesh.tp)
     blocks = moe_blocks(model)  # this rank's (a pipeline stage may hold none)
     if plan.ep > 1:
         unsplit = _experts_outside_blocks(model)

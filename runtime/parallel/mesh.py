@@ -91,6 +91,9 @@ def not_runnable(plan: Plan, model=None) -> list[str]:
                        f"{', '.join(TP_ATTENTION)} attention by head)")
         if model.heads % plan.tp or model.kv_heads % plan.tp:
             out.append(f"tp={plan.tp} does not divide {model.heads} query and {model.kv_heads} key/value heads")
+    if plan.tp > 1 and plan.seq_len % plan.tp:
+        out.append(f"sequence parallelism splits each sequence over the tp ranks: tp={plan.tp} must divide "
+                   f"seq_len={plan.seq_len}")
     if plan.pp > 1 and plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
         out.append(f"the 1F1B schedule needs at least pp={plan.pp} micro-batches per step, the plan has "
                    f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")

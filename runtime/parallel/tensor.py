@@ -61,9 +61,10 @@ class Split:
     per_head: tuple[tuple[str, int], ...] = ()
 
 
-def declare(model: nn.Module, *, attention: dict[str, Heads], mlps: list[str]) -> None:
-    """Record which modules of `model` tensor parallelism may split (their paths in the model)."""
-    setattr(model, _DECLARED, {"attention": dict(attention), "mlps": list(mlps)})
+def declare(model: nn.Module, *, attention: dict[str, Heads], mlps: list[str], blocks: list[str] = ()) -> None:
+    """Record which modules of `model` tensor parallelism may split (their paths in the model), and `blocks`: every
+    decoder layer's attention and MLP, split or not (what sequence parallelism gathers the sequence for)."""
+    setattr(model, _DECLARED, {"attention": dict(attention), "mlps": list(mlps), "blocks": list(blocks)})
 
 
 def declared(model: nn.Module) -> dict | None:
@@ -233,13 +234,15 @@ class _Rowwise(RowwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split]) -> None:
-    """Split every module of `splits` over the 1-D tp `mesh`, in place (collective over the mesh)."""
+def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split], sequence: set[str] = frozenset()) -> None:
+    """Split every module of `splits` over the 1-D tp `mesh`, in place (collective over the mesh). The modules in
+    `sequence` return their part of the sequence (a reduce-scatter, for sequence parallelism) rather than all of
+    it (an all-reduce)."""
     if why := problems(splits, mesh.size()):
         raise ValueError("; ".join(why))
     for s in splits:
         plan = {name: _Colwise() for name in s.colwise}
-        plan[s.rowwise] = _Rowwise()
+        plan[s.rowwise] = _Rowwise(output_layouts=Shard(1)) if s.path in sequence else _Rowwise()
         # per-head norms: their parameters replicated, their input sharded on the heads' dimension, so the
         # parameters' gradient is summed over the tp ranks' heads
         plan.update({name: SequenceParallel(sequence_dim=dim, use_local_output=True) for name, dim in s.per_head})

@@ -119,7 +119,14 @@ def run_case(case: dict) -> dict:
 
         pipe = Pipeline(model, plan, mesh, torch.device("cpu"))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=case["lr"])
-    out = {"losses": [], "trace": trace}
+    out = {"losses": [], "trace": trace, "norm_tokens": set()}
+    from runtime.model_tree import decoder_layers
+
+    for layer in decoder_layers(model):  # the tokens a layer's norms see (sequence parallelism: a tp part)
+        for child in layer.children():
+            if any(isinstance(p, DTensor) and p.device_mesh.mesh_dim_names[-1] == "tp" and p.placements[-1].is_replicate()
+                   for p in child.parameters(recurse=False)):
+                child.register_forward_hook(lambda m, a, o: out["norm_tokens"].add(o.shape[1]))
     for step in range(case["steps"]):
         if pipe is None:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss

@@ -184,7 +184,7 @@ def results(models, tmp_path_factory):
             # FSDP2 with EP, parameters gathered and computed in bf16, master weights and reductions in fp32
             cases.append({**cases[0], "id": "bf16-compute", "precision": "bf16", "round_trip": False,
                           "plan": plan_for(world, "fsdp_ep", False).to_dict()})
-            launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder)
+            launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder, timeout=900)
             cache[world] = {"out": torch.load(folder / "out.pt", weights_only=False), "folder": folder}
         return cache[world]
 
@@ -205,6 +205,7 @@ def test_matches_single_process(results, models, world, name, layout, lora):
         assert any(".shared.0." in n for n in split) == (name == "qwen3-next-80b-a3b")
         assert not any(".experts." in n for n in split)
         assert any(".lora_" in n for n in split) == lora
+        assert got["norm_tokens"] == {SEQ // plan.tp}  # sequence parallelism: each rank's norms see its tokens
     assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     assert sorted(got["grads"]) == sorted(want_grads)
     for key, want in want_grads.items():
