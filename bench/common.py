@@ -1,8 +1,9 @@
-"""What the bench scripts share: their command line."""
+"""What the bench scripts share: their command line, and starting their gloo ranks."""
 
 from __future__ import annotations
 
 import argparse
+import socket
 
 
 def parser(doc: str, *, children: tuple[str, ...] = (), **options) -> argparse.ArgumentParser:
@@ -118,3 +119,13 @@ def subnormals(fn) -> tuple[int, str]:
     with SubnormalCensus() as census:
         fn()
     return census.total, census.worst(3)
+
+
+def spawn_ranks(rank_main, args, world: int) -> None:
+    """Run `rank_main(rank, args, port)` in `world` processes, `port` a free local one for their rendezvous."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(args, port), nprocs=world)

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from runtime.moe import MoEBlock, RouterSpec
 from runtime.moe.block import GroupedExperts
 from runtime.parallel import ExpertParallel, shard_experts
@@ -108,10 +106,7 @@ def main() -> None:
     parser = common.parser(__doc__, world=2, tokens=2048, hidden=512, experts=8, top_k=2, ffn=512, repeats=5,
                            threads=(1, "torch threads per process"))
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args, port), nprocs=args.world)
+    common.spawn_ranks(rank_main, args, args.world)
 
 
 if __name__ == "__main__":

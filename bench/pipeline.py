@@ -19,13 +19,11 @@ Never passes or fails on time.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from predictors.pipeline import bubble_fraction
 from runtime.parallel import build_mesh, parallelize
 from runtime.parallel.pipeline import Pipeline
@@ -107,10 +105,7 @@ def main() -> None:
         args.micro = [common.count(m) for m in args.micro.split(",")]
     except Exception:  # noqa: BLE001 - argparse's own message for a bad count
         parser.error(f"--micro takes whole numbers separated by commas, got {args.micro!r}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args, port), nprocs=args.world)
+    common.spawn_ranks(rank_main, args, args.world)
 
 
 if __name__ == "__main__":

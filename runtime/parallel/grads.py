@@ -18,8 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
 from runtime.model_tree import moe_blocks
 from runtime.parallel.mesh import ParallelMesh
@@ -33,9 +32,9 @@ def _distinct(t: torch.Tensor) -> int:
     """How many different pieces of the tensor `t` is one of (1 for a whole tensor)."""
     if not isinstance(t, DTensor):
         return 1
-    # FSDP2 over a tp-split dimension shards it a second time as a _StridedShard
+    # neither replicated nor partial: a shard (FSDP2 over a tp-split dimension shards it a second time, strided)
     return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
-                     if isinstance(p, (Shard, _StridedShard)))
+                     if not (p.is_replicate() or p.is_partial()))
 
 
 def grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
