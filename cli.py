@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -325,18 +326,64 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def _trained(model) -> None:
+    t = model.meta["training"]
+    print(f"{model.label}: {t['runs']} runs of {t['models']} models, {t['skipped']} skipped -> {model.path}")
+    for reason, count in t["skipped_reasons"].items():
+        print(f"  skipped {count}: {reason}")
+
+
+def _retrain(args) -> int:
+    from onboard.plan import retrain_predictor
+
+    result = retrain_predictor(args.logs, args.out, make_default=args.make_default)
+    _trained(result.predictor)
+
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    print(f"median error of step time, {result.previous or 'no previous default'} -> {result.predictor.label}:")
+    for title, rows in (("the given runs, by hardware", result.new_runs), ("the shipped runs, by source", result.shipped)):
+        print(f"  {title}:")
+        for r in rows:
+            print(f"    {r.name:<24} {r.runs:>5} runs  {pct(r.before):>7} -> {pct(r.after)}")
+    if result.default:
+        print(f"{result.predictor.label} is the default now")
+    else:
+        print(f"{result.predictor.label} is written but not the default: it prices the shipped runs of "
+              f"{', '.join(result.regressed)} worse (--make-default makes it the default anyway)")
+    return 0
+
+
+def _list_predictors(directory) -> int:
+    from onboard.plan import predictor_versions
+
+    rows, default = predictor_versions(directory)
+    print(f"{'version':<24} {'created':<26} {'runs':>6} {'models':>6}  {'interval near/far':<18} training data")
+    for label, meta in rows:
+        t = meta.get("training") or {}
+        band = meta.get("interval")
+        band = f"x/{math.exp(band['learned']):.2f} x/{math.exp(band['cost_model']):.2f}" if band else "-"
+        mark = " (default)" if label == default else " (held back)" if meta.get("default") is False else ""
+        files = ", ".join(f["path"] for f in t.get("files", []))
+        print(f"{label + mark:<24} {str(meta.get('created', '?')):<26} {t.get('runs', '?'):>6} {t.get('models', '?'):>6}  "
+              f"{band:<18} {files}")
+    return 0
+
+
 def cmd_predictor(args) -> int:
     from collections import Counter
 
     from onboard.errors import OnboardError
     from onboard.plan import evaluate_predictor, train_predictor
 
+    if args.action == "list":
+        return _list_predictors(args.out)
     if args.action == "train":
+        if args.logs and not args.only:
+            return _retrain(args)
         model = train_predictor(args.logs, args.out)
-        t = model.meta["training"]
-        print(f"{model.label}: {t['runs']} runs of {t['models']} models, {t['skipped']} skipped -> {model.path}")
-        for reason, count in t["skipped_reasons"].items():
-            print(f"  skipped {count}: {reason}")
+        _trained(model)
         return 0
     for by in ("model", "source") if args.hold_out == "both" else (args.hold_out,):
         try:
@@ -503,14 +550,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_predict)
 
-    p = verb("predictor", help="train or evaluate the learned throughput predictor")
-    p.add_argument("action", choices=("train", "eval"),
-                   help="train a new version, or evaluate it on runs of what it was not trained on")
+    p = verb("predictor", help="train, evaluate or list the learned throughput predictor's versions")
+    p.add_argument("action", choices=("train", "eval", "list"),
+                   help="train a new version, evaluate one on runs of what it was not trained on, or list the versions")
     p.add_argument("--hold-out", default="both", choices=("model", "source", "both"),
                    help="eval: hold out one model at a time, one source (benchmark suite) at a time, or both "
                         "(default)")
-    p.add_argument("--logs", nargs="+", help="run-log files or directories (default: what ships in predictors/data)")
-    p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites")
+    p.add_argument("--logs", nargs="+", help="run-log files or directories: train: added to what ships in "
+                                             "predictors/data (e.g. bundles/*/runs); eval: the runs to evaluate on")
+    p.add_argument("--only", action="store_true", help="train: on --logs alone, not on what ships as well")
+    p.add_argument("--make-default", action="store_true",
+                   help="train: make the new version the default even where it prices the shipped runs worse")
+    p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites; list: the directory")
     p.set_defaults(func=cmd_predictor)
     return parser
 

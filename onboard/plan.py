@@ -205,6 +205,31 @@ def train_predictor(logs: list[str] | None, out: str | None):
         raise OnboardError(str(e)) from None
 
 
+def retrain_predictor(logs: list[str], out: str | None, *, make_default: bool = False):
+    """A new version on what ships plus `logs`, held back where it is worse (`predictors.retrain`)."""
+    from predictors.retrain import retrain
+
+    try:
+        return retrain(logs, out=out, make_default=make_default)
+    except PredictorError as e:
+        raise OnboardError(str(e)) from None
+
+
+def predictor_versions(directory: str | None) -> tuple[list[tuple[str, dict]], str | None]:
+    """(label, metadata) of each version in `directory` (default: the package's), and the default's label."""
+    place = Path(directory) if directory else learned.MODELS_DIR
+    if not place.is_dir():
+        raise OnboardError(f"{place} is not a directory of predictor versions")
+    found = [(f"{learned.STEM}-v{v}", meta) for v, _, meta in learned.versions(place)]
+    if not found:
+        raise OnboardError(f"no trained predictor in {place}; run `onboard predictor train`")
+    try:
+        default = f"{learned.STEM}-v{int(learned.latest(place).stem.rsplit('-v', 1)[1])}"
+    except PredictorError:
+        default = None
+    return found, default
+
+
 def evaluate_predictor(logs: list[str] | None, by: str = "model"):
     try:
         return learned.evaluate(logs or None, by=by)

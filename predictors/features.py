@@ -7,7 +7,7 @@ A run whose model, plan or hardware cannot be understood is skipped with a reaso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,6 +65,7 @@ class Dataset:
     sources: list
     skipped: list  # runtime.runlog.Skipped
     files: list
+    hardware: list = field(default_factory=list)  # the hardware each run ran on (its spec's name)
 
     @property
     def target(self) -> np.ndarray:
@@ -77,7 +78,7 @@ class Dataset:
 def load_dataset(paths) -> Dataset:
     paths = [paths] if isinstance(paths, str) else list(paths)
     runs, skipped = read_runs(paths)
-    rows, cost, measured, groups, sources = [], [], [], [], []
+    rows, cost, measured, groups, sources, chips = [], [], [], [], [], []
     for run in runs:
         where = f"run {run.header.get('run_id')} ({run.source})"
         try:
@@ -97,5 +98,6 @@ def load_dataset(paths) -> Dataset:
         measured.append(run.step_time_s())
         groups.append(d.name)
         sources.append(run.source)
+        chips.append(hw.name)
     X = np.array(rows, dtype=float).reshape(-1, len(FEATURES))
-    return Dataset(X, np.array(cost), np.array(measured), groups, sources, skipped, [str(p) for p in paths])
+    return Dataset(X, np.array(cost), np.array(measured), groups, sources, skipped, [str(p) for p in paths], chips)

@@ -307,12 +307,38 @@ def _current_names(meta: dict) -> dict:
     return meta
 
 
+def versions(directory=MODELS_DIR) -> list[tuple[int, Path, dict]]:
+    """(version, model file, metadata) of every version in `directory`, oldest first (unreadable metadata: {})."""
+    out = []
+    for meta_file in Path(directory).glob(f"{STEM}-v*.json"):
+        m = re.fullmatch(rf"{STEM}-v(\d+)\.json", meta_file.name)
+        if not m:
+            continue
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            meta = {}
+        out.append((int(m.group(1)), meta_file.with_suffix(".joblib"), meta if isinstance(meta, dict) else {}))
+    return sorted(out, key=lambda v: v[0])
+
+
 def latest(directory=MODELS_DIR) -> Path:
+    """The default version in `directory`: the newest one not held back (`"default": false`, a retrained version
+    that was worse than the default it would have replaced; `predictors.retrain`)."""
     directory = Path(directory)
-    version = _next_version(directory) - 1
-    if version < 1:
+    found = [path for _, path, meta in versions(directory) if meta.get("default", True) is not False]
+    if not found:
         raise PredictorError(f"no trained predictor in {directory}; run `onboard predictor train`")
-    return directory / f"{STEM}-v{version}.joblib"
+    return found[-1]
+
+
+def set_default(predictor: Predictor, default: bool) -> None:
+    """Mark a saved version as one `latest` may (or may not) pick; its metadata file is rewritten atomically."""
+    predictor.meta["default"] = default
+    sidecar = predictor.path.with_suffix(".json")
+    tmp = sidecar.with_name(sidecar.name + ".tmp")
+    tmp.write_text(json.dumps(predictor.meta, indent=2, sort_keys=True) + "\n")
+    tmp.replace(sidecar)
 
 
 def load(path=None) -> Predictor:

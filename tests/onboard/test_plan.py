@@ -113,10 +113,10 @@ def test_predictor_verbs(tmp_path, capsys):
     logs = tmp_path / "logs.jsonl"
     logs.write_text("\n".join(lines) + "\n{truncated\n")
     models = tmp_path / "models"
-    assert main(["predictor", "train", "--logs", str(logs), "--out", str(models)]) == 0
+    assert main(["predictor", "train", "--logs", str(logs), "--only", "--out", str(models)]) == 0
     out = capsys.readouterr().out
     assert "throughput-v1: 60 runs" in out and "1 skipped" in out and "not JSON" in out
-    assert main(["predictor", "train", "--logs", str(logs), "--out", str(models)]) == 0
+    assert main(["predictor", "train", "--logs", str(logs), "--only", "--out", str(models)]) == 0
     assert sorted(p.name for p in models.iterdir()) == [
         "throughput-v1.joblib", "throughput-v1.json", "throughput-v1.reach.npz",
         "throughput-v2.joblib", "throughput-v2.json", "throughput-v2.reach.npz"]
@@ -125,6 +125,11 @@ def test_predictor_verbs(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "cost median" in table and "learned median" in table and table.rstrip().splitlines()[-1].startswith("all")
     assert main(["predictor", "train", "--logs", str(tmp_path / "missing.jsonl")]) == 1
+    assert main(["predictor", "train", "--logs", str(tmp_path / "missing.jsonl"), "--only"]) == 1
+    capsys.readouterr()
+    assert main(["predictor", "list", "--out", str(models)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[1].startswith("throughput-v1 ") and listed[2].startswith("throughput-v2 (default)")
     assert Path(models / "throughput-v1.joblib").exists()
 
 
