@@ -55,7 +55,7 @@ def errors(model: learned.Predictor, data: Dataset) -> np.ndarray:
 
 def _rows(keys: list, old: np.ndarray | None, new: np.ndarray) -> list[Row]:
     keys = np.array(keys)
-    return [Row(k, int((keys == k).sum()), None if old is None else float(np.median(old[keys == k])),
+    return [Row(str(k), int((keys == k).sum()), None if old is None else float(np.median(old[keys == k])),
                 float(np.median(new[keys == k]))) for k in sorted(set(keys))]
 
 
