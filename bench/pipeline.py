@@ -45,8 +45,9 @@ def timed(pipe: Pipeline) -> list[float]:
     """Wrap the stage's forward and backward of each micro-batch (what the schedule calls between waits for its
     neighbours) so that the seconds they compute add up in the returned one-element list."""
     busy = [0.0]
+    (stage,) = pipe.pipe_stages.values()  # made by the warm-up step
     for name in ("forward_one_chunk", "backward_one_chunk"):
-        inner = getattr(pipe.pipe_stage, name)
+        inner = getattr(stage, name)
 
         def wrapped(*a, inner=inner, **k):
             start = time.perf_counter()
@@ -54,7 +55,7 @@ def timed(pipe: Pipeline) -> list[float]:
                 return inner(*a, **k)
             finally:
                 busy[0] += time.perf_counter() - start
-        setattr(pipe.pipe_stage, name, wrapped)
+        setattr(stage, name, wrapped)
     return busy
 
 
@@ -71,16 +72,17 @@ def rank_main(rank: int, args, port: int) -> None:
         pipe = Pipeline(m, plan, build_mesh(plan), torch.device("cpu"))
         batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 2048, (micro, 1, args.tokens),
                                                                               generator=gen)]
+        pipe.step(batches)  # warm-up (it also makes the schedule)
+        m.zero_grad(set_to_none=True)
         busy = timed(pipe)
         steps, computing = [], []
-        for i in range(args.repeats + 1):
+        for _ in range(args.repeats):
             dist.barrier()
             busy[0] = 0.0
             start = time.perf_counter()
             pipe.step(batches)
-            if i:  # the first step is warm-up
-                steps.append(time.perf_counter() - start)
-                computing.append(busy[0])
+            steps.append(time.perf_counter() - start)
+            computing.append(busy[0])
             m.zero_grad(set_to_none=True)
         figures = torch.tensor([statistics.median(steps), statistics.median(computing)])
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the slowest rank sets the step, the slowest stage the pace

@@ -36,11 +36,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from runtime.model_tree import Vacated, find_layer_stack
 from runtime.plan import Plan
 
 _STAGE = "pipeline_stage"  # the attribute `cut` sets on a model (read by `stage_of` only)
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}  # runtime.plan.PP_SCHEDULES, by name
 
 
 def stage_layers(plan: Plan, num_layers: int) -> list[range]:
@@ -232,26 +235,36 @@ class Pipeline:
     """The schedule of one rank's stage: `step` runs forward and backward of every micro-batch of a step."""
 
     def __init__(self, model: nn.Module, plan: Plan, mesh, device: torch.device, dtype: torch.dtype = torch.float32):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         self.model, self.stage = model, stage_of(model)
         if self.stage is None:
             raise ValueError("the model was not cut into pipeline stages (runtime.parallel.parallelize does it)")
+        if plan.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {plan.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self.plan, self.group, self.device, self.dtype = plan, mesh.pp.get_group(), device, dtype
         self.inputs: deque = deque()
-        model.forward = self._forward  # PipelineStage calls the model: its FSDP2 hooks run, then this
-        # what the stage receives and sends, given rather than inferred (inference would run the model on meta
-        # tensors, and take micro-batch inputs meant for the real run)
-        hidden = torch.empty(plan.micro_batch, plan.seq_len, self.stage.parts.hidden, dtype=dtype, device="meta",
-                             requires_grad=True)  # received hidden states carry their gradient back
-        ids = torch.empty(plan.micro_batch, plan.seq_len, dtype=torch.long, device="meta")
-        self.pipe_stage = PipelineStage(model, self.stage.index, self.stage.num_stages, device,
-                                        input_args=ids if self.stage.first else hidden,
-                                        output_args=torch.empty((), device="meta") if self.stage.last else hidden,
-                                        group=mesh.pp.get_group())
-        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[plan.pp_schedule]
         self.micro = plan.grad_accum
-        self.schedule = schedule(self.pipe_stage, n_microbatches=self.micro, loss_fn=self._loss, scale_grads=True)
+        self.schedules: dict[tuple, object] = {}  # by the shape of a micro-batch's input_ids
+        self.pipe_stages: dict[tuple, PipelineStage] = {}  # torch's stage object of each schedule
         self.expert_tokens: dict[str, torch.Tensor] = {}
+        model.forward = self._forward  # PipelineStage calls the model: its FSDP2 hooks run, then this
+
+    def _schedule(self, ids_shape: torch.Size):
+        """The schedule for micro-batches of `ids_shape` (rows of sequences, or a packed row of them end to end).
+        What a stage receives and sends is given rather than inferred: inference would run the model on meta
+        tensors and take micro-batch inputs meant for the real run."""
+        key = tuple(ids_shape)
+        if key not in self.schedules:
+            hidden = torch.empty(*key, self.stage.parts.hidden, dtype=self.dtype, device="meta",
+                                 requires_grad=True)  # received hidden states carry their gradient back
+            ids = torch.empty(*key, dtype=torch.long, device="meta")
+            stage = PipelineStage(self.model, self.stage.index, self.stage.num_stages, self.device,
+                                  input_args=ids if self.stage.first else hidden,
+                                  output_args=torch.empty((), device="meta") if self.stage.last else hidden,
+                                  group=self.group)
+            self.pipe_stages[key] = stage
+            self.schedules[key] = SCHEDULES[self.plan.pp_schedule](stage, n_microbatches=self.micro,
+                                                                    loss_fn=self._loss, scale_grads=True)
+        return self.schedules[key]
 
     @staticmethod
     def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -272,8 +285,9 @@ class Pipeline:
         self.inputs.extend(micro_batches)
         ids = torch.cat([m["input_ids"] for m in micro_batches])
         losses: list = []
-        self.schedule.eval(*([ids] if self.stage.first else []), target=ids if self.stage.last else None,
-                           losses=losses)
+        self._schedule(micro_batches[0]["input_ids"].shape).eval(
+            *([ids] if self.stage.first else []), target=ids if self.stage.last else None, losses=losses,
+            return_outputs=False)  # the outputs are the losses (scalars, which torch would concatenate)
         self.inputs.clear()
         return [float(loss) for loss in losses] if self.stage.last else []
 
@@ -285,7 +299,8 @@ class Pipeline:
         self.inputs.extend(micro_batches)
         ids = torch.cat([m["input_ids"] for m in micro_batches])
         losses: list = []
-        self.schedule.step(*([ids] if self.stage.first else []), target=ids if self.stage.last else None,
-                           losses=losses, return_outputs=False)
+        self._schedule(micro_batches[0]["input_ids"].shape).step(
+            *([ids] if self.stage.first else []), target=ids if self.stage.last else None, losses=losses,
+            return_outputs=False)
         self.inputs.clear()
         return math.fsum(float(loss) for loss in losses) / self.micro if self.stage.last else 0.0

@@ -173,6 +173,7 @@ def _evaluate(model, source, plan: Plan, cfg: TrainConfig, dp_rank: int, world: 
         total += torch.tensor([sum(a * n for a, n in zip(losses, targets)), sum(targets)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(total)
+        total /= plan.tp  # the ranks of a tp group read the same tokens
     model.train()
     return float(total[0] / total[1].clamp_min(1)), int(total[1])
 

@@ -206,7 +206,7 @@ def test_cli_trains_in_process_and_bundle_has_train_sh(bundle, tmp_path):
 # Several processes: torchrun, gloo, one rank killed with SIGKILL
 
 
-def _torchrun(bundle, config, plan, log, ck, steps, every):
+def _torchrun(bundle, config, plan, log, ck, steps, every, extra=()):
     kwargs = json.dumps({"bundle": str(bundle), "config": str(config)})
     world = Plan.load(plan).world_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m",
@@ -214,6 +214,7 @@ def _torchrun(bundle, config, plan, log, ck, steps, every):
            "--steps", str(steps), "--lr", "1e-2", "--runlog", str(log), "--no-progress", "--threads", "1"]
     if ck:
         cmd += ["--checkpoint-dir", str(ck), "--checkpoint-every", str(every)]
+    cmd += [str(a) for a in extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -291,20 +292,29 @@ def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path, la
 @pytest.mark.multiprocess
 def test_memory_policies_compose_with_pipeline_and_tensor_parallelism(bundle, tmp_path):
     """pp 2 x tp 2 with full recompute and MoE activation offload trains with the losses of one process without
-    either (AdamW, clipping, 2 micro-batches a step, through the training loop)."""
+    either (AdamW, clipping, 2 micro-batches a step, tokens from a file, through the training loop), and its
+    held-out loss (forward only, through the pipeline schedule) is the single process's."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(train_config(bundle, layers=2)))
-    runs = {}
+    rng = np.random.default_rng(0)
+    for name in ("train", "held_out"):
+        np.save(tmp_path / f"{name}.npy", rng.integers(3, 500, 4000).astype(np.int64))
+    data = ["--data", tmp_path / "train.npy", "--eval-data", tmp_path / "held_out.npy", "--eval-every", 3]
+    runs, held_out = {}, {}
     for name, layout in (("one", {}), ("pp-tp", {"pp": 2, "tp": 2, "recompute": "full", "offload": "moe"})):
         plan = tmp_path / f"{name}.json"
         plan.write_text(_plan(micro_batch=1, grad_accum=2, **layout).to_json())
-        proc = _torchrun(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0)
+        proc = _torchrun(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0, data)
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out.decode()[-6000:]
         runs[name] = _step_losses(tmp_path / f"{name}.jsonl")
+        held_out[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
+                          if '"eval"' in line][-1]
     assert sorted(runs["one"]) == [0, 1, 2]
     for step, loss in runs["one"].items():
         assert runs["pp-tp"][step] == pytest.approx(loss, rel=1e-5)
+    assert held_out["pp-tp"]["tokens"] == held_out["one"]["tokens"] > 0
+    assert held_out["pp-tp"]["loss"] == pytest.approx(held_out["one"]["loss"], rel=1e-5)
 
 
 @pytest.mark.multiprocess
