@@ -20,7 +20,8 @@ neither reads the input nor writes the output (MLA's low-rank paths), a paramete
 sinks), an MLP projection wider than what its output projection reads (a fused gate|up matmul, whose halves a
 contiguous split would mix), heads that do not divide by tp. Experts stay expert-parallel and are not split:
 every tp rank of a group computes the same routed experts on the same tokens. Norms, embeddings, routers and the
-LM head are replicated (no sequence parallelism: the all-reduce keeps activations whole between modules).
+LM head are replicated; between a layer's blocks the sequence is split over the tp ranks (`runtime.parallel.
+sequence`), so a split module's row-wise projection there reduce-scatters rather than all-reduces.
 
 Parameters become DTensors on the tp mesh (Shard(0) / Shard(1) / Replicate), which FSDP2 then shards over the
 data-parallel mesh as 2-D DTensors, and `torch.distributed.checkpoint` saves as such. LoRA adapters split with
