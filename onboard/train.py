@@ -32,7 +32,9 @@ def read_plan(path) -> Plan:
         plan = Plan.load(path)
     except (ValueError, TypeError) as exc:
         raise OnboardError(f"plan {path}: {exc}") from None
-    problems = plan.problems()
+    from runtime.parallel.mesh import not_runnable
+
+    problems = not_runnable(plan)  # what runtime.train would refuse on every rank, said once before it starts
     if problems:
         raise OnboardError(f"plan {path} cannot run: {'; '.join(problems)}")
     return plan
