@@ -246,6 +246,8 @@ class Pipeline:
         self.schedules: dict[tuple, object] = {}  # by the shape of a micro-batch's input_ids
         self.pipe_stages: dict[tuple, PipelineStage] = {}  # torch's stage object of each schedule
         self.expert_tokens: dict[str, torch.Tensor] = {}
+        # the routing modules this stage runs, found once rather than per micro-batch
+        self.routers = [(name, m) for name, m in model.named_modules() if hasattr(m, "tokens_per_expert")]
         model.forward = self._forward  # PipelineStage calls the model: its FSDP2 hooks run, then this
 
     def _schedule(self, ids_shape: torch.Size):
@@ -274,8 +276,8 @@ class Pipeline:
         inputs = self.inputs.popleft()
         out = run_stage(self.model, self.stage, x, inputs)
         if torch.is_grad_enabled():  # a micro-batch's routing, counted once (recompute does not come through here)
-            for name, m in self.model.named_modules():
-                counts = getattr(m, "tokens_per_expert", None)
+            for name, m in self.routers:
+                counts = m.tokens_per_expert
                 if counts is not None:
                     self.expert_tokens[name] = self.expert_tokens.get(name, 0) + counts.detach().double().cpu()
         return out

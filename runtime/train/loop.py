@@ -283,12 +283,14 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
 
         bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True, leave=False)
     dp_rank = mesh.dp_rank if mesh is not None else 0  # which slice of each batch this rank reads
+    here = dict(model.named_modules())
+    blocks = {name: here[name] for name, _ in slots if name in here}  # this rank's (its pipeline stage's)
     results = []
     reset_peak_memory(device)
     try:
         for step in range(start, cfg.steps):
             results.append(_step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, slots,
-                                 pipeline, dp_rank, world, device))
+                                 blocks, pipeline, dp_rank, world, device))
             r = results[-1]
             if writer:
                 writer.step(step, step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
@@ -336,10 +338,8 @@ def _micro_batches(source, step: int, dp_rank: int, plan: Plan, device, count: i
                                   micro_batch=plan.micro_batch), device) for micro in range(count)]
 
 
-def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, slots, pipeline, dp_rank, world,
-          device):
-    here = dict(model.named_modules())
-    blocks = {name: here[name] for name, _ in slots if name in here}  # this rank's (its pipeline stage's)
+def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, autocast, slots, blocks, pipeline, dp_rank,
+          world, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
