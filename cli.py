@@ -380,6 +380,9 @@ def cmd_predictor(args) -> int:
     if args.action == "list":
         return _list_predictors(args.out)
     if args.action == "train":
+        if (args.only or args.make_default) and not args.logs:
+            raise OnboardError(f"{'--only' if args.only else '--make-default'} goes with --logs (the run logs to "
+                               "train on)")
         if args.logs and not args.only:
             return _retrain(args)
         model = train_predictor(args.logs, args.out)

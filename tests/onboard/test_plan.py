@@ -126,6 +126,7 @@ def test_predictor_verbs(tmp_path, capsys):
     assert "cost median" in table and "learned median" in table and table.rstrip().splitlines()[-1].startswith("all")
     assert main(["predictor", "train", "--logs", str(tmp_path / "missing.jsonl")]) == 1
     assert main(["predictor", "train", "--logs", str(tmp_path / "missing.jsonl"), "--only"]) == 1
+    assert main(["predictor", "train", "--only"]) == 1 and main(["predictor", "train", "--make-default"]) == 1
     capsys.readouterr()
     assert main(["predictor", "list", "--out", str(models)]) == 0
     listed = capsys.readouterr().out.splitlines()
