@@ -260,7 +260,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
         checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
         checkpoint_every: int = 0, trust_remote_code: bool = False, weights: str | None = None,
         online: bool = False, eval_data=None, eval_every: int = 0, mask_prompt: bool = False,
-        text_field: str = "text", export_hf=None, export_peft=None) -> int:
+        text_field: str = "text", export_hf=None, export_peft=None, rebalance_every: int = 0,
+        expert_replicas: int = 0) -> int:
     """`onboard train`: check the bundle and plan, then train in this process or through torchrun. `weights`
     (MODEL): the released model instead of the twin (`weights_source`); `data` / `eval_data`: token files, or
     text tokenised with the model's tokenizer into packed corpora (`onboard.data`)."""
@@ -276,6 +277,9 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
                                                    else Plan(dtype="fp32", seq_len=32))
     if steps < 1:
         raise OnboardError("--steps must be at least 1")
+    if (rebalance_every or expert_replicas) and plan.ep == 1:
+        raise OnboardError("--rebalance-every / --expert-replicas place experts on expert-parallel ranks: the "
+                           "plan has ep=1")
     for path in (data, eval_data):
         if path is not None and not Path(path).exists():
             raise OnboardError(f"{path}: no such token file")
@@ -291,8 +295,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
                           export_hf=str(export_hf) if export_hf else None,
                           export_peft=str(export_peft) if export_peft else None,
                           checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                          checkpoint_every=checkpoint_every,
-                          runlog=str(runlog))
+                          checkpoint_every=checkpoint_every, rebalance_every=rebalance_every,
+                          expert_replicas=expert_replicas, runlog=str(runlog))
         try:
             train(lambda: build_model(bundle, layers, width, trust_remote_code=trust_remote_code, weights=weights),
                   plan, cfg)
@@ -307,7 +311,8 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
             config.write_text(json.dumps(train_config(bundle, layers=layers, width=width,
                                                       trust_remote_code=trust_remote_code), sort_keys=True))
         extra = ["--runlog", str(runlog), "--lr", str(lr), "--seed", str(seed),
-                 "--checkpoint-every", str(checkpoint_every)]
+                 "--checkpoint-every", str(checkpoint_every), "--rebalance-every", str(rebalance_every),
+                 "--expert-replicas", str(expert_replicas)]
         if checkpoint_dir:
             extra += ["--checkpoint-dir", str(checkpoint_dir)]
         if data:

@@ -5,12 +5,16 @@ One file may hold several runs. Each run starts with a header line and continues
     {"kind": "run", "schema_version": 1, "run_id": ..., "source": ..., "model": {...}, "plan": {...},
      "hardware": {"name": ..., "devices": N}, "precision": "fp32"}
     {"kind": "step", "run_id": ..., "step": 3, "step_time_s": ..., "tokens_per_s": ..., "peak_memory_bytes": ...,
-     "loss": ..., "expert_tokens": [[...], ...], "comm_time_s": ...}
+     "loss": ..., "expert_tokens": [[...], ...], "comm_time_s": ...,
+     "peak_memory_bytes_by_rank": [...], "expert_placement": [null | {...}, ...]}
 
 `model` holds the key dimensions (MODEL_FIELDS; unknown ones are null), a digest of the spec they came
 from and, when the writer knows them, `mixers`: the token mixers grouped by kind and shape
 (`runtime.dims.Mixer` dicts), which price token mixing layer by layer; records without them (older logs,
 published runs) are priced from the linear / sparse layer counts (`runtime.dims.Dims.from_record`).
+`expert_tokens` holds, per MoE layer, the
+tokens each expert received in the step (all ranks); `expert_placement` (optional, with rebalancing) each layer's
+`runtime.moe.placement.Placement` dict in effect for the step, null for the static layout.
 `plan` is a `runtime.plan.Plan` dict. Published runs from papers convert into the same format with a
 single step line (`source` names the paper), so the predictor reads one format only.
 
@@ -93,10 +97,16 @@ class RunLogWriter:
                      "model": record, "plan": plan, "hardware": hardware, "precision": precision, "meta": meta or {}})
 
     def step(self, step: int, *, step_time_s: float, tokens_per_s: float, peak_memory_bytes: int | None = None,
-             loss: float | None = None, expert_tokens: list | None = None, comm_time_s: float | None = None):
-        self._write({"kind": "step", "run_id": self.run_id, "step": step, "step_time_s": step_time_s,
-                     "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak_memory_bytes, "loss": loss,
-                     "expert_tokens": expert_tokens, "comm_time_s": comm_time_s})
+             loss: float | None = None, expert_tokens: list | None = None, comm_time_s: float | None = None,
+             peak_memory_bytes_by_rank: list | None = None, expert_placement: list | None = None):
+        record = {"kind": "step", "run_id": self.run_id, "step": step, "step_time_s": step_time_s,
+                  "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak_memory_bytes, "loss": loss,
+                  "expert_tokens": expert_tokens, "comm_time_s": comm_time_s}
+        if peak_memory_bytes_by_rank is not None:
+            record["peak_memory_bytes_by_rank"] = peak_memory_bytes_by_rank
+        if expert_placement is not None:
+            record["expert_placement"] = expert_placement
+        self._write(record)
 
     def eval(self, step: int, *, loss: float, tokens: int):
         """The held-out loss after `step` steps (mean over `tokens` target tokens of every rank) and its

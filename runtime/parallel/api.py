@@ -32,13 +32,14 @@ def mixed_precision(plan: Plan, device_type: str) -> MixedPrecisionPolicy | None
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list | None = None,
-                precision: MixedPrecisionPolicy | None = None) -> nn.Module:
+                precision: MixedPrecisionPolicy | None = None, expert_spare: int = 0) -> nn.Module:
     """Apply LoRA (plan.lora), tensor parallelism (plan.tp), pipeline stages (plan.pp: this rank keeps its own),
     expert parallelism (plan.ep) and FSDP2 to `model` in place; returns it. What needs the whole model (LoRA's
     initialisation, the tensor-parallel probe, the pipeline check) happens before the cut.
 
     `trace`, when given, collects the expert-parallel issue / wait events of every MoE block. `precision`: FSDP2's
-    mixed-precision policy (`mixed_precision`), None for fp32 throughout."""
+    mixed-precision policy (`mixed_precision`), None for fp32 throughout. `expert_spare`: replica rows per rank in
+    every MoE layer's expert stacks (what `runtime.parallel.rebalance` copies hot experts into)."""
     shard = {"mp_policy": precision} if precision is not None else {}
     if plan.lora is not None:  # on the whole model, so every stage's adapters start as one process's would
         from runtime.lora import apply_lora, has_lora
@@ -78,8 +79,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
                              f"experts-only swap(s) (e.g. {unsplit[0]}) would keep every expert on every rank")
         for _, block in blocks:
             experts = block.num_experts
-            shard_experts(block.experts, experts, mesh.ep_rank, plan.ep)
-            block.expert_parallel = ExpertParallel(experts, mesh.ep_group, overlap=plan.overlap, trace=trace)
+            shard_experts(block.experts, experts, mesh.ep_rank, plan.ep, expert_spare)
+            block.expert_parallel = ExpertParallel(experts, mesh.ep_group, overlap=plan.overlap, trace=trace,
+                                                   spare=expert_spare)
     if mesh.dense is None:
         return model
     if plan.ep > 1:

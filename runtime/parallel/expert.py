@@ -6,6 +6,12 @@ variable splits while the first half of this rank's own tokens runs through its 
 tokens arrive grouped by source rank; they are regrouped by local expert, computed, and sent back the same
 way while the second half of the own tokens runs. Backward mirrors it: each exchange's reverse is issued,
 the matching half's gradients are computed, then it is waited on.
+
+Where experts live is a `runtime.moe.placement.Placement`: each rank's stacks hold its owned experts' rows and
+`spare` replica rows (copies of hot experts owned elsewhere). The exchange works on physical rows (rank * rows
+per rank + row): a token routed to expert e goes to one of e's copies, the i-th of e's tokens on this rank to
+copy i mod copies(e), so each copy computes an even share. With the static layout (contiguous, no replicas) the
+logical expert is the physical row and nothing is remapped.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 
 from runtime.moe.block import ModuleExperts
 from runtime.moe.dispatch import Dispatch
+from runtime.moe.placement import Placement
 from runtime.parallel import exchange
 from runtime.parallel.exchange import CommTime, Exchange, Mark
 
@@ -25,15 +32,47 @@ from runtime.parallel.exchange import CommTime, Exchange, Mark
 class ExpertParallel:
     """The `MoEBlock.expert_parallel` hook: runs sorted tokens through experts spread over `group`."""
 
-    def __init__(self, num_experts: int, group, *, overlap: bool = True, trace: list | None = None):
+    def __init__(self, num_experts: int, group, *, overlap: bool = True, trace: list | None = None,
+                 spare: int = 0):
         self.num_experts = num_experts
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.local = num_experts // self.size
         self.overlap = overlap
         self.trace = trace  # a list to record issue / wait order into (tests and debugging)
         self.comm = CommTime()  # time blocked on exchanges, forward and backward; `comm.reset()` per step
+        self.place(Placement.contiguous(num_experts, self.size, spare))
+
+    def place(self, placement: Placement) -> None:
+        """Route by `placement` from now on (the rows must already hold what it says: `runtime.parallel.rebalance`
+        moves them)."""
+        if placement.experts != self.num_experts or placement.ep != self.size:
+            raise ValueError(f"a placement of {placement.experts} experts on {placement.ep} ranks does not fit "
+                             f"{self.num_experts} experts on {self.size}")
+        if getattr(self, "placement", None) is not None and placement.spare != self.placement.spare:
+            raise ValueError(f"the experts have {self.placement.spare} replica rows per rank, the placement "
+                             f"{placement.spare}")
+        self.placement = placement
+        self.local = placement.slots  # rows per rank: owned, then replicas
+        self.remap = None
+        if not placement.is_contiguous or placement.spare:
+            copies = placement.copies()
+            table = torch.zeros(self.num_experts, max(len(c) for c in copies), dtype=torch.int64)
+            for e, rows in enumerate(copies):
+                table[e, :len(rows)] = torch.tensor([rank * self.local + row for rank, row in rows])
+            self.remap = (table, torch.tensor([len(c) for c in copies], dtype=torch.int64))
+
+    def _physical(self, d: Dispatch) -> tuple[Dispatch, torch.Tensor]:
+        """`d` (sorted by expert) re-sorted by physical row, and the permutation from `d`'s order to it."""
+        table, copies = (t.to(d.expert_ids.device) for t in self.remap)
+        logical = d.expert_ids
+        starts = torch.cumsum(d.counts, 0) - d.counts
+        ordinal = torch.arange(logical.numel(), device=logical.device) - starts.index_select(0, logical)
+        rows = table[logical, ordinal % copies.index_select(0, logical)]
+        perm = torch.sort(rows, stable=True).indices
+        counts = torch.bincount(rows, minlength=self.size * self.local)
+        return Dispatch(order=d.order.index_select(0, perm), expert_ids=rows.index_select(0, perm), counts=counts,
+                        keep=None, top_k=d.top_k), perm
 
     def _log(self, event: str) -> None:
         if self.trace is not None:
@@ -41,6 +80,15 @@ class ExpertParallel:
 
     def __call__(self, experts: nn.Module, tokens: torch.Tensor, d: Dispatch,
                  scale: torch.Tensor | None) -> torch.Tensor:
+        if self.remap is None:
+            return self._exchange(experts, tokens, d, scale)
+        d, perm = self._physical(d)
+        out = self._exchange(experts, tokens.index_select(0, perm), d,
+                             None if scale is None else scale.index_select(0, perm))
+        return out.index_select(0, torch.argsort(perm))
+
+    def _exchange(self, experts: nn.Module, tokens: torch.Tensor, d: Dispatch,
+                  scale: torch.Tensor | None) -> torch.Tensor:
         el, me = self.local, self.rank
         counts = d.counts.to(torch.int64)
         recv_counts = torch.empty_like(counts)
@@ -99,8 +147,15 @@ class ExpertParallel:
         return y.index_select(0, torch.argsort(order))
 
 
-def shard_experts(experts: nn.Module, num_experts: int, rank: int, size: int) -> None:
-    """Keep this rank's slice of every per-expert tensor of `experts` (stacks, biases, LoRA stacks).
+def per_expert(experts: nn.Module, rows: int) -> list[str]:
+    """Names of the per-expert tensors of a stacked experts module (stacks, biases, LoRA stacks): those with
+    `rows` or more rows (stacks may carry unused rows for zero experts)."""
+    return [name for name, p in experts.named_parameters(recurse=False) if p.dim() and p.shape[0] >= rows]
+
+
+def shard_experts(experts: nn.Module, num_experts: int, rank: int, size: int, spare: int = 0) -> None:
+    """Keep this rank's slice of every per-expert tensor of `experts` (stacks, biases, LoRA stacks), plus `spare`
+    replica rows (zero until a placement copies hot experts into them).
 
     The slice becomes a new Parameter (not a view) so that the full stack can be freed and FSDP2 sees a
     plain tensor to shard over the ranks that hold the same experts."""
@@ -109,12 +164,16 @@ def shard_experts(experts: nn.Module, num_experts: int, rank: int, size: int) ->
     local = num_experts // size
     lo = rank * local
     if isinstance(experts, ModuleExperts):
+        if spare:
+            raise ValueError("replicas of hot experts need experts stored as stacks; these are one module each")
         experts.experts = nn.ModuleList(list(experts.experts)[lo:lo + local])
         experts.expert_shard = (rank, size, num_experts)
         return
-    for name, p in list(experts.named_parameters(recurse=False)):
-        if p.dim() == 0 or p.shape[0] < num_experts:
-            continue
-        setattr(experts, name, nn.Parameter(p.detach()[lo:lo + local].clone(), requires_grad=p.requires_grad))
-    experts.experts = local  # rows computed (extra zero-expert rows are gone with the slice)
+    for name in per_expert(experts, num_experts):
+        p = getattr(experts, name)
+        rows = p.detach()[lo:lo + local].clone()
+        if spare:
+            rows = torch.cat([rows, rows.new_zeros(spare, *rows.shape[1:])])
+        setattr(experts, name, nn.Parameter(rows, requires_grad=p.requires_grad))
+    experts.experts = local + spare  # rows computed (extra zero-expert rows are gone with the slice)
     experts.expert_shard = (rank, size, num_experts)  # read by checkpoint / adapter gathering

@@ -34,36 +34,51 @@ def iter_full(model: nn.Module, state: dict[str, torch.Tensor]):
     for name, block in moe_blocks(model):
         shard = getattr(block.experts, "expert_shard", None)
         if shard is not None and block.expert_parallel is not None:
-            groups[f"{name}.experts." if name else "experts."] = (shard, block.expert_parallel.group)
+            groups[f"{name}.experts." if name else "experts."] = (shard, block.expert_parallel)
     for key, value in state.items():
         value = _full(value)
         prefix = next((p for p in groups if key.startswith(p)), None)
         if prefix is None:
             yield key, value
             continue
-        (_, size, total), group = groups[prefix]
+        (_, size, total), ep = groups[prefix]
         local = total // size
         rest = key[len(prefix):]
         parts = rest.split(".")
         pieces = [torch.empty_like(value) for _ in range(size)]
-        dist.all_gather(pieces, value.contiguous(), group=group)
+        dist.all_gather(pieces, value.contiguous(), group=ep.group)
         if parts[0] == "experts" and len(parts) > 2 and parts[1].isdigit():  # ModuleExperts: one key each
             for r, piece in enumerate(pieces):
                 yield prefix + ".".join(["experts", str(r * local + int(parts[1])), *parts[2:]]), piece
-        elif "." not in rest and value.dim() and value.shape[0] == local:  # a stack sliced by EP
-            yield key, torch.cat(pieces)
+        elif "." not in rest and value.dim() and value.shape[0] == ep.placement.slots:  # a stack sliced by EP
+            yield key, _logical_rows(pieces, ep.placement)
         else:
             yield key, value
 
 
-def _expert_slices(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Key prefix of each expert-parallel experts module -> (first expert, experts) this rank holds."""
+def _logical_rows(pieces: list[torch.Tensor], placement) -> torch.Tensor:
+    """The EP ranks' stacks as one stack in expert order: owned rows where the placement put them, replicas
+    (copies) left out."""
+    if placement.is_contiguous and not placement.spare:
+        return torch.cat(pieces)
+    full = pieces[0].new_empty(placement.experts, *pieces[0].shape[1:])
+    for rank, piece in enumerate(pieces):
+        full[list(placement.owners[rank])] = piece[:placement.local]
+    return full
+
+
+def _expert_slices(model: nn.Module) -> dict[str, tuple[int, int, list]]:
+    """Key prefix of each expert-parallel experts module -> (first expert, experts) of the static layout and the
+    expert each of this rank's stack rows holds now (None: an unused replica row)."""
     slices = {}
     for name, block in moe_blocks(model):
         shard = getattr(block.experts, "expert_shard", None)
         if shard is not None:
             rank, size, total = shard
-            slices[f"{name}.experts." if name else "experts."] = (rank * (total // size), total // size)
+            placement = block.expert_parallel.placement
+            rows = [*placement.owners[rank], *placement.replicas[rank]]
+            rows += [None] * (placement.slots - len(rows))
+            slices[f"{name}.experts." if name else "experts."] = (rank * (total // size), total // size, rows)
     return slices
 
 
@@ -72,7 +87,7 @@ def _local_view(state: dict[str, torch.Tensor], slices: dict[str, tuple[int, int
     renumbered from their global index (and other ranks' experts left out)."""
     out = {}
     for key, value in state.items():
-        for prefix, (lo, n) in slices.items():
+        for prefix, (lo, n, rows) in slices.items():
             if not key.startswith(prefix):
                 continue
             parts = key[len(prefix):].split(".")
@@ -80,7 +95,8 @@ def _local_view(state: dict[str, torch.Tensor], slices: dict[str, tuple[int, int
                 index = int(parts[1]) - lo
                 key = prefix + ".".join(["experts", str(index), *parts[2:]]) if 0 <= index < n else None
             elif len(parts) == 1 and value.dim():
-                value = value[lo:lo + n]
+                value = value[lo:lo + n] if rows == list(range(lo, lo + n)) else torch.stack(
+                    [value[e] if e is not None else value.new_zeros(value.shape[1:]) for e in rows])
             break
         if key is not None:
             out[key] = value
@@ -99,9 +115,9 @@ class LocalCopier:
     def expert_rows(self, key: str) -> tuple[int, int] | None:
         """(first expert, experts) of the expert stack at `key` this rank holds under expert parallelism (None: not
         such a stack)."""
-        for prefix, rows in self.slices.items():
+        for prefix, (lo, n, _) in self.slices.items():
             if key.startswith(prefix) and "." not in key[len(prefix):]:
-                return rows
+                return lo, n
         return None
 
     def rows(self, key: str, length: int) -> tuple[int, int] | None:
@@ -139,6 +155,9 @@ class LocalCopier:
         with torch.no_grad():
             for key in sorted(local):
                 value, target = local[key], self.own[key]
+                if expert_local and self.expert_rows(key) and value.shape[0] < target.shape[0]:
+                    # this rank's experts, read into a stack with replica rows (unused until a placement)
+                    value = torch.cat([value, value.new_zeros(target.shape[0] - value.shape[0], *value.shape[1:])])
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(f"{key}: shape {tuple(value.shape)} does not fit {tuple(target.shape)}")
                 value = value.to(target.dtype)

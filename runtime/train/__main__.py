@@ -49,6 +49,10 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--rebalance-every", type=int, default=0,
+                   help="steps between expert placements from measured load (0: never)")
+    p.add_argument("--expert-replicas", type=int, default=0,
+                   help="replica rows per expert-parallel rank for copies of hot experts")
     p.add_argument("--runlog")
     p.add_argument("--threads", type=int, help="torch threads per rank (default: OMP_NUM_THREADS or torch's)")
     p.add_argument("--no-progress", action="store_true")
@@ -64,6 +68,7 @@ def main(argv=None) -> int:
                           export_peft=args.export_peft,
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           keep_checkpoints=args.keep_checkpoints, runlog=args.runlog,
+                          rebalance_every=args.rebalance_every, expert_replicas=args.expert_replicas,
                           progress=not args.no_progress)
         train(factory, plan, cfg)
     except (ValueError, json.JSONDecodeError) as e:

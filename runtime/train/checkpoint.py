@@ -11,11 +11,14 @@ would take for replicas and store once. In the checkpoint those parameters (and 
 therefore carry their global identity: per-module experts their global index, expert stacks the EP slice
 they hold (`...experts.gate_up@ep1of2`). Each slice is stored once (FSDP2 shards over the ranks holding
 the same experts stay DTensors) and loads back to the rank that owns it. The checkpoint records `ep`, and
-a run with another expert-parallel degree is refused rather than handed the wrong experts.
+a run with another expert-parallel degree is refused rather than handed the wrong experts. It also records
+where each MoE layer's experts are (`runtime.moe.placement`, after rebalancing): a resume lays the experts out
+that way before it reads the rows back.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -75,6 +78,31 @@ def _global_key(key: str, shards: dict[str, tuple[int, int, int]]) -> str:
     return key
 
 
+def _placements(model: torch.nn.Module) -> dict[str, dict]:
+    """MoE layer path -> its expert placement, for the layers whose experts are not where the static layout
+    puts them (moved, or with replica rows)."""
+    from runtime.model_tree import moe_blocks
+
+    return {name: block.expert_parallel.placement.to_dict() for name, block in moe_blocks(model)
+            if block.expert_parallel is not None and block.expert_parallel.remap is not None}
+
+
+def _restore_placements(model: torch.nn.Module, saved: dict[str, dict], path: Path) -> None:
+    """Route each MoE layer as the checkpoint's placement says (its rows are about to be read back)."""
+    from runtime.model_tree import moe_blocks
+    from runtime.moe.placement import Placement
+
+    here = {name: block.expert_parallel for name, block in moe_blocks(model) if block.expert_parallel is not None}
+    spare = {name: ep.placement.spare for name, ep in here.items()}
+    for name, ep in here.items():
+        placement = Placement.from_dict(saved[name]) if name in saved else \
+            Placement.contiguous(ep.num_experts, ep.size, spare[name])
+        if placement.spare != spare[name]:
+            raise ValueError(f"checkpoint {path} was saved with {placement.spare} replica rows per rank for hot "
+                             f"experts and this run has {spare[name]}: resume with the same --expert-replicas")
+        ep.place(placement)
+
+
 def _pp(model: torch.nn.Module) -> int:
     from runtime.parallel.pipeline import stage_of
 
@@ -128,7 +156,8 @@ def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     shards = _expert_shards(model)
     model_state, optim_state = _checkpoint_view(*get_state_dict(model, optimizer), shards, _groups_key(model))
     dcp.save({"model": model_state, "optim": optim_state,
-              "train": {"step": step, "data_position": data_position, "ep": _ep(shards), "pp": _pp(model)}},
+              "train": {"step": step, "data_position": data_position, "ep": _ep(shards), "pp": _pp(model),
+                        "expert_placement": json.dumps(_placements(model), sort_keys=True)}},
              checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")
     _barrier()
@@ -181,12 +210,13 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
         return {"step": 0, "data_position": 0, "path": None, "skipped": skipped} if skipped else None
     path = candidate
     shards = _expert_shards(model)
-    layout = {"train": {"ep": 1, "pp": 1}}  # checkpoints from before these were recorded had neither
+    layout = {"train": {"ep": 1, "pp": 1, "expert_placement": "{}"}}  # older checkpoints recorded none of these
     dcp.load(layout, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     for name, kind, here in (("ep", "expert", _ep(shards)), ("pp", "pipeline", _pp(model))):
         if layout["train"][name] != here:
             raise ValueError(f"checkpoint {path} was saved with {kind} parallelism {name}={layout['train'][name]} and "
                              f"this run has {name}={here}: resume with the plan's {name} it was saved with")
+    _restore_placements(model, json.loads(layout["train"]["expert_placement"]), path)
     model_state, optim_state = get_state_dict(model, optimizer)
     groups = _groups_key(model)
     model_view, optim_view = _checkpoint_view(model_state, optim_state, shards, groups)

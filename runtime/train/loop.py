@@ -57,6 +57,8 @@ class TrainConfig:
     offload_dir: str | None = None  # where the CPU offload file lives (default: the system temp dir)
     export_hf: str | None = None  # after training: a HuggingFace checkpoint here (LoRA merged; needs released weights)
     export_peft: str | None = None  # after training: the LoRA adapters as a PEFT adapter folder here
+    rebalance_every: int = 0  # steps between expert placements from the load measured since the last (0: never)
+    expert_replicas: int = 0  # replica rows per EP rank in every MoE layer, for copies of hot experts
 
 
 @dataclass
@@ -68,6 +70,7 @@ class StepResult:
     peak_memory_bytes: int
     comm_time_s: float
     expert_tokens: list
+    peak_memory_bytes_by_rank: list | None = None
 
 
 @dataclass
@@ -218,6 +221,10 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
 
     if problems := not_runnable(plan):
         raise ValueError(f"the plan cannot run: {'; '.join(problems)}")
+    if (cfg.rebalance_every or cfg.expert_replicas) and plan.ep == 1:
+        raise ValueError("rebalancing places experts on expert-parallel ranks: the plan has ep=1")
+    if cfg.rebalance_every < 0 or cfg.expert_replicas < 0:
+        raise ValueError("rebalance_every and expert_replicas must not be negative")
     if plan.pp > 1 and (cfg.export_hf or cfg.export_peft):
         raise ValueError("exports gather the whole model, which pipeline stages hold in parts: export from a "
                          "checkpoint of this run with pp=1 (not built: gathering across stages)")
@@ -246,7 +253,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
         mesh = build_mesh(plan)
         precision = mixed_precision(plan, device.type) if world > 1 else None
         # LoRA, expert parallelism, FSDP2 (gradient reduction included; bf16 compute on an accelerator)
-        model = parallelize(model, plan, mesh, precision=precision)
+        model = parallelize(model, plan, mesh, precision=precision, expert_spare=cfg.expert_replicas)
         if plan.pp > 1:
             from runtime.parallel.pipeline import Pipeline
 
@@ -286,6 +293,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
     here = dict(model.named_modules())
     blocks = {name: here[name] for name, _ in slots if name in here}  # this rank's (its pipeline stage's)
     results = []
+    balance = ExpertBalance(slots, blocks, plan, cfg, optimizer)
     reset_peak_memory(device)
     try:
         for step in range(start, cfg.steps):
@@ -295,7 +303,9 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
             if writer:
                 writer.step(step, step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s,
                             peak_memory_bytes=r.peak_memory_bytes, loss=r.loss, expert_tokens=r.expert_tokens,
-                            comm_time_s=r.comm_time_s)
+                            comm_time_s=r.comm_time_s, peak_memory_bytes_by_rank=r.peak_memory_bytes_by_rank,
+                            expert_placement=balance.logged())
+            balance.measured(step + 1, r.expert_tokens)
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
@@ -362,6 +372,10 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
                 counted = block.tokens_per_expert
                 if counted is not None:
                     counts[name] = counts.get(name, 0) + counted.double().cpu()
+    if cfg.expert_replicas:  # each hot expert's copies computed parts of its tokens: their gradients add up
+        from runtime.parallel.rebalance import sum_replica_grads
+
+        sum_replica_grads(model)
     comm = 0.0
     if cfg.clip:
         t = time.perf_counter()
@@ -372,16 +386,19 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
         clock = getattr(getattr(block, "expert_parallel", None), "comm", None)
         if clock is not None:
             comm += clock.reset()
-    # every MoE layer of the model in one vector (a pipeline stage fills its own layers'), summed over the world
+    # every MoE layer of the model in one vector (a pipeline stage fills its own layers'), summed over the world,
+    # then each rank's peak memory in its own place
+    peaks = torch.zeros(world, dtype=torch.float64)
+    peaks[dist.get_rank() if world > 1 else 0] = peak_memory_bytes(device)
     stats = torch.cat([loss_sum.reshape(1), *(torch.as_tensor(counts.get(name, torch.zeros(size)),
                                                               dtype=torch.float64).reshape(size)
-                                              for name, size in slots)])
+                                              for name, size in slots), peaks])
     if world > 1:
         t = time.perf_counter()
         dist.all_reduce(stats)
         comm += time.perf_counter() - t
         stats[0] /= world // plan.pp  # the last stage's ranks hold the loss (every rank without a pipeline)
-        stats[1:] /= plan.tp  # the ranks of a tp group route the same tokens
+        stats[1:-world] /= plan.tp  # the ranks of a tp group route the same tokens
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
@@ -390,4 +407,43 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
         expert_tokens.append([int(v) for v in stats[offset:offset + size].tolist()])
         offset += size
     return StepResult(step, float(stats[0]), elapsed, plan.tokens_per_step / elapsed, peak_memory_bytes(device),
-                      comm, expert_tokens)
+                      comm, expert_tokens, [int(v) for v in stats[-world:].tolist()])
+
+
+class ExpertBalance:
+    """Every `cfg.rebalance_every` steps, a new placement of each MoE layer's experts from the tokens its experts
+    received since the last one (the all-reduced counts every rank has, so every rank computes the same), applied
+    to this rank's layers (`runtime.parallel.rebalance`). Keeps what each layer's placement is for the run log."""
+
+    def __init__(self, slots, blocks, plan: Plan, cfg: TrainConfig, optimizer):
+        self.slots, self.blocks, self.plan, self.cfg, self.optimizer = slots, blocks, plan, cfg, optimizer
+        self.window = [[0] * size for _, size in slots]
+        # what each layer's placement is: this rank's layers say (a resumed run restored theirs); the others
+        # (other pipeline stages) are known from the first rebalance on
+        self.placements = {name: getattr(getattr(blocks.get(name), "expert_parallel", None), "placement", None)
+                           for name, _ in slots}
+
+    def logged(self) -> list | None:
+        """Per MoE layer: its placement (dict) where experts are not in the static layout, else null."""
+        if not self.cfg.expert_replicas and not self.cfg.rebalance_every:
+            return None
+        return [p.to_dict() if p is not None and not (p.is_contiguous and not p.spare) else None
+                for p in self.placements.values()]
+
+    def measured(self, done: int, expert_tokens: list) -> None:
+        if not self.cfg.rebalance_every or self.plan.ep == 1:
+            return
+        for window, counts in zip(self.window, expert_tokens):
+            for e, n in enumerate(counts):
+                window[e] += n
+        if done % self.cfg.rebalance_every or done >= self.cfg.steps:
+            return
+        from runtime.moe.placement import place
+        from runtime.parallel.rebalance import apply_placement
+
+        for (name, _), window in zip(self.slots, self.window):
+            self.placements[name] = place(window, self.plan.ep, self.cfg.expert_replicas)
+            block = self.blocks.get(name)
+            if block is not None and getattr(block, "expert_parallel", None) is not None:
+                apply_placement(block, self.placements[name], self.optimizer)
+        self.window = [[0] * size for _, size in self.slots]
