@@ -189,7 +189,8 @@ def cmd_train(args) -> int:
                checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code,
                weights=args.weights, online=args.online, eval_data=args.eval_data, eval_every=args.eval_every,
                mask_prompt=args.mask_prompt, text_field=args.text_field, export_hf=args.export_hf,
-               export_peft=args.export_peft)
+               export_peft=args.export_peft, rebalance_every=args.rebalance_every,
+               expert_replicas=args.expert_replicas)
 
 
 def cmd_export(args) -> int:
@@ -515,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the weights and the synthetic data (default 0)")
     p.add_argument("--checkpoint-dir", help="default: BUNDLE/checkpoints (a rerun resumes from the newest)")
     p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="steps between checkpoints (default: at the end)")
+    p.add_argument("--rebalance-every", type=NON_NEGATIVE, default=0, metavar="N",
+                   help="every N steps, place experts on the EP ranks from the load measured since the last placement "
+                        "(moves parameters and optimizer state; the math is unchanged; default 0: never)")
+    p.add_argument("--expert-replicas", type=NON_NEGATIVE, default=0, metavar="K",
+                   help="replica rows per EP rank in every MoE layer for copies of hot experts (memory: K experts' "
+                        "weights and optimizer state per rank per layer; default 0)")
     p.add_argument("--runlog", help="run log JSON lines (default: BUNDLE/runs/train.jsonl)")
     p.set_defaults(func=cmd_train)
 
