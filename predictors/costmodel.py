@@ -6,7 +6,9 @@ corrects them from measured runs, and its features are the parts computed here.
 
 Device mesh order follows torchtitan: pp (outermost), dp_replicate, dp_shard, cp, tp (innermost), so a
 group's members lie `stride` devices apart and it stays on scale-up links when size * stride fits in the
-scale-up domain. The EP group is carved out of dp_shard * cp.
+scale-up domain (`Hardware.domain`: 8 on an HGX board, 72 on an NVL72 rack), else on the scale-out network.
+The EP group is carved out of dp_shard * cp; a folded plan (`Plan.etp`, Megatron-Core's MoE parallel folding)
+builds the expert mesh etp x ep x edp from the tp x dp x cp ranks instead (`_folded`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ class Estimate:
     def summary(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "memory_per_device_bytes": int(self.memory_per_device_bytes)}
+
+
+@dataclass(frozen=True)
+class _Folded:
+    """Where a folded plan's experts live: Megatron-Core lays the expert mesh out as etp (innermost), ep, edp
+    over the same ranks the dense layers see as tp (innermost), cp, dp."""
+    edp: int  # ranks holding the same experts (tp * dp * cp / (etp * ep))
+    shard: int  # ways each expert weight is split: etp * ep, times edp where FSDP / ZeRO shards (dp_shard > 1)
+    ep_span: int  # consecutive ranks an EP group spans: etp * ep
+
+
+def _folded(plan: Plan) -> _Folded:
+    edp = max(1, plan.tp * plan.dp * plan.cp // (plan.expert_tp * plan.ep))
+    return _Folded(edp=edp, shard=plan.expert_tp * plan.ep * (edp if plan.dp_shard > 1 else 1),
+                   ep_span=plan.expert_tp * plan.ep)
 
 
 def lora_params(d: Dims, plan: Plan) -> tuple[int, int]:
@@ -144,7 +161,8 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     # -- memory per device --------------------------------------------------------------------
     # FSDP2 shards over dp_shard x cp (torchtitan); with dp_shard = 1 context parallel shards nothing (Megatron)
     fsdp = plan.dp_shard * plan.cp if plan.dp_shard > 1 else 1
-    expert_shard = plan.tp * max(plan.ep, fsdp)
+    folded = _folded(plan) if plan.folded else None
+    expert_shard = folded.shard if folded else plan.tp * max(plan.ep, fsdp)
     dense_params = d.params_total - d.expert_params
     local = (dense_params / (plan.tp * fsdp) + d.expert_params / expert_shard) * stage_share / plan.pp
     if lora:
@@ -156,7 +174,8 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
         grads = local * FP32
         states = local * (TRAINED_BYTES - FP32 - (FP32 if plan.dp_shard > 1 else 0))
     # FSDP gathers one layer unsharded and prefetches the next
-    layer_full = ((dense_params / d.layers) / plan.tp + (d.expert_params / d.layers) / (plan.tp * plan.ep)) * BF16
+    layer_full = ((dense_params / d.layers) / plan.tp
+                  + (d.expert_params / d.layers) / (plan.expert_tp * plan.ep)) * BF16
     gathered = 2 * layer_full if fsdp > 1 else 0.0
     per = activation_bytes_per_token(d, plan)
     kept, host = _resident_activation(per, plan)
@@ -180,8 +199,8 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
 
     span_shard = fsdp * plan.tp
     dense_local_bf16 = dense_params / plan.tp * stage_share / plan.pp * BF16
-    expert_local_bf16 = d.expert_params / (plan.tp * plan.ep) * stage_share / plan.pp * BF16
-    expert_fsdp = max(1, fsdp // plan.ep)
+    expert_local_bf16 = d.expert_params / (plan.expert_tp * plan.ep) * stage_share / plan.pp * BF16
+    expert_fsdp = folded.edp if folded else max(1, fsdp // plan.ep)
     grad_bytes = FP32 if not lora else 0
     if fsdp > 1:
         # per micro-step: all-gather forward, all-gather backward, reduce-scatter gradients
@@ -192,7 +211,14 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
             dp_s += 2 * _ring(fsdp) * n_lora * FP32 / (plan.tp * plan.pp) / (hw.link_gbs(span_shard) * 1e9)
     else:
         dp_s = 0.0
-    if plan.dp_replicate > 1:
+    if folded and not lora and plan.dp_replicate > 1:
+        # dense gradients all-reduce over the replicas; expert gradients over the edp ranks holding the same
+        # experts (within the FSDP reduce-scatter above when sharded)
+        link = hw.link_gbs(world // plan.pp) * 1e9
+        dp_s += 2 * _ring(plan.dp_replicate) * dense_local_bf16 / BF16 / fsdp * FP32 / link
+        if fsdp == 1:
+            dp_s += 2 * _ring(folded.edp) * expert_local_bf16 / BF16 * FP32 / link
+    elif plan.dp_replicate > 1:
         trained = (n_lora / (plan.tp * plan.pp) if lora
                    else (dense_local_bf16 + expert_local_bf16) / BF16 / fsdp)
         dp_s += 2 * _ring(plan.dp_replicate) * trained * FP32 / (hw.link_gbs(world // plan.pp) * 1e9)
@@ -202,7 +228,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
         routed = b * s / (plan.cp * plan.tp) * d.top_k * d.hidden * BF16
         passes = 4 + (2 if plan.recompute == "full" else 0)  # dispatch + combine, forward and backward
         ep_s = (d.moe_layers * stage_share / plan.pp * m * passes * _ring(plan.ep) * routed
-                / (hw.link_gbs(plan.ep * plan.tp) * 1e9))
+                / (hw.link_gbs(folded.ep_span if folded else plan.ep * plan.tp) * 1e9))
 
     offload_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
 

@@ -5,6 +5,12 @@ from cheapest to most memory-saving (no recompute, loss chunking, selective reco
 recompute, offload everything) and the first that fits is kept, so a layout is never charged for recompute
 it does not need. The cost model prices every layout; the learned predictor ranks the ones that fit in
 one batch.
+
+Tensor parallelism stays inside a node, or inside the scale-up domain up to MAX_TP ways (an NVL72 rack's
+trays hold 4 GPUs, but tp=8 across two of them still rides NVLink). An MoE model also gets folded layouts
+(Megatron-Core's MoE parallel folding, `Plan.etp` = 1: experts not tensor-split, ep drawn from tp x dp_shard x cp
+rather than dp_shard x cp) where they add an ep the plain layouts cannot have; they are priced like any other
+and marked not runnable (`runtime.parallel.mesh.not_runnable`) until runtime.parallel lays them out.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ POLICIES = (  # (recompute, offload, loss chunking)
 )
 MICRO_BATCHES = (1, 2, 4)
 TARGET_TOKENS = 2 ** 22  # default global batch: about 4M tokens, a common pre-training setting
+MAX_TP = 8  # tensor-parallel degree beyond a node, within the scale-up domain
 
 
 @dataclass
@@ -75,9 +82,11 @@ def default_global_batch(devices: int, seq_len: int) -> int:
 
 
 def layouts(d: Dims, devices: int, hw: Hardware, seq_len: int, global_batch: int):
-    """Every (tp, pp, cp, dp_shard, dp_replicate, ep, micro_batch, grad_accum) that is legal."""
+    """Every (tp, pp, cp, dp_shard, dp_replicate, ep, micro_batch, grad_accum) that is legal, and for an MoE
+    model the folded ones (`etp` set) whose ep only folding allows."""
+    max_tp = max(hw.devices_per_node, min(hw.domain, MAX_TP))
     for tp in divisors(devices):
-        if tp > hw.devices_per_node or d.heads % tp:
+        if tp > max_tp or d.heads % tp:
             continue
         for pp in divisors(devices // tp):
             if pp > max(1, d.layers // 2):  # at least two layers per stage
@@ -88,13 +97,15 @@ def layouts(d: Dims, devices: int, hw: Hardware, seq_len: int, global_batch: int
                 dp = devices // (tp * pp * cp)
                 for dp_shard in divisors(dp):
                     eps = [e for e in divisors(dp_shard * cp) if d.experts and d.experts % e == 0] or [1]
-                    for ep in eps:
+                    folded = [e for e in divisors(tp * dp_shard * cp)
+                              if d.experts and d.experts % e == 0 and e not in eps]
+                    for ep, etp in [(e, None) for e in eps] + [(e, 1) for e in folded]:
                         for mb in MICRO_BATCHES:
                             if global_batch % (mb * dp):
                                 continue
                             yield {"tp": tp, "pp": pp, "cp": cp, "dp_shard": dp_shard,
                                    "dp_replicate": dp // dp_shard, "ep": ep, "micro_batch": mb,
-                                   "grad_accum": global_batch // (mb * dp)}
+                                   "grad_accum": global_batch // (mb * dp), **({"etp": etp} if etp else {})}
 
 
 def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq_len: int = 4096,

@@ -9,6 +9,13 @@ fields it later predicts for. Degrees multiply to the world size:
 Expert parallelism does not add a factor: the EP group is carved out of the data-parallel ranks
 (dp_replicate * dp_shard * cp must be divisible by ep), as in torchtitan and Megatron-Core, so expert
 weights are split `ep` ways and sharded by FSDP2 over the remaining data-parallel ranks.
+
+MoE parallel folding (Megatron-Core, arXiv 2504.14960) builds the expert mesh from all the ranks of a stage
+instead: its own `etp` x `ep` x edp over the tp x dp x cp ranks, so the MoE layers need not inherit the
+attention's tp and ep may span tensor-parallel ranks (ep dividing tp * dp * cp / etp rather than dp * cp).
+`etp` is that expert-tensor-parallel degree, Megatron-Core's `expert_tensor_parallel_size`: None (the default)
+is the layout above; a number means the plan is folded. The cost model prices folded plans; runtime.parallel
+does not lay them out yet (`runtime.parallel.mesh.not_runnable`).
 """
 
 from __future__ import annotations
@@ -17,11 +24,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 3  # 2: the field `swap` is called `offload`; 3: pipeline fields `pp_schedule`, `pp_layers`
-# Version 1 differs only in that name, and measured run logs (predictors/data/runlogs/) keep their version-1
-# plans, so all are read (a plan without the pipeline fields takes their defaults). Writing says 3 so that an
-# older runtime refuses a new plan by its version rather than as an unknown field.
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4  # 2: the field `swap` is called `offload`; 3: pipeline fields `pp_schedule`, `pp_layers`;
+# 4: `etp` (MoE parallel folding). Version 1 differs only in that name, and measured run logs
+# (predictors/data/runlogs/) keep their version-1 plans, so all are read (a plan without the pipeline fields or
+# `etp` takes their defaults). A plan is written at the lowest version that holds it: one that is not folded
+# leaves `etp` out and says 3, byte for byte what it was before version 4 (bundles and run logs stay current and
+# a version-3 runtime still reads it); a folded plan says 4, so an older runtime refuses it by its version
+# rather than as an unknown field.
+READABLE_VERSIONS = (1, 2, 3, 4)
+UNFOLDED_VERSION = 3  # what a plan without `etp` is written as
 RENAMED = {"swap": "offload"}  # a field's old name -> its name now
 
 RECOMPUTE = ("none", "selective", "full")  # selective: attention / MoE internals; full: whole decoder layers
@@ -58,6 +69,7 @@ class Plan:
     overlap: bool = True  # expert compute overlaps the All-to-All
     pp_schedule: str = "1f1b"  # the pipeline schedule (pp > 1), one of PP_SCHEDULES
     pp_layers: list[int] | None = None  # decoder layers per pipeline stage (the planner's cost balance); None: even
+    etp: int | None = None  # MoE parallel folding's expert-tensor-parallel degree; None: not folded (module doc)
     # filled by the predictor; absent for a hand-written plan
     predicted: dict = field(default_factory=dict)  # step_time_s, tokens_per_s, memory_per_device_bytes
 
@@ -68,6 +80,16 @@ class Plan:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def folded(self) -> bool:
+        """Whether the expert mesh is folded over the tp x dp x cp ranks (Megatron-Core MoE parallel folding)."""
+        return self.etp is not None
+
+    @property
+    def expert_tp(self) -> int:
+        """Ways each expert's weights are split by tensor parallelism: etp when folded, else the attention's tp."""
+        return self.etp if self.etp is not None else self.tp
 
     @property
     def global_batch(self) -> int:
@@ -88,8 +110,16 @@ class Plan:
             out.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.offload not in OFFLOAD:
             out.append(f"offload must be one of {', '.join(OFFLOAD)}, got {self.offload!r}")
-        if self.ep > 1 and (self.dp * self.cp) % self.ep:
-            out.append(f"ep={self.ep} must divide the data-parallel ranks dp*cp={self.dp * self.cp}")
+        if self.etp is not None:
+            stage = self.tp * self.dp * self.cp  # the ranks of one pipeline stage, which the expert mesh folds
+            if self.etp < 1:
+                out.append(f"etp must be at least 1, got {self.etp}")
+            elif stage % (self.etp * self.ep):
+                out.append(f"folded, etp*ep={self.etp}*{self.ep} must divide the ranks of a pipeline stage "
+                           f"tp*dp*cp={stage}")
+        elif self.ep > 1 and (self.dp * self.cp) % self.ep:
+            out.append(f"ep={self.ep} must divide the data-parallel ranks dp*cp={self.dp * self.cp} (or fold the "
+                       f"expert mesh over tp*dp*cp={self.tp * self.dp * self.cp}: set etp, MoE parallel folding)")
         if num_experts is not None and self.ep > 1 and num_experts % self.ep:
             out.append(f"ep={self.ep} must divide the {num_experts} experts")
         if self.pp_layers is not None and len(self.pp_layers) != self.pp:
@@ -100,7 +130,9 @@ class Plan:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["schema_version"] = SCHEMA_VERSION
+        if self.etp is None:  # not folded: the version-3 document, unchanged (see SCHEMA_VERSION)
+            del d["etp"]
+        d["schema_version"] = SCHEMA_VERSION if self.folded else UNFOLDED_VERSION
         return d
 
     def to_json(self) -> str:
@@ -154,6 +186,8 @@ def _field_problems(values: dict) -> list[str]:
     for name in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp", "micro_batch", "grad_accum"):
         if name in values and not (_whole(values[name]) and 1 <= values[name] <= MAX_DEGREE):
             out.append(f"{name} must be a whole number from 1 to {MAX_DEGREE}, got {values[name]!r}")
+    if values.get("etp") is not None and not (_whole(values["etp"]) and 1 <= values["etp"] <= MAX_DEGREE):
+        out.append(f"etp must be a whole number from 1 to {MAX_DEGREE} or null, got {values['etp']!r}")
     for name in ("seq_len", "loss_chunk"):
         value = values.get(name, 1)
         if not (value is None and name == "loss_chunk") and not (_whole(value) and 1 <= value <= MAX_TOKENS):

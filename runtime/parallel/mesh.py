@@ -99,6 +99,9 @@ def not_runnable(plan: Plan, model=None) -> list[str]:
                    f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")
     out += [f"{kind} parallelism ({name} > 1) is not built in runtime.parallel yet"
             for name, kind in NOT_BUILT.items() if getattr(plan, name) != 1]
+    if plan.folded:
+        out.append(f"MoE parallel folding (etp={plan.etp}: the expert mesh over the tp*dp*cp ranks) is not built in "
+                   f"runtime.parallel yet")
     if plan.ep > 1 and not out:
         try:
             _ep_split(plan)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from runtime.plan import SCHEMA_VERSION, LoRA, Plan
+from runtime.plan import SCHEMA_VERSION, UNFOLDED_VERSION, LoRA, Plan
 from runtime.runlog import RunLogWriter, model_record, read_runs
 
 
@@ -43,13 +43,14 @@ def test_bad_plan_files_give_one_line_errors(tmp_path, text, message):
 
 
 def test_plans_written_before_the_offload_rename_still_load():
-    """Version-1 plans (the shipped CPU sweep's run logs) call `offload` `swap`: they load, and are written in the
-    current version with `offload`."""
+    """Version-1 plans (the shipped CPU sweep's run logs) call `offload` `swap`: they load, and are written with
+    `offload` at the lowest version that holds them (3 for a plan that is not MoE-folded; runtime.plan)."""
     old = {"schema_version": 1, "dp_shard": 2, "swap": "moe"}
     plan = Plan.from_dict(old)
     assert plan.offload == "moe" and plan.dp_shard == 2
     written = plan.to_dict()
-    assert written["offload"] == "moe" and "swap" not in written and written["schema_version"] == SCHEMA_VERSION == 3
+    assert written["offload"] == "moe" and "swap" not in written and "etp" not in written
+    assert written["schema_version"] == UNFOLDED_VERSION == 3 and SCHEMA_VERSION == 4
     assert Plan.from_dict(written) == plan
     assert Plan.from_dict({"swap": "all"}).offload == "all"  # a hand-written plan in the old spelling
     with pytest.raises(ValueError, match="both 'offload' and its old name 'swap'") as err:
