@@ -411,6 +411,24 @@ def cmd_predictor(args) -> int:
     return 0
 
 
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (seconds, factors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def cmd_report(args) -> int:
+    from onboard.run_report import report
+
+    return report(args.runlogs, args.out, follow=args.follow, interval=args.interval, idle_exit=args.idle_exit,
+                  hot=args.hot, cold=args.cold)
+
+
 PREDICTOR_HELP = ("trained predictor file or directory (default: the bundled newest); .joblib files are Python "
                   "pickles, and loading one runs code: name only files you trust")
 
@@ -573,6 +591,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train: make the new version the default even where it prices the shipped runs worse")
     p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites; list: the directory")
     p.set_defaults(func=cmd_predictor)
+
+    p = verb("report", help="figures and one self-contained HTML page of training runs from their run logs (loss, "
+                            "throughput, communication, memory, tokens per expert, EP-rank load, hot and cold "
+                            "experts), runs compared, and a summary on the terminal")
+    p.add_argument("runlogs", nargs="+", metavar="RUNLOG",
+                   help="run-log files (JSON lines) or folders of *.jsonl; several runs are compared")
+    p.add_argument("--out", default="onboard-report", metavar="DIR",
+                   help="folder for the PNGs and index.html (default ./onboard-report); a folder holding other "
+                        "files is refused, and only a report's own files are replaced")
+    p.add_argument("--follow", action="store_true",
+                   help="keep re-reading logs still being written and re-render when they grow, until Ctrl-C")
+    p.add_argument("--interval", type=_positive_number, default=2.0,
+                   help="--follow: seconds between looks at the logs (default 2)")
+    p.add_argument("--idle-exit", type=_positive_number, metavar="SECONDS",
+                   help="--follow: stop once the logs have not grown for this long (default: follow until Ctrl-C)")
+    p.add_argument("--hot", type=_positive_number, default=1.5,
+                   help="an expert stayed hot when it got more than this many times its uniform share of the "
+                        "layer's tokens in most steps (default 1.5)")
+    p.add_argument("--cold", type=_positive_number, default=0.5,
+                   help="an expert stayed cold when it got less than this many times its uniform share in most "
+                        "steps (default 0.5)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 
