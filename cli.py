@@ -264,7 +264,8 @@ def cmd_plan(args) -> int:
     spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     start = time.perf_counter()
     report = plan_model(spec, devices=args.devices, hardware_name=args.hardware, mode=args.mode,
-                        seq_len=args.seq_len, global_batch=args.global_batch, predictor=args.predictor)
+                        seq_len=args.seq_len, global_batch=args.global_batch, predictor=args.predictor,
+                        runlog=args.runlog, imbalance=args.imbalance)
     seconds = time.perf_counter() - start
     top = report.result.ranked[:args.top]
     if report.best:
@@ -278,6 +279,7 @@ def cmd_plan(args) -> int:
                           "search_s": round(seconds, 3),
                           "plans": [{**c.plan.to_dict(), "not_runnable": c.not_runnable} for c in top],
                           "best_runnable": report.best.plan.to_dict() if report.best else None,
+                          "expert_imbalance": report.imbalance_note(),
                           "suggestions": report.suggestions}, indent=2, sort_keys=True))
         return 0 if report.best else 4
     print(f"{spec.name} on {args.devices} x {report.hardware.name}, {args.mode}, seq {args.seq_len}, "
@@ -300,6 +302,8 @@ def cmd_plan(args) -> int:
     print("ranked by the slow end of each 90% interval (the interval widens as a plan leaves the training runs)")
     for reason in dict.fromkeys(r for c in top for r in c.not_runnable):
         print(f"runs no: {reason}")
+    if note := report.imbalance_note():
+        print(note)
     if report.best is None:
         print("no plan that fits is one onboard train runs yet: nothing written")
         return 4
@@ -567,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing --out / --plot file")
     p.add_argument("--plot", help="PNG of the throughput / memory frontier (needs matplotlib)")
     p.add_argument("--predictor", help=PREDICTOR_HELP)
+    p.add_argument("--runlog", nargs="+", metavar="RUNLOG",
+                   help="run logs (files or folders) of this model: price the expert load imbalance they measured "
+                        "(the busiest EP rank's tokens over the mean, at each EP degree) instead of perfect balance")
+    p.add_argument("--imbalance", type=float, metavar="X",
+                   help="assume the busiest EP rank gets X times the mean tokens (default: perfect balance)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_plan)
 

@@ -64,6 +64,22 @@ class PlanReport:
     global_batch: int
     predictor_label: str
     suggestions: list
+    load: object = None  # predictors.imbalance.ExpertLoad measured from --runlog, when given
+    assumed_imbalance: float | None = None  # --imbalance, when given
+
+    def imbalance_note(self) -> str | None:
+        """What expert load imbalance the ranking priced, for the best plan's EP degree."""
+        c = self.best or self.fastest
+        if c is None or (self.load is None and self.assumed_imbalance is None):
+            return None
+        if c.plan.ep == 1:
+            return "expert load imbalance: the best plan has ep=1 (every rank computes its own tokens): not charged"
+        if self.load is None:
+            return f"expert load imbalance: assumed {self.assumed_imbalance:.2f}x the mean on the busiest EP rank"
+        placed = self.load.factor(c.plan.ep, rebalanced=True)
+        return (f"expert load imbalance measured in {len(self.load.counts)} layer-steps: at ep={c.plan.ep} the busiest "
+                f"rank gets {c.estimate.imbalance:.2f}x the mean tokens in the static layout (priced); a placement "
+                f"from the same counts leaves {placed:.2f}x (onboard train --rebalance-every N)")
 
     @property
     def best(self) -> Candidate | None:
@@ -105,20 +121,48 @@ def suggest(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None, seq_len: 
     return out
 
 
+def expert_load(runlogs, experts: int | None):
+    """The per-expert token counts of run logs (files or folders), for `plan_model`'s imbalance; one-line errors."""
+    from predictors.imbalance import ExpertLoad
+    from runtime.runlog import read_runs
+
+    missing = [str(p) for p in runlogs if not Path(p).exists()]
+    if missing:
+        raise OnboardError(f"--runlog {missing[0]}: no such file or folder")
+    runs, _ = read_runs(list(runlogs))
+    if not runs:
+        raise OnboardError(f"--runlog {', '.join(map(str, runlogs))}: no complete runs in it")
+    if not experts:
+        raise OnboardError("--runlog prices expert load imbalance, and the model has no routed experts")
+    try:
+        return ExpertLoad.from_runs(runs, experts)
+    except ValueError as e:
+        raise OnboardError(f"--runlog: {e}") from None
+
+
 def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str = "full", seq_len: int = 4096,
-               global_batch: int | None = None, predictor: str | None = None) -> PlanReport:
+               global_batch: int | None = None, predictor: str | None = None, runlog=None,
+               imbalance: float | None = None) -> PlanReport:
+    """Ranked plans for `spec` on `devices` x `hardware_name`. `runlog` (paths): price each EP degree's expert load
+    imbalance as these runs measured it (static layout); `imbalance`: an assumed busiest-rank / mean figure."""
     if not 1 <= devices <= MAX_DEGREE:
         raise OnboardError(f"--devices must be from 1 to {MAX_DEGREE}, got {devices}")
     if mode not in ("full", "lora"):
         raise OnboardError(f"--mode must be full or lora, got {mode!r}")
     if global_batch is not None and global_batch < 1:
         raise OnboardError(f"--global-batch must be positive, got {global_batch}")
+    if runlog and imbalance is not None:
+        raise OnboardError("--runlog measures the expert load imbalance and --imbalance assumes one: give one")
+    if imbalance is not None and not 1 <= imbalance < 1e3:
+        raise OnboardError(f"--imbalance is the busiest EP rank's tokens over the mean: 1 or more, got {imbalance}")
     hw = hardware(hardware_name)
     d = dims_of(spec)
+    load = expert_load(runlog, d.experts) if runlog else None
+    skew = load.factor if load is not None else (lambda ep: imbalance) if imbalance is not None else None
     model = load_predictor(predictor)
     lora = LoRA() if mode == "lora" else None
     batch = global_batch or default_global_batch(devices, seq_len)
-    result = search(d, devices, hw, lora=lora, seq_len=seq_len, global_batch=batch, predictor=model)
+    result = search(d, devices, hw, lora=lora, seq_len=seq_len, global_batch=batch, predictor=model, imbalance=skew)
     if not result.layouts:
         raise OnboardError(f"no legal layout of {devices} devices for global batch {batch} "
                            f"(it must be a multiple of the data-parallel degree)")
@@ -126,7 +170,7 @@ def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str =
         _stamp(c, hw, devices, model.label)
     suggestions = [] if result.ranked else suggest(d, devices, hw, lora=lora, seq_len=seq_len,
                                                    infeasible=result.infeasible)
-    return PlanReport(spec, hw, devices, result, batch, model.label, suggestions)
+    return PlanReport(spec, hw, devices, result, batch, model.label, suggestions, load, imbalance)
 
 
 def write_plan(plan: Plan, path) -> Path:

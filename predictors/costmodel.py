@@ -61,6 +61,8 @@ class Estimate:
     step_time_s: float
     tokens_per_step: int
     memory: dict = field(default_factory=dict)  # bytes per device by part, "total" included
+    imbalance_s: float = 0.0  # routed-expert compute the busiest EP rank adds over a balanced one
+    imbalance: float = 1.0  # the busiest EP rank's tokens over the mean that was priced
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,7 +139,14 @@ def _resident_activation(per: dict, plan: Plan) -> tuple[float, float]:
     return kept, host
 
 
-def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Estimate:
+def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> Estimate:
+    """The step of `plan` priced piece by piece. `imbalance`: the busiest expert-parallel rank's routed tokens over
+    the mean (`predictors.imbalance`: measured, or assumed); every MoE layer waits for that rank, so its routed
+    expert compute and its All-to-All volume are charged that many times the balanced share. 1 prices perfect
+    balance; without expert parallelism (ep = 1) every rank computes its own tokens and none is charged."""
+    if imbalance < 1:
+        raise ValueError(f"expert load imbalance is the busiest rank over the mean: at least 1, got {imbalance}")
+    skew = imbalance if plan.ep > 1 and d.moe_layers else 1.0
     world = plan.world_size
     s, b, m = plan.seq_len, plan.micro_batch, plan.grad_accum
     tokens_step = plan.tokens_per_step
@@ -155,7 +164,12 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     peak = hw.peak_flops(precision) * MATMUL_EFFICIENCY
     compute_s = tokens_step * train / world / peak * stage_share
     recompute_s = tokens_step * extra / world / peak * stage_share
-    busy = compute_s + recompute_s
+    # routed experts' share of that compute (forward 2 * 3 * hidden * expert_ffn per chosen expert), of which the
+    # busiest EP rank does `skew` times the balanced part
+    routed_flops = 2 * d.moe_layers * d.top_k * 3 * d.hidden * d.expert_ffn if d.moe_layers else 0.0
+    routed_train = (2 if lora else 3) * routed_flops + (routed_flops if plan.recompute == "full" else 0.0)
+    imbalance_s = tokens_step * routed_train / world / peak * stage_share * (skew - 1)
+    busy = compute_s + recompute_s + imbalance_s
     bubble_s = busy * (plan.pp - 1) / m if plan.pp > 1 else 0.0
 
     # -- memory per device --------------------------------------------------------------------
@@ -227,7 +241,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
     if plan.ep > 1 and d.moe_layers:
         routed = b * s / (plan.cp * plan.tp) * d.top_k * d.hidden * BF16
         passes = 4 + (2 if plan.recompute == "full" else 0)  # dispatch + combine, forward and backward
-        ep_s = (d.moe_layers * stage_share / plan.pp * m * passes * _ring(plan.ep) * routed
+        ep_s = (d.moe_layers * stage_share / plan.pp * m * passes * _ring(plan.ep) * routed * skew
                 / (hw.link_gbs(folded.ep_span if folded else plan.ep * plan.tp) * 1e9))
 
     offload_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
@@ -246,7 +260,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16") -> Esti
                     overhead_s=overhead_s,
                     tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
                     exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=tokens_step,
-                    memory=memory)
+                    memory=memory, imbalance_s=imbalance_s, imbalance=skew)
 
 
 def fits(est: Estimate, hw: Hardware) -> bool:

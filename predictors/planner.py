@@ -109,8 +109,12 @@ def layouts(d: Dims, devices: int, hw: Hardware, seq_len: int, global_batch: int
 
 
 def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq_len: int = 4096,
-           global_batch: int | None = None, precision: str = "bf16", predictor=None) -> SearchResult:
+           global_batch: int | None = None, precision: str = "bf16", predictor=None,
+           imbalance=None) -> SearchResult:
+    """`imbalance`: the expert load imbalance to price at each EP degree (`predictors.imbalance.ExpertLoad.factor`,
+    or any function of ep); None prices perfect balance."""
     global_batch = global_batch or default_global_batch(devices, seq_len)
+    skew: dict[int, float] = {}  # per ep: one measurement prices every layout with it
     result = SearchResult([], [])
     for layout in layouts(d, devices, hw, seq_len, global_batch):
         result.layouts += 1
@@ -120,7 +124,9 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
             plan = Plan(**layout, seq_len=seq_len, recompute=recompute, offload=offload, lora=lora, dtype=precision,
                         loss_chunk=LOSS_CHUNK if chunk else None, pp_layers=stages,
                         pp_schedule="1f1b" if layout["grad_accum"] >= layout["pp"] else "gpipe")
-            est = estimate(d, plan, hw, precision)
+            if imbalance is not None and plan.ep not in skew:
+                skew[plan.ep] = max(1.0, float(imbalance(plan.ep)))
+            est = estimate(d, plan, hw, precision, skew.get(plan.ep, 1.0))
             result.estimates += 1
             if fits(est, hw):
                 result.ranked.append(Candidate(plan, est, est.step_time_s, model=d))
