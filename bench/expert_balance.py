@@ -3,8 +3,8 @@ with replicas chosen from measured load (gloo, CPU processes, one run).
 
 Each of `--world` processes holds its experts of one MoE layer (runtime.moe.MoEBlock around transformers'
 Qwen3-MoE weights) and runs forward + backward on its own tokens. The router prefers some experts: its logits
-get a bias log(1 / rank^s) (a Zipf-like popularity with exponent s = --skew-percent / 100), so a few experts get
-most tokens. Popularity follows expert order, so the static layout puts the hottest experts together on rank 0
+get a bias log(1 / rank^s) (a Zipf-like popularity with exponent s = --skew-percent / 100) on top of token-dependent logits of
+spread 1, so a few experts get most tokens. Popularity follows expert order, so the static layout puts the hottest experts together on rank 0
 (the case rebalancing is for); with --shuffle it follows a seeded shuffle instead. Measured in turns, all ranks in step:
   static      experts e in [r E/world, (r+1) E/world) on rank r (runtime.parallel today without rebalancing)
   placed      runtime.moe.placement.place from the token counts of a first forward (all ranks' counts), with
@@ -55,6 +55,9 @@ def hf_block(args) -> torch.nn.Module:
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.02)
+        # router logits of spread 1 per token, so the popularity bias skews which experts tokens pick without
+        # deciding it alone
+        block.gate.weight.normal_(0, args.hidden ** -0.5)
     return block
 
 
