@@ -203,8 +203,9 @@ def read_runs(paths) -> tuple[list[Run], list[Skipped]]:
     skipped: list[Skipped] = []
     for path in files:
         try:
-            lines = path.read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
+            # bytes that are not UTF-8 (a torn write, a stray binary) spoil their own line, not the file
+            lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        except OSError as e:
             skipped.append(Skipped(str(path), f"unreadable: {getattr(e, 'strerror', None) or e}"))
             continue
         for number, line in enumerate(lines, 1):

@@ -72,6 +72,8 @@ def test_run_log_round_trip_and_skips_bad_lines(tmp_path):
                       precision="fp32", run_id="r1") as log:
         for step, t in enumerate([5.0, 1.0, 1.2, 1.1]):
             log.step(step, step_time_s=t, tokens_per_s=100 / t, loss=2.0 - step * 0.1, expert_tokens=[[3, 1, 0, 4]])
+    with open(path, "ab") as f:
+        f.write(b"\xff\xfe torn bytes\n")  # not UTF-8: that line is lost, not the file
     with open(path, "a") as f:
         f.write("{not json\n")
         f.write(json.dumps({"kind": "step", "run_id": "r1", "step": 9, "step_time_s": -1}) + "\n")
@@ -88,6 +90,6 @@ def test_run_log_round_trip_and_skips_bad_lines(tmp_path):
          "index_topk": None, "index_heads": None, "index_head_dim": None, "state_size": None}]
     assert runs[0].step_time_s() == pytest.approx(1.1)  # warm-up step left out
     reasons = " | ".join(s.reason for s in skipped)
-    assert len(skipped) == 5, reasons
+    assert len(skipped) == 6, reasons
     for expected in ("not JSON", "positive number", "no header", "no valid step lines"):
         assert expected in reasons
