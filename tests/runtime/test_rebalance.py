@@ -194,6 +194,13 @@ def test_rebalancing_changes_nothing_but_speed(tmp_path, world, ep):
     assert any(p is not None and not Placement.from_dict(p).is_contiguous
                for step in run.steps for p in step["expert_placement"])
     assert len(run.steps[-1]["peak_memory_bytes_by_rank"]) == world
+    # and onboard report draws that run: its per-rank load under each step's placement among the rest
+    import cli
+    from tests.onboard.test_run_report import check_page
+
+    assert cli.main(["report", str(tmp_path / "moved.jsonl"), "--out", str(tmp_path / "report")]) == 0
+    names = {f["id"] for f in check_page(tmp_path / "report").figures}
+    assert {"loss.png", "memory.png", "r1-tokens-per-expert.png", "r1-ep-load.png", "r1-hot-cold.png"} <= names
 
 
 if __name__ == "__main__":
