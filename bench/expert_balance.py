@@ -32,10 +32,8 @@ from runtime.moe.block import GroupedExperts
 from runtime.moe.placement import Placement, imbalance, place
 from runtime.parallel import ExpertParallel, shard_experts
 from runtime.parallel.rebalance import apply_placement, sum_replica_grads
-from transformers import Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
 import common  # bench/common.py: the benches' shared command line
+import overlap  # bench/overlap.py: the expert-parallel MoE layer it times
 
 
 def popularity_bias(experts: int, skew: float, shuffle: bool) -> torch.Tensor:
@@ -47,14 +45,8 @@ def popularity_bias(experts: int, skew: float, shuffle: bool) -> torch.Tensor:
 
 
 def hf_block(args) -> torch.nn.Module:
-    config = Qwen3MoeConfig(hidden_size=args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
-                            moe_intermediate_size=args.ffn, norm_topk_prob=True)
-    config._experts_implementation = "grouped_mm"
-    torch.manual_seed(0)  # the same weights on every rank
-    block = Qwen3MoeSparseMoeBlock(config)
+    block = overlap.hf_block(args)  # transformers' Qwen3-MoE block, the same weights on every rank
     with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.02)
         # router logits of spread 1 per token, so the popularity bias skews which experts tokens pick without
         # deciding it alone
         block.gate.weight.normal_(0, args.hidden ** -0.5)
