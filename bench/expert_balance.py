@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from runtime.moe import MoEBlock, RouterSpec
 from runtime.moe.block import GroupedExperts
-from runtime.moe.placement import Placement, imbalance, place
+from runtime.moe.placement import imbalance, place
 from runtime.parallel import ExpertParallel, shard_experts
 from runtime.parallel.rebalance import apply_placement, sum_replica_grads
 import common  # bench/common.py: the benches' shared command line
@@ -100,6 +100,10 @@ def rank_main(rank: int, args, port: int) -> None:
     with torch.no_grad():
         difference = torch.tensor([(placed(x) - reference).abs().max().item()])
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    # the rows each rank's experts computed, as counted by the exchange (not the placement's arithmetic)
+    rows = torch.zeros(2, args.world)
+    rows[0, rank], rows[1, rank] = static.expert_parallel.rows, placed.expert_parallel.rows
+    dist.all_reduce(rows)
     variants = {"static": step(static, x, False), "placed": step(placed, x, True)}
     for fn in variants.values():
         fn()  # warm-up
@@ -113,14 +117,15 @@ def rank_main(rank: int, args, port: int) -> None:
     medians = torch.tensor([statistics.median(times[name]) for name in variants])
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     if rank == 0:
-        before = imbalance(counts, Placement.contiguous(args.experts, args.world))
-        after = imbalance(counts, chosen)
+        before, after = (float(r.max() / r.mean()) for r in rows)
+        planned = imbalance(counts, chosen)
         share = max(counts) / sum(counts) * args.experts
         print(f"MoE layer fwd+bwd under expert parallelism, fp32, gloo, {args.world} processes x {args.threads} "
               f"thread(s), {args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
               f"expert FFN {args.ffn}; router popularity Zipf s={args.skew_percent / 100:.2f} (hottest expert "
               f"{share:.2f}x the mean expert's tokens), {args.replicas} replica row(s) per rank")
-        print(f"  busiest rank / mean tokens: static {before:.3f}, placed {after:.3f}; excess over 1 removed: "
+        print(f"  busiest rank / mean tokens computed: static {before:.3f}, placed {after:.3f} (the placement's "
+              f"even split: {planned:.3f}); excess over 1 removed: "
               f"{(1 - (after - 1) / (before - 1)) * 100 if before > 1 else 0.0:.0f}%")
         ms = dict(zip(variants, medians.tolist()))
         for name, seconds in ms.items():

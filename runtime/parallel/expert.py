@@ -41,6 +41,7 @@ class ExpertParallel:
         self.overlap = overlap
         self.trace = trace  # a list to record issue / wait order into (tests and debugging)
         self.comm = CommTime()  # time blocked on exchanges, forward and backward; `comm.reset()` per step
+        self.rows = 0  # token rows this rank's experts computed in the last call (its load)
         self.place(Placement.contiguous(num_experts, self.size, spare))
 
     def place(self, placement: Placement) -> None:
@@ -103,6 +104,7 @@ class ExpertParallel:
         # this rank's own tokens never enter the exchange
         send[me] = recv[me] = 0
         recv_counts[me] = 0
+        self.rows = hi - lo + sum(recv)
 
         own = counts[me * el:(me + 1) * el]
         # this rank's rows are split in two: the first part runs while the tokens travel out, the second
