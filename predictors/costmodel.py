@@ -139,11 +139,15 @@ def _resident_activation(per: dict, plan: Plan) -> tuple[float, float]:
     return kept, host
 
 
-def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> Estimate:
+def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0,
+             gradient_overlap: bool = True) -> Estimate:
     """The step of `plan` priced piece by piece. `imbalance`: the busiest expert-parallel rank's routed tokens over
     the mean (`predictors.imbalance`: measured, or assumed); every MoE layer waits for that rank, so its routed
     expert compute and its All-to-All volume are charged that many times the balanced share. 1 prices perfect
-    balance; without expert parallelism (ep = 1) every rank computes its own tokens and none is charged."""
+    balance; without expert parallelism (ep = 1) every rank computes its own tokens and none is charged.
+    `gradient_overlap`: whether data-parallel traffic hides behind compute (DP_OVERLAP of it at most: FSDP prefetch,
+    bucketed gradient all-reduce, what every framework the planner targets does); False for a run that all-reduces
+    its gradients after the whole backward (a run log's `meta.gradient_overlap`, `predictors.published`)."""
     if imbalance < 1:
         raise ValueError(f"expert load imbalance is the busiest rank over the mean: at least 1, got {imbalance}")
     skew = imbalance if plan.ep > 1 and d.moe_layers else 1.0
@@ -162,8 +166,19 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     train = (2 if lora else 3) * fwd + 6 * n_lora_active
     extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)
     peak = hw.peak_flops(precision) * MATMUL_EFFICIENCY
-    compute_s = tokens_step * train / world / peak * stage_share
-    recompute_s = tokens_step * extra / world / peak * stage_share
+    mixing = d.mixing_flops(s)
+    if precision == "fp8":
+        # FP8 training (Transformer Engine, torchao float8) runs the linear layers' GEMMs in FP8; the attention
+        # core (scores, softmax, weighted sum: `mixing_flops`) stays BF16 (FlashAttention), at the BF16 peak of
+        # predictors/hardware/*.yaml. Before, every FLOP was priced at the FP8 peak.
+        slow = peak / (hw.peak_flops("bf16") * MATMUL_EFFICIENCY)  # how much longer a bf16 FLOP takes
+        mix_share = mixing / fwd
+        train_eff = train * (1 + mix_share * (slow - 1))
+        extra_eff = fwd * (1 + mix_share * (slow - 1)) if plan.recompute == "full" else extra * slow
+    else:
+        train_eff, extra_eff = train, extra
+    compute_s = tokens_step * train_eff / world / peak * stage_share
+    recompute_s = tokens_step * extra_eff / world / peak * stage_share
     # routed experts' share of that compute (forward 2 * 3 * hidden * expert_ffn per chosen expert), of which the
     # busiest EP rank does `skew` times the balanced part
     routed_flops = 2 * d.moe_layers * d.top_k * 3 * d.hidden * d.expert_ffn if d.moe_layers else 0.0
@@ -204,7 +219,12 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
 
     # -- communication ------------------------------------------------------------------------
     act_mb = b * s / plan.cp * d.hidden * BF16  # one micro-batch's hidden states on a TP group
-    tp_s = layers_stage * m * 4 * 2 * _ring(plan.tp) * act_mb / (hw.link_gbs(plan.tp) * 1e9)
+    # all-reduces per layer and micro-step (Megatron-LM, no sequence parallelism): two forward (after attention and
+    # after the MLP), two backward, and with full recompute two more, the recomputed forward's (Korthikanti et al.
+    # 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 5); selective recompute reruns the
+    # attention core only, inside the tp group, with no all-reduce. Before, the recompute's two were not charged.
+    n_ar = 4 + (2 if plan.recompute == "full" else 0)
+    tp_s = layers_stage * m * n_ar * 2 * _ring(plan.tp) * act_mb / (hw.link_gbs(plan.tp) * 1e9)
     softmax_layers = d.layers - d.linear_layers
     kv_local = b * s / plan.cp * 2 * d.kv_heads * d.head_dim * BF16 / plan.tp
     cp_s = (softmax_layers * stage_share / plan.pp * m * 3 * (plan.cp - 1) * kv_local
@@ -247,7 +267,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     offload_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
 
     # -- overlap ------------------------------------------------------------------------------
-    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - DP_OVERLAP * busy)
+    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - (DP_OVERLAP if gradient_overlap else 0.0) * busy)
                + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
     offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * busy)
     traffic = tokens_step / world * per["layer"] * layers_stage * ELEMENTWISE_PASSES

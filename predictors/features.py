@@ -89,7 +89,9 @@ def load_dataset(paths) -> Dataset:
             if problems:
                 raise PredictorError(problems[0])
             precision = str(run.header.get("precision") or plan.dtype)
-            est = estimate(d, plan, hw, precision)
+            # facts of the run the Plan does not carry (predictors.published writes them into the header's meta)
+            meta = run.header.get("meta") if isinstance(run.header.get("meta"), dict) else {}
+            est = estimate(d, plan, hw, precision, gradient_overlap=meta.get("gradient_overlap") is not False)
             rows.append(features(d, plan, hw, precision, est))
         except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
             skipped.append(Skipped(where, str(e) or type(e).__name__))

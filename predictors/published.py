@@ -206,6 +206,11 @@ def convert_row(row: dict) -> dict:
         meta["global_batch"] = batch_rule
     if expert_note:
         meta["expert_layout"] = expert_note
+    if re.search(r"no gradient bucketing", text, re.I):
+        # gradients all-reduced in one go after the whole backward (vTrain's Megatron-DeepSpeed validation runs):
+        # nothing hides the data-parallel traffic. runtime.plan.Plan has no field for it (its `overlap` is the MoE
+        # All-to-All's), so it is a fact of the run, which predictors.features passes to the cost model
+        meta["gradient_overlap"] = False
     return {
         "source": short_source(row["source"]), "model": model, "plan": plan.to_dict(), "precision": precision,
         "hardware": {"name": hardware, "devices": row["num_gpus"], "described": row["gpu"]},
