@@ -132,6 +132,7 @@ def rank_main(rank: int, args, port: int) -> None:
             print(f"  {name:<7} step {seconds * 1e3:8.1f} ms (slowest rank, median of {args.repeats})")
         print(f"  static / placed step time: {ms['static'] / ms['placed']:.2f}x; max |output difference| "
               f"{difference.item():.1e}")
+        print(f"  counts {[round(c) for c in counts]}")
         print(f"  placement: owners {[list(o) for o in chosen.owners]}, replicas {[list(r) for r in chosen.replicas]}")
     dist.destroy_process_group()
 

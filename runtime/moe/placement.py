@@ -12,9 +12,9 @@ tokens are computed and nothing else.
 
 `place` chooses a placement from per-expert token counts: owners by longest-processing-time bin packing with
 `E / ep` experts per rank (heaviest expert first, onto the least-loaded rank with room: cold experts end up
-together on the ranks that took hot ones), then replicas greedily: the busiest rank's heaviest expert gets a copy
-on the least-loaded rank with a free replica row, while that lowers the busiest rank's load. Pure Python and
-deterministic: every rank computes the same placement from the same (all-reduced) counts.
+together on the ranks that took hot ones), then replicas greedily: the busiest rank's heaviest expert gets copies
+on the least-loaded ranks with a free replica row (as few as lower the busiest load of all), while that is
+possible. Pure Python and deterministic: every rank computes the same placement from the same (all-reduced) counts.
 """
 
 from __future__ import annotations
@@ -151,22 +151,33 @@ def place(counts: Sequence[float], ep: int, spare: int = 0) -> Placement:
 
     while spare:
         now = loads_now()
+        worst = max(now)
         busiest = max(range(ep), key=lambda r: (now[r], -r))
         best = None
-        # the busiest rank's experts, heaviest share first: copy one where it lowers the busiest rank's load
+        # the busiest rank's experts, heaviest share first: copy one onto the least-loaded ranks with a free row,
+        # as few copies as make the busiest rank of all lighter (one copy of an expert that outweighs a rank's
+        # fair share can leave its target busier than the owner was; several do not)
         for e in sorted((e for e, ranks in holders.items() if busiest in ranks),
                         key=lambda e: (-float(counts[e]) / len(holders[e]), e)):
-            free = [r for r in range(ep) if len(replicas[r]) < spare and r not in holders[e]]
-            if not free or not counts[e]:
+            if not counts[e]:
                 continue
-            target = min(free, key=lambda r: (now[r], r))
-            share_after = float(counts[e]) / (len(holders[e]) + 1)
-            if now[target] + share_after < now[busiest] - 1e-9:
-                best = (e, target)
+            free = sorted((r for r in range(ep) if len(replicas[r]) < spare and r not in holders[e]),
+                          key=lambda r: (now[r], r))
+            for n in range(1, len(free) + 1):
+                share_before = float(counts[e]) / len(holders[e])
+                share_after = float(counts[e]) / (len(holders[e]) + n)
+                after = [load - (share_before - share_after if r in holders[e] else 0.0) for r, load in enumerate(now)]
+                for r in free[:n]:
+                    after[r] += share_after
+                if max(after) < worst - 1e-9:
+                    best = (e, free[:n])
+                    break
+            if best is not None:
                 break
         if best is None:
             break
-        e, target = best
-        replicas[target].append(e)
-        holders[e].add(target)
+        e, targets = best
+        for target in targets:
+            replicas[target].append(e)
+            holders[e].add(target)
     return Placement(experts, tuple(tuple(o) for o in owners), tuple(tuple(r) for r in replicas), spare)

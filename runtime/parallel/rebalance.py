@@ -98,7 +98,8 @@ def apply_placement(block: nn.Module, placement: Placement, optimizer: torch.opt
 
 @torch.no_grad()
 def sum_replica_grads(model: nn.Module) -> None:
-    """Each replicated expert's gradient summed over its copies, on every copy (collective per MoE block)."""
+    """Each replicated expert's gradient summed over its copies, on every copy: one all-reduce per MoE block of
+    just the replicated experts' rows (every per-expert tensor's, side by side)."""
     for _, block in moe_blocks(model):
         ep = block.expert_parallel
         if ep is None or not ep.placement.spare:
@@ -107,21 +108,24 @@ def sum_replica_grads(model: nn.Module) -> None:
         replicated = [e for e, c in enumerate(copies) if len(c) > 1]
         if not replicated:
             continue
+        # this rank's rows that hold a replicated expert, and which of the replicated experts each holds
+        mine = [(row, i) for i, e in enumerate(replicated) for rank, row in copies[e] if rank == ep.rank]
+        rows = torch.tensor([row for row, _ in mine], dtype=torch.int64)
+        which = torch.tensor([i for _, i in mine], dtype=torch.int64)
+        grads = []
         for p in _stacks(block):
             if p.grad is None:
                 raise RuntimeError("an expert stack has no gradient: its replicas cannot be summed")
-            full = _full(p.grad)
-            total = full.new_zeros(len(replicated), *full.shape[1:])
-            for i, e in enumerate(replicated):
-                for rank, row in copies[e]:
-                    if rank == ep.rank:
-                        total[i] += full[row]
-            dist.all_reduce(total, group=ep.group)
-            for i, e in enumerate(replicated):
-                for rank, row in copies[e]:
-                    if rank == ep.rank:
-                        full[row] = total[i]
-            _write(p.grad, full)
+            grads.append((p.grad, _full(p.grad) if isinstance(p.grad, DTensor) else p.grad))
+        pieces = [full.index_select(0, rows).flatten(1) for _, full in grads]
+        widths = [piece.shape[1] for piece in pieces]
+        total = pieces[0].new_zeros(len(replicated), sum(widths))
+        total.index_add_(0, which, torch.cat(pieces, dim=1))
+        dist.all_reduce(total, group=ep.group)
+        for (grad, full), summed in zip(grads, total.index_select(0, which).split(widths, dim=1)):
+            full.index_copy_(0, rows, summed.reshape(len(mine), *full.shape[1:]).to(full.dtype))
+            if full is not grad:
+                _write(grad, full)
 
 
 def owned_rows(model: nn.Module) -> dict[int, int]:

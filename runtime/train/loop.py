@@ -413,7 +413,10 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
 class ExpertBalance:
     """Every `cfg.rebalance_every` steps, a new placement of each MoE layer's experts from the tokens its experts
     received since the last one (the all-reduced counts every rank has, so every rank computes the same), applied
-    to this rank's layers (`runtime.parallel.rebalance`). Keeps what each layer's placement is for the run log."""
+    to this rank's layers (`runtime.parallel.rebalance`) where it lowers the busiest rank's load by MIN_GAIN or
+    more. Keeps what each layer's placement is for the run log."""
+
+    MIN_GAIN = 0.05
 
     def __init__(self, slots, blocks, plan: Plan, cfg: TrainConfig, optimizer):
         self.slots, self.blocks, self.plan, self.cfg, self.optimizer = slots, blocks, plan, cfg, optimizer
@@ -438,11 +441,16 @@ class ExpertBalance:
                 window[e] += n
         if done % self.cfg.rebalance_every or done >= self.cfg.steps:
             return
-        from runtime.moe.placement import place
+        from runtime.moe.placement import Placement, imbalance, place
         from runtime.parallel.rebalance import apply_placement
 
-        for (name, _), window in zip(self.slots, self.window):
-            self.placements[name] = place(window, self.plan.ep, self.cfg.expert_replicas)
+        for (name, size), window in zip(self.slots, self.window):
+            chosen = place(window, self.plan.ep, self.cfg.expert_replicas)
+            current = self.placements[name] or Placement.contiguous(size, self.plan.ep, self.cfg.expert_replicas)
+            # moving costs a collective per tensor and replicas cost their exchange: only for a real gain
+            if imbalance(window, chosen) > imbalance(window, current) * (1 - self.MIN_GAIN):
+                continue
+            self.placements[name] = chosen
             block = self.blocks.get(name)
             if block is not None and getattr(block, "expert_parallel", None) is not None:
                 apply_placement(block, self.placements[name], self.optimizer)
