@@ -316,6 +316,7 @@ def test_grouped_lora_equals_merged_expert_weights(qwen3):
 
     model = qwen3()
     block = model.model.layers[0].mlp
+    torch.manual_seed(0)  # A's initialisation draws from the global generator: the same whatever ran before
     LoRAGroupedExperts.convert(block.experts, rank=3, alpha=6.0)
     experts = block.experts
     gen = torch.Generator().manual_seed(0)
@@ -333,7 +334,8 @@ def test_grouped_lora_equals_merged_expert_weights(qwen3):
     with torch.no_grad():
         plain.gate_up.copy_(merged["gate_up"])
         plain.down.copy_(merged["down"])
-    torch.testing.assert_close(got, plain(tokens, d), rtol=1e-5, atol=1e-5)
+    # two fp32 paths (low-rank update beside the base vs merged weights) over outputs of size ~10: rounding ~1e-5
+    torch.testing.assert_close(got, plain(tokens, d), rtol=1e-5, atol=5e-5)
 
 
 def test_plan_problems_are_clear_errors():
