@@ -68,6 +68,11 @@ class Placement:
                 out[e].append((rank, self.local + k))
         return out
 
+    def rows(self, rank: int) -> list[int | None]:
+        """The expert each row of `rank` holds, owned rows then replica rows (None: an unused replica row)."""
+        held: list[int | None] = [*self.owners[rank], *self.replicas[rank]]
+        return held + [None] * (self.slots - len(held))
+
     def owner_of(self) -> list[tuple[int, int]]:
         """Per expert: the (rank, row) that owns it."""
         return [c[0] for c in self.copies()]

@@ -45,12 +45,6 @@ def _stacks(block: nn.Module) -> list[nn.Parameter]:
     return [getattr(block.experts, name) for name in per_expert(block.experts, ep.local)]
 
 
-def _held(placement: Placement, rank: int) -> list[int | None]:
-    """The expert each row of `rank` holds (None: an unused replica row)."""
-    rows: list[int | None] = list(placement.owners[rank]) + list(placement.replicas[rank])
-    return rows + [None] * (placement.slots - len(rows))
-
-
 def _moments(optimizer: torch.optim.Optimizer | None, p: torch.Tensor, group) -> list[torch.Tensor]:
     """`p`'s optimizer state tensors shaped like it (AdamW's moments), on every rank of `group` or none: a rank
     without state (no step taken yet) must not leave the others waiting in a collective."""
@@ -71,9 +65,9 @@ def apply_placement(block: nn.Module, placement: Placement, optimizer: torch.opt
         return 0
     if placement.spare != old.spare:
         raise ValueError(f"the experts have {old.spare} replica rows per rank, the placement {placement.spare}")
-    before, after = _held(old, ep.rank), _held(placement, ep.rank)
+    before, after = old.rows(ep.rank), placement.rows(ep.rank)
     # the experts some row of some rank receives: identical on every rank, so the collectives match
-    moving = sorted({e for r in range(placement.ep) for e, was in zip(_held(placement, r), _held(old, r))
+    moving = sorted({e for r in range(placement.ep) for e, was in zip(placement.rows(r), old.rows(r))
                      if e is not None and e != was})
     index = {e: i for i, e in enumerate(moving)}
     source = old.owner_of()

@@ -75,9 +75,7 @@ def _expert_slices(model: nn.Module) -> dict[str, tuple[int, int, list]]:
         shard = getattr(block.experts, "expert_shard", None)
         if shard is not None:
             rank, size, total = shard
-            placement = block.expert_parallel.placement
-            rows = [*placement.owners[rank], *placement.replicas[rank]]
-            rows += [None] * (placement.slots - len(rows))
+            rows = block.expert_parallel.placement.rows(rank)
             slices[f"{name}.experts." if name else "experts."] = (rank * (total // size), total // size, rows)
     return slices
 
