@@ -38,6 +38,12 @@ FP32 = 4
 TRAINED_BYTES = 16
 # elementwise passes (norms, activations, residual adds, softmax) over the saved activations
 ELEMENTWISE_PASSES = 4
+# Eager dispatch: aten operators one decoder layer issues per micro-step, (forward, backward), counted with
+# `runtime.op_count.OpCounter` on the runtime-adapted layers (`python bench/dispatch.py`: Llama-3.1-8B's dense
+# layer, Mixtral-8x7B's MoE layer). Each costs the host `Hardware.op_dispatch_us` whatever the tensors' size, which
+# is the whole step for small layers: the single-node vTrain GPTs (hidden 1024-2048, one sequence per micro-batch)
+# run 2-17x slower than their FLOPs and bytes say.
+OPS_PER_LAYER = {"dense": (73, 138), "moe": (99, 169)}
 
 
 def _ring(size: int) -> float:
@@ -50,7 +56,7 @@ class Estimate:
     recompute_s: float
     bubble_s: float
     memory_s: float  # elementwise and optimizer traffic through HBM
-    overhead_s: float  # fixed per-layer dispatch cost (the hardware spec's layer_overhead_ms)
+    overhead_s: float  # host dispatch time the device's work does not hide (`dispatch_s`)
     tp_s: float
     cp_s: float
     pp_s: float
@@ -139,6 +145,28 @@ def _resident_activation(per: dict, plan: Plan) -> tuple[float, float]:
     return kept, host
 
 
+def host_dispatch_s(d: Dims, plan: Plan, hw: Hardware, layers_stage: int) -> float:
+    """Host time to issue one step's operators on the slowest stage: every layer, every micro-step, forward,
+    backward, and the forward again under full recompute (selective recompute reruns a few attention operators;
+    not counted)."""
+    moe_share = d.moe_layers / d.layers if d.layers else 0.0
+    ops = 0.0
+    for kind, share in (("moe", moe_share), ("dense", 1 - moe_share)):
+        forward, backward = OPS_PER_LAYER[kind]
+        ops += share * (forward * (2 if plan.recompute == "full" else 1) + backward)
+    return layers_stage * plan.grad_accum * ops * hw.op_dispatch_us / 1e6
+
+
+def dispatch_s(device_s: float, host_s: float, hw: Hardware) -> float:
+    """What host dispatch adds to `device_s`, the device's compute and memory traffic. An accelerator runs its
+    stream asynchronously: the host queues operators ahead while long kernels run and the device waits only when
+    issuing is the slower of the two, so the step takes max(device, host). A CPU computes on the threads that
+    dispatch, so there the two add."""
+    if hw.dispatch_overlaps:
+        return max(0.0, host_s - device_s)
+    return host_s
+
+
 def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0,
              gradient_overlap: bool = True) -> Estimate:
     """The step of `plan` priced piece by piece. `imbalance`: the busiest expert-parallel rank's routed tokens over
@@ -185,7 +213,6 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     routed_train = (2 if lora else 3) * routed_flops + (routed_flops if plan.recompute == "full" else 0.0)
     imbalance_s = tokens_step * routed_train / world / peak * stage_share * (skew - 1)
     busy = compute_s + recompute_s + imbalance_s
-    bubble_s = busy * (plan.pp - 1) / m if plan.pp > 1 else 0.0
 
     # -- memory per device --------------------------------------------------------------------
     # FSDP2 shards over dp_shard x cp (torchtitan); with dp_shard = 1 context parallel shards nothing (Megatron)
@@ -274,7 +301,9 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     trained_local = n_lora / (plan.tp * fsdp * plan.pp) if lora else local
     traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
     memory_s = traffic / (hw.memory_bw_gbs * 1e9)
-    overhead_s = layers_stage * m * hw.layer_overhead_ms / 1e3
+    overhead_s = dispatch_s(busy + memory_s, host_dispatch_s(d, plan, hw, layers_stage), hw)
+    # a stage stalls for its whole work, dispatch included, while the pipeline fills and drains
+    bubble_s = (busy + overhead_s) * (plan.pp - 1) / m if plan.pp > 1 else 0.0
     step = busy + bubble_s + exposed + offload_exposed + memory_s + overhead_s
     return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
                     overhead_s=overhead_s,
