@@ -293,17 +293,21 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
 
     offload_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
 
-    # -- overlap ------------------------------------------------------------------------------
-    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - (DP_OVERLAP if gradient_overlap else 0.0) * busy)
-               + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
-    offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * busy)
     traffic = tokens_step / world * per["layer"] * layers_stage * ELEMENTWISE_PASSES
     trained_local = n_lora / (plan.tp * fsdp * plan.pp) if lora else local
     traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
     memory_s = traffic / (hw.memory_bw_gbs * 1e9)
     overhead_s = dispatch_s(busy + memory_s, host_dispatch_s(d, plan, hw, layers_stage), hw)
+
+    # -- overlap ------------------------------------------------------------------------------
+    # Communication hides behind the passes as long as they take, dispatch included: when the host is the slower
+    # side, a busier device only narrows the idle gaps, and the window stays the same.
+    window = busy + overhead_s
+    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - (DP_OVERLAP if gradient_overlap else 0.0) * window)
+               + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
+    offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * window)
     # a stage stalls for its whole work, dispatch included, while the pipeline fills and drains
-    bubble_s = (busy + overhead_s) * (plan.pp - 1) / m if plan.pp > 1 else 0.0
+    bubble_s = window * (plan.pp - 1) / m if plan.pp > 1 else 0.0
     step = busy + bubble_s + exposed + offload_exposed + memory_s + overhead_s
     return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
                     overhead_s=overhead_s,

@@ -54,7 +54,14 @@ FORMAT = 1
 # the last word beyond this factor. 8x because the small single-node vTrain GPTs run up to ~8x slower
 # than the cost model says (launch and framework overheads it does not model); 4x cost them 2 points.
 MAX_CORRECTION = 8.0
-REACH = 4.0  # in units of the training runs' 90th-percentile nearest-neighbour distance (module docstring)
+# In units of the training runs' 90th-percentile nearest-neighbour distance (module docstring). 0.5 since v10: with
+# host dispatch in the cost model the single-node vTrain GPTs no longer need a large correction, and at 4 the other
+# sources' correction reached them held out and made them worse than the cost model. Held out a source at a time, 1
+# and 0.75 still price one source a few hundredths of a point worse than the cost model, 0.5 none; held out a model
+# at a time, the overall median is 8.0% at 0.5 against 6.7% at 1 (README). Versions before v10 keep the 4 their
+# metadata records.
+REACH = 0.5
+OLD_REACH = 4.0  # what versions whose metadata records no factor were trained with
 
 
 @dataclass
@@ -64,18 +71,19 @@ class Reach:
     scale: np.ndarray
     points: np.ndarray
     radius: float
+    factor: float = REACH
 
     @classmethod
-    def fit(cls, X: np.ndarray) -> Reach:
+    def fit(cls, X: np.ndarray, factor: float | None = None) -> Reach:
         mean, scale = X.mean(0), X.std(0) + 1e-9
         points = (X - mean) / scale
         own = _nearest(points, points, skip_self=True)
-        return cls(mean, scale, points, float(np.quantile(own, 0.9)) or 1.0)
+        return cls(mean, scale, points, float(np.quantile(own, 0.9)) or 1.0, REACH if factor is None else factor)
 
     def distance(self, X: np.ndarray) -> np.ndarray:
-        """Distance to the nearest training run, in units of REACH x radius (1: where the weight is 1/e)."""
+        """Distance to the nearest training run, in units of factor x radius (1: where the weight is 1/e)."""
         d = _nearest((np.asarray(X, dtype=float) - self.mean) / self.scale, self.points)
-        return d / (REACH * self.radius)
+        return d / (self.factor * self.radius)
 
     def weight(self, X: np.ndarray) -> np.ndarray:
         return np.exp(-self.distance(X) ** 2)
@@ -280,7 +288,7 @@ def train(paths=None, out=None) -> Predictor:
         "format": FORMAT, "version": version, "kind": "HistGradientBoostingRegressor on log(measured / cost model)",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sklearn": sklearn.__version__, "features": list(FEATURES), "model_sha256": _sha256(target),
-        "reach": {"file": reach_file.name, "sha256": _sha256(reach_file), "factor": REACH},
+        "reach": {"file": reach_file.name, "sha256": _sha256(reach_file), "factor": reach.factor},
         "interval": {"coverage": COVERAGE, "folds": FOLDS, "learned": interval.learned,
                      "cost_model": interval.cost_model},
         "feature_range": {name: [float(data.X[:, i].min()), float(data.X[:, i].max())]
@@ -380,7 +388,7 @@ def _load_reach(path: Path, meta: dict) -> Reach | None:
     if not file.is_file() or _sha256(file) != record.get("sha256"):
         raise PredictorError(f"predictor reach file {file} is missing or corrupt (its sha256 does not match)")
     with np.load(file) as z:
-        return Reach(z["mean"], z["scale"], z["points"], float(z["radius"]))
+        return Reach(z["mean"], z["scale"], z["points"], float(z["radius"]), float(record.get("factor", OLD_REACH)))
 
 
 @dataclass

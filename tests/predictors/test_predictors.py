@@ -10,7 +10,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from predictors import learned, published
-from predictors.costmodel import estimate
+from predictors.costmodel import OPS_PER_LAYER, estimate, host_dispatch_s
 from predictors.errors import PredictorError
 from predictors.features import FEATURES, load_dataset
 from predictors.hardware import bundled, find, identify
@@ -103,7 +103,8 @@ def test_communication_terms():
     tp = estimate(d, Plan(tp=4, dp_shard=4, seq_len=4096), hw)
     assert tp.tp_s > 0
     pp = estimate(d, Plan(pp=4, dp_shard=4, grad_accum=8, seq_len=4096), hw)
-    assert pp.bubble_s == pytest.approx((pp.compute_s + pp.recompute_s) * 3 / 8)
+    # a stage idles for 3 of its 8 micro-steps' work, host dispatch it does not hide included
+    assert pp.bubble_s == pytest.approx((pp.compute_s + pp.recompute_s + pp.overhead_s) * 3 / 8)
     no_overlap = estimate(d, Plan(dp_shard=16, ep=16, seq_len=4096, overlap=False), hw)
     assert no_overlap.step_time_s > ep16.step_time_s
     # topology: 64-way EP leaves an 8-GPU NVLink node but stays on a CloudMatrix384 super-node's UB plane
@@ -112,12 +113,27 @@ def test_communication_terms():
     assert ratio == pytest.approx(find("Ascend-910C").scale_up_gbs / find("H100").scale_out_gbs)
 
 
-def test_dispatch_overhead_only_where_the_spec_sets_it():
-    d = Dims.from_record({**MOE, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 256, "expert_ffn": 128})
+def test_host_dispatch_adds_on_a_cpu_and_hides_behind_long_kernels_on_an_accelerator():
+    """Every operator costs the host op_dispatch_us. A CPU computes on the dispatching threads, so that adds to the
+    step; an accelerator's stream runs ahead of the host, so the step takes the longer of the two."""
+    tiny = Dims.from_record({**MOE, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 256, "expert_ffn": 128})
     plan = Plan(seq_len=128, micro_batch=2, grad_accum=3)
-    cpu = estimate(d, plan, find("cpu"), "fp32")
-    assert cpu.overhead_s == pytest.approx(8 * 3 * find("cpu").layer_overhead_ms / 1e3)
-    assert estimate(d, plan, find("H100")).overhead_s == 0
+    moe_forward, moe_backward = OPS_PER_LAYER["moe"]
+    host = 8 * 3 * (moe_forward + moe_backward) * find("cpu").op_dispatch_us / 1e6  # 8 MoE layers, 3 micro-steps
+    assert host_dispatch_s(tiny, plan, find("cpu"), 8) == pytest.approx(host)
+    cpu = estimate(tiny, plan, find("cpu"), "fp32")
+    assert cpu.overhead_s == pytest.approx(host)
+    recompute = Plan(seq_len=128, micro_batch=2, grad_accum=3, recompute="full")
+    assert host_dispatch_s(tiny, recompute, find("cpu"), 8) == pytest.approx(
+        host * (2 * moe_forward + moe_backward) / (moe_forward + moe_backward))
+    # the tiny model's kernels take next to nothing on an H100: the host is the step
+    h100 = estimate(tiny, plan, find("H100"))
+    device = h100.compute_s + h100.recompute_s + h100.imbalance_s + h100.memory_s
+    assert h100.overhead_s == pytest.approx(host_dispatch_s(tiny, plan, find("H100"), 8) - device)
+    assert h100.overhead_s > 10 * device
+    # a real model's kernels hide the host entirely
+    big = estimate(Dims.from_record(LLAMA8B), Plan(dp_shard=8, seq_len=4096, grad_accum=4), find("H100"))
+    assert big.overhead_s == 0 and host_dispatch_s(Dims.from_record(LLAMA8B), plan, find("H100"), 32) > 0
 
 
 # -- published runs ------------------------------------------------------------------------------
@@ -334,7 +350,7 @@ def test_the_correction_fades_as_a_run_leaves_the_training_runs():
     """Issue 19: a run among the training runs keeps the whole correction; one moved away from all of them
     (another chip's figures, 100x the devices) keeps less and less, down to the cost model's answer."""
     model = learned.load()
-    assert model.reach is not None and model.label == "throughput-v9"
+    assert model.reach is not None and model.label == "throughput-v10"
     data = load_dataset(learned.default_training_paths())
     x = data.X[len(data) // 2]
     assert model.reach.weight(x[None])[0] == pytest.approx(1.0)
@@ -348,11 +364,13 @@ def test_the_correction_fades_as_a_run_leaves_the_training_runs():
 
 @pytest.mark.slow
 def test_held_out_sources_are_never_priced_worse_than_by_the_cost_model():
-    """Issue 19's first bar, on the published runs: each benchmark suite held out in turn, the learned median
-    error is at most the cost model's (the overall 15% bar is not met: see the README)."""
-    scores, _ = learned.evaluate(sorted(DATA_DIR.glob("published_runs*.jsonl")), by="source")
+    """Issue 19's bar, over everything that ships: each benchmark suite (and the runtime's own run logs) held out in
+    turn, the learned median error is at most the cost model's, and at most 15% over all runs. At most: within a
+    thousandth of a percentage point, what a correction faded to a millionth still moves a median by."""
+    scores, _ = learned.evaluate(by="source")
     for s in scores:
-        assert s.learned_median <= s.cost_median + 1e-9, s
+        assert s.learned_median <= s.cost_median + 1e-5, s
+    assert scores[-1].source == "all" and scores[-1].learned_median <= 0.15
 
 
 def test_every_prediction_has_an_interval_that_widens_away_from_the_training_runs():
@@ -361,7 +379,7 @@ def test_every_prediction_has_an_interval_that_widens_away_from_the_training_run
     wider one, up to the cost model's own typical error; the interval holds the point prediction."""
     import dataclasses
 
-    from predictors.costmodel import estimate
+    from predictors.costmodel import OPS_PER_LAYER, estimate, host_dispatch_s
     from predictors.features import features
     from predictors.hardware import find, identify
     from runtime.dims import Dims
