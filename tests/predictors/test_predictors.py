@@ -379,7 +379,7 @@ def test_every_prediction_has_an_interval_that_widens_away_from_the_training_run
     wider one, up to the cost model's own typical error; the interval holds the point prediction."""
     import dataclasses
 
-    from predictors.costmodel import OPS_PER_LAYER, estimate, host_dispatch_s
+    from predictors.costmodel import estimate
     from predictors.features import features
     from predictors.hardware import find, identify
     from runtime.dims import Dims
