@@ -71,7 +71,7 @@ class Reach:
     scale: np.ndarray
     points: np.ndarray
     radius: float
-    factor: float = REACH
+    factor: float  # distances are in units of factor x radius; REACH for a new fit, the version's own when loaded
 
     @classmethod
     def fit(cls, X: np.ndarray, factor: float | None = None) -> Reach:

@@ -293,6 +293,23 @@ def test_models_trained_before_the_offload_rename_load_and_predict_the_same():
     assert np.array_equal(v4.correction(data.X), v5.correction(data.X))
 
 
+def test_each_version_keeps_the_reach_it_was_trained_with(tmp_path):
+    """The reach factor is read from each version's metadata: v6-v9 keep 4, v10 has 0.5, and a version whose
+    metadata records none (written before the factor was recorded) gets OLD_REACH; the factor scales distances."""
+    assert learned.load(learned.MODELS_DIR / "throughput-v9.joblib").reach.factor == 4.0
+    v10 = learned.load(learned.MODELS_DIR / "throughput-v10.joblib")
+    assert v10.reach.factor == learned.REACH == 0.5
+    for suffix in (".joblib", ".reach.npz"):
+        shutil.copy(learned.MODELS_DIR / f"throughput-v10{suffix}", tmp_path / f"throughput-v1{suffix}")
+    meta = dict(v10.meta, reach={k: v for k, v in v10.meta["reach"].items() if k != "factor"})
+    meta["reach"]["file"] = "throughput-v1.reach.npz"
+    (tmp_path / "throughput-v1.json").write_text(json.dumps(meta))
+    unrecorded = learned.load(tmp_path / "throughput-v1.joblib")
+    assert unrecorded.reach.factor == learned.OLD_REACH == 4.0
+    x = load_dataset(learned.default_training_paths()).X[:1] + 3 * v10.reach.scale * v10.reach.radius
+    assert v10.reach.distance(x)[0] == pytest.approx(8 * unrecorded.reach.distance(x)[0])
+
+
 def test_leave_one_model_out_on_a_small_set(tmp_path):
     scores, data = learned.evaluate([_head(40, tmp_path)])
     assert scores[-1].source == "all" and scores[-1].runs == len(data) == 40
