@@ -34,6 +34,7 @@ from runtime.memory import ActivationOffload, apply_recompute
 from runtime.plan import Plan
 from runtime.runlog import RunLogWriter
 from runtime.train import checkpoint, data
+from runtime.train.optimizer import AdamW
 
 
 @dataclass
@@ -265,8 +266,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
                         "weights_bytes": loaded["bytes"]}
     apply_recompute(model, plan.recompute)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                  foreach=False)
+    optimizer = AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
     for path, why in (resumed or {}).get("skipped", []):
         if rank == 0:
