@@ -49,24 +49,37 @@ def _decays(log_decay: torch.Tensor, chunk: int):
     return pair, q_decay, k_decay, exp_or_zero(log_decay * chunk, LOG_DECAY_ZERO)
 
 
+def _packed_in_token_order(*parts: torch.Tensor) -> torch.Tensor:
+    """parts (B, H, N, C, D) packed along the last dimension into a (B, H, N, C, 3D) view of a (B, N, C, H, 3D)
+    tensor: the caller's qkv was (B, T, H, 3D) viewed as chunks and permuted, so a gradient in that order goes
+    back through the permute and the reshape as views (a concatenation in chunk order would be copied once more
+    to get there)."""
+    batch, heads, n, c, dim = parts[0].shape
+    packed = parts[0].new_empty(batch, n, c, heads, len(parts) * dim).permute(0, 3, 1, 2, 4)
+    for i, part in enumerate(parts):
+        packed[..., i * dim:(i + 1) * dim].copy_(part)
+    return packed
+
+
 class _Chunks(torch.autograd.Function):
     """N whole chunks of one call: qkv (B, H, N, C, 3D), the state entering the first chunk (B, H, K, V) and the
     decays of `_decays` -> (o (B, H, N, C, V), the final state). One node with its own backward: it keeps qkv,
     the decayed scores A = (Q K^T) * D and the state entering each chunk, scales products in place, and returns
-    the gradients of q, k and v as one packed tensor (autograd through the same ops would store more, copy
-    each operand it transposes, and zero-fill and concatenate the three gradients); the decays, being
-    constants, get no gradient."""
+    the gradients of q, k and v as one packed tensor laid out in the caller's token order (autograd through the
+    same ops would store more, copy each operand it transposes, and zero-fill and concatenate the three
+    gradients); the decays, being constants, get no gradient."""
 
     @staticmethod
     def forward(ctx, qkv, state, pair, q_decay, k_decay, carry):
         qkv = qkv.contiguous()
         q, k, v = qkv.chunk(3, -1)  # row stride 3D: views matmul takes as they are
         scores = (q @ k.transpose(-1, -2)).mul_(pair[:, None])
-        o = scores @ v
         written = (k * k_decay[:, None]).transpose(-1, -2) @ v  # (B, H, N, K, V)
         carry = carry.view(1, -1, 1, 1, 1).expand(1, -1, written.shape[2], 1, 1)  # the same for every chunk
         starts, final = carry_states(written, state, carry)
-        o += (q * q_decay[:, None]) @ starts
+        # q_decay scales rows, so it can scale the product instead of a copy of q
+        o = (q @ starts).mul_(q_decay[:, None])
+        o.flatten(0, 2).baddbmm_(scores.flatten(0, 2), v.flatten(0, 2))
         ctx.save_for_backward(qkv, scores, starts, pair, q_decay, k_decay, carry)
         return o, final
 
@@ -79,7 +92,7 @@ class _Chunks(torch.autograd.Function):
         d_starts = (q * q_decay[:, None]).transpose(-1, -2) @ d_o
         d_written, d_state = carry_gradients(d_starts, d_final, carry)
         # inside the chunks: each gradient is its inter-chunk term, scaled in place, plus the intra-chunk product
-        # added in place (bmm into a strided slice of one packed tensor takes a slow path: concatenated at the end)
+        # added in place (bmm into a strided slice of one packed tensor takes a slow path: packed at the end)
         d_scores = (d_o @ v.transpose(-1, -2)).mul_(pair[:, None])
         d_q = (d_o @ starts.transpose(-1, -2)).mul_(q_decay[:, None])
         d_q.flatten(0, 2).baddbmm_(d_scores.flatten(0, 2), k.flatten(0, 2))
@@ -87,7 +100,7 @@ class _Chunks(torch.autograd.Function):
         d_k.flatten(0, 2).baddbmm_(d_scores.transpose(-1, -2).flatten(0, 2), q.flatten(0, 2))
         d_v = (k * k_decay[:, None]) @ d_written
         d_v.flatten(0, 2).baddbmm_(scores.transpose(-1, -2).flatten(0, 2), d_o.flatten(0, 2))
-        return torch.cat((d_q, d_k, d_v), -1), d_state, None, None, None, None
+        return _packed_in_token_order(d_q, d_k, d_v), d_state, None, None, None, None
 
 
 def chunk_constant_decay(qkv: torch.Tensor, log_decay: torch.Tensor, *, chunk_size: int = 64,
