@@ -48,13 +48,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from onboard.accounting import costs
-    from onboard.inspection import inspect_model
-    from onboard.report import summary
+    from onboard.source import resolve
 
     if args.online:
         os.environ["HF_HUB_OFFLINE"] = "0"
-    spec, timings = inspect_model(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    from onboard.accounting import costs  # after the model is found: these import torch and transformers
+    from onboard.inspection import inspect_source
+    from onboard.report import summary
+
+    spec, timings = inspect_source(source)
     if args.json:
         data = spec.to_dict()
         data["costs"] = vars(costs(spec, args.seq_len))

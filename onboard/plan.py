@@ -13,6 +13,7 @@ from pathlib import Path
 from onboard.accounting import dims_of
 from onboard.errors import OnboardError
 from onboard.outputs import write_atomically
+from onboard.source import resolve
 from onboard.spec import ModelSpec
 from predictors import learned
 from predictors.errors import PredictorError
@@ -36,9 +37,10 @@ def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False
             return ModelSpec.from_dict(data)
         except (ValueError, RecursionError) as e:
             raise OnboardError(f"{path} is not a ModelSpec JSON: {' '.join(str(e).split())}") from None
-    from onboard.inspection import inspect_model
+    source = resolve(ref, trust_remote_code=trust_remote_code, online=online)  # a wrong name fails in a second
+    from onboard.inspection import inspect_source  # the twin's imports (torch, transformers) take several
 
-    return inspect_model(ref, trust_remote_code=trust_remote_code, online=online)[0]
+    return inspect_source(source)[0]
 
 
 def hardware(name: str) -> Hardware:

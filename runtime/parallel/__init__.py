@@ -29,12 +29,24 @@ the mean of the per-rank losses. Expert parameters under EP hold only the local 
 and expert meshes; each block's `expert_parallel.comm` times what the exchanges did not hide.
 """
 
-from runtime.model_tree import moe_blocks
-from runtime.parallel.api import parallelize
-from runtime.parallel.expert import ExpertParallel, shard_experts
-from runtime.parallel.grads import clip_grad_norm_, grad_norm
-from runtime.parallel.mesh import ParallelMesh, build_mesh, not_runnable
-from runtime.parallel.state import gather_experts, load_full_state
+import importlib
 
-__all__ = ["ExpertParallel", "ParallelMesh", "build_mesh", "clip_grad_norm_", "gather_experts",
-           "grad_norm", "load_full_state", "moe_blocks", "not_runnable", "parallelize", "shard_experts"]
+# Where each public name lives. They are imported on first use, not with the package: the planner needs only
+# `not_runnable` (runtime.parallel.mesh), and the rest pulls in the MoE runtime and transformers, which would
+# cost `onboard plan` seconds before it could even report a mistyped model name.
+_HOMES = {"moe_blocks": "runtime.model_tree", "parallelize": "runtime.parallel.api",
+          "ExpertParallel": "runtime.parallel.expert", "shard_experts": "runtime.parallel.expert",
+          "clip_grad_norm_": "runtime.parallel.grads", "grad_norm": "runtime.parallel.grads",
+          "ParallelMesh": "runtime.parallel.mesh", "build_mesh": "runtime.parallel.mesh",
+          "not_runnable": "runtime.parallel.mesh", "gather_experts": "runtime.parallel.state",
+          "load_full_state": "runtime.parallel.state"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
