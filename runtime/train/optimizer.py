@@ -18,12 +18,11 @@ import torch
 
 
 def placement_key(p: torch.Tensor) -> tuple:
-    """What a foreach call must not mix: plain tensors, and DTensors by mesh (device and dtype PyTorch groups by)."""
+    """What a foreach call must not mix: plain tensors, and DTensors by mesh (device and dtype PyTorch groups by).
+    A DeviceMesh hashes and compares by its ranks, layout, device type and dim names, the equality DTensor itself
+    checks, and caches its hash: cheap to key on for every parameter at every step."""
     mesh = getattr(p, "device_mesh", None)
-    if mesh is None:
-        return ("tensor",)
-    return ("dtensor", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
-            mesh.mesh_dim_names)
+    return ("tensor",) if mesh is None else ("dtensor", mesh)
 
 
 def split_by_placement(params: list) -> list[list]:

@@ -2,6 +2,7 @@
 per-tensor loop, on a real (single-rank gloo) process group with DTensors on two meshes and a plain tensor."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,7 +61,7 @@ dist.destroy_process_group()
 
 def test_foreach_adamw_over_mixed_meshes_equals_the_per_tensor_loop(tmp_path):
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=300, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["max_diff"] == 0.0 and out["moved"] > 1e-3
