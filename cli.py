@@ -466,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_adapt)
 
     p = verb("agent", help="adapt, then take on what no pattern matches: generated code, probed and verified, "
-                           "or left as HuggingFace code with what was tried")
+                           "or left as HuggingFace code with what was tried. Generated code runs only in a sandboxed "
+                           "process of its own (no environment, network, files or processes; 60 s a round), never "
+                           "in this one")
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
@@ -499,8 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="markdown (default) or github (diffs folded in <details>, for a pull-request comment)")
     p.set_defaults(func=cmd_review)
 
-    p = verb("check", help="make each committed bundle again from its recorded source and re-verify it: exit 5 "
-                           "when one is stale (what changed, one line each), 3 when one no longer verifies")
+    p = verb("check", help="make each committed bundle again from its recorded source, verify it and compare: exit 5 "
+                           "when one is stale (what changed, one line each), 3 when what onboard makes no longer "
+                           "verifies. A committed bundle's own code is never run; an agent's bundle is made again by "
+                           "replaying its agent.jsonl, whose candidates run only in the agent's sandbox")
     p.add_argument("bundles", nargs="*", metavar="BUNDLE", help="bundle directories (default: every one in bundles/)")
     p.add_argument("--fix", action="store_true", help="replace stale or failing bundles with the ones made now")
     p.add_argument("--trust-remote-code", action="store_true",

@@ -5,11 +5,13 @@ Inkling2 and PhiMoE, and the recorded llm sessions of tests/agent/sessions repla
 ZAYA, all into a scratch folder), the model is built at the bundle twin's config made `--width` times wider (more heads of
 the same size, wider MLPs), one forward records the module's real inputs at `--tokens` tokens, and the module and
 its replacement (on a copy of the same parameters) are timed alternately, fp32, forward + backward with the same
-output weights (`onboard.agent.probe.speed`, what `onboard agent` measures before it swaps a module in). Prints
-the fastest of `--repeats` samples of each (a sample repeats the call for 50 ms), their ratio (above 1: the
-replacement is faster) and the largest error of the outputs relative to each tensor's largest value.
+output weights (`onboard.agent.sandbox.judge.Judge.speed`, what `onboard agent` measures before it swaps a module
+in: the module in the reference's process, the replacement in a sandboxed candidate's process, one thread each,
+each timed by the kernel's count of its CPU time). Prints the fastest of `--repeats` samples of each (a sample
+repeats the call for 100 ms of CPU time), their ratio (above 1: the replacement is faster) and the largest error
+of the outputs relative to each tensor's largest value (judged as the probe judges it).
 
-    python bench/generated_ops.py [BUNDLE ...] [--width 16] [--tokens 2048] [--repeats 5] [--threads 2]
+    python bench/generated_ops.py [BUNDLE ...] [--width 16] [--tokens 2048] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-
-import torch
 
 import common  # bench/common.py: the benches' shared command line
 
@@ -41,31 +41,35 @@ def default_bundles(scratch: Path) -> list[Path]:
     return bundles
 
 
-def bench_bundle(bundle: Path, width: int, tokens: int, repeats: int, threads: int) -> list[dict]:
-    from onboard.agent.probe import speed
+def bench_bundle(bundle: Path, width: int, tokens: int, repeats: int) -> list[dict]:
+    from onboard.agent.sandbox.judge import Judge
+    from onboard.agent.sandbox.session import Limits, Sandbox
     from onboard.bundle_files import read_bundle, read_decision
 
     bundle, spec, origin = read_bundle(bundle)
     rows = []
-    for entry in read_decision(bundle).generated:
-        if not entry.takes:
-            continue
-        result = speed({"model": origin["ref"], "trust_remote_code": False, "layers_path": spec["layers_path"],
-                        "layer": min(entry.layers), "path": entry.path,
-                        "candidate": str(bundle / "generated" / entry.file), "width": width, "tokens": tokens,
-                        "repeats": repeats, "threads": threads})
-        rows.append({"bundle": bundle.name, "module": entry.path, "replaces": entry.replaces, "policy": entry.policy,
-                     **result})
+    with Sandbox(origin["ref"], limits=Limits(wall_seconds=1800, cpu_seconds=1800)) as sandbox:
+        judge = Judge(sandbox)
+        for entry in read_decision(bundle).generated:
+            if not entry.takes:
+                continue
+            with sandbox.candidate() as worker:
+                result = judge.speed(judge.round(worker), layers_path=spec["layers_path"], layer=min(entry.layers),
+                                     path=entry.path, code=(bundle / "generated" / entry.file).read_text(),
+                                     name=entry.file, width=width, tokens=tokens, repeats=repeats,
+                                     seed_parts=("bench", bundle.name, entry.path))
+            if "ratio" not in result:
+                raise SystemExit(f"{bundle.name} {entry.path}: {result['note']}")
+            rows.append({"bundle": bundle.name, "module": entry.path, "replaces": entry.replaces,
+                         "policy": entry.policy, **result})
     return rows
 
 
 def main():
-    parser = common.parser(__doc__, width=(16, "widen the twin this many times"), tokens=2048, repeats=5,
-                           threads=(2, "torch threads"))
+    parser = common.parser(__doc__, width=(16, "widen the twin this many times"), tokens=2048, repeats=5)
     parser.add_argument("bundles", nargs="*", help="bundles written by onboard agent (default: see above)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-generated-") as scratch:
         common.scratch_kernel_store(Path(scratch) / "kernels")
         from onboard.bundle_files import read_bundle
@@ -78,12 +82,12 @@ def main():
             parser.error(str(exc))
         bundles = [Path(b) for b in args.bundles] or default_bundles(Path(scratch))
         rows = [row for bundle in bundles
-                for row in bench_bundle(bundle, args.width, args.tokens, args.repeats, args.threads)]
+                for row in bench_bundle(bundle, args.width, args.tokens, args.repeats)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
     print(f"generated modules vs HuggingFace, twin x{args.width} wide, {args.tokens} tokens, fp32, forward + backward, "
-          f"{torch.get_num_threads()} threads, fastest of {args.repeats} samples of 50 ms each")
+          f"one thread each, fastest of {args.repeats} samples of 100 ms of CPU time each")
     for r in rows:
         verdict = "faster" if r["ratio"] >= 1 else "SLOWER"
         print(f"{r['bundle']:<16} {r['module']:<30} {r['replaces']:<32} {r['policy']:<5} hf {r['hf_ms']:8.1f} ms, "

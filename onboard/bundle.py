@@ -11,6 +11,8 @@ killed run left behind).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -52,13 +54,14 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
         (staging / "source.json").write_text(json.dumps(
             {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
             indent=2, sort_keys=True) + "\n")
+        loader = agent.loader if agent is not None else None  # generated code runs in the agent's sandbox
         if agent is not None:
             agent.take_on(spec, twin, decision, staging)
-        verification = _settle(staging, spec, twin, decision)
+        verification = _settle(staging, spec, twin, decision, loader)
         if agent is not None and agent.take_on(spec, twin, decision, staging):  # what verification's refusals left
-            verification = _settle(staging, spec, twin, decision)
+            verification = _settle(staging, spec, twin, decision, loader)
         if agent is not None and agent.finish(decision, verification, staging):
-            verification = _render_and_verify(staging, spec, twin, decision)
+            verification = _render_and_verify(staging, spec, twin, decision, loader)
         write_verification(staging, spec, twin, decision, verification)
         write_launcher(staging, plan)
         provenance.write(staging, source)
@@ -66,33 +69,36 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if agent is not None:
+            agent.close()
     return spec, verification
 
 
-def _settle(staging: Path, spec: ModelSpec, twin: Twin, decision: Decision) -> Verification:
+def _settle(staging: Path, spec: ModelSpec, twin: Twin, decision: Decision, loader=None) -> Verification:
     """Render and verify; while the bundle fails, give back what the runtime takes, one target at a time in
     `decision.suspects()` order (readings only verification can confirm first, then whole MoE blocks, which
     fall back to their experts alone, experts, attention), recording why. Once it verifies, each refusal but
     the last is taken back to see whether it was needed, so a part is left as HuggingFace code only when
     verification says so."""
-    verification = _render_and_verify(staging, spec, twin, decision)
+    verification = _render_and_verify(staging, spec, twin, decision, loader)
     refused: list[str] = []
     while not verification.passed and (suspects := decision.suspects()):
         target = suspects[0]
         decision.refuse(target, f"{decision.reading(target)} did not verify ({_failure_detail(verification)})")
         refused.append(target)
-        verification = _render_and_verify(staging, spec, twin, decision)
+        verification = _render_and_verify(staging, spec, twin, decision, loader)
     if not verification.passed:
         return verification
     for target in refused[:-1]:  # the last refusal is the one that made it verify
         why = decision.refused[target]
         decision.admit(target)
-        trial = _render_and_verify(staging, spec, twin, decision)
+        trial = _render_and_verify(staging, spec, twin, decision, loader)
         if trial.passed:
             verification = trial
         else:
             decision.refuse(target, why)
-            verification = _render_and_verify(staging, spec, twin, decision)
+            verification = _render_and_verify(staging, spec, twin, decision, loader)
     return verification
 
 
@@ -104,13 +110,23 @@ def _failure_detail(verification: Verification) -> str:
             f"loss {max(abs(r.loss_ref - r.loss_adapted) for r in seeds):.1e}")
 
 
-def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, decision: Decision) -> Verification:
+def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, decision: Decision, loader=None) -> Verification:
+    """Render the adapter and verify it; `loader` (a callable giving the loader of generated files) runs the
+    generated modules in a sandbox rather than in this process."""
     kernels = render_kernels(spec, decision)
     for kernel in kernels:
         store.put(kernel.key, kernel.text)
     (staging / "kernels.json").write_text(json.dumps([k.record() for k in kernels], indent=2, sort_keys=True) + "\n")
     (staging / "adapter.py").write_text(render_adapter(spec, decision, [k.key for k in kernels]))
-    return verify(spec, twin, load_adapter(staging).adapt, decision)
+    return verify(spec, twin, sandboxed(load_adapter(staging).adapt, loader), decision)
+
+
+def sandboxed(adapt, loader):
+    """`adapt` with its generated modules loaded by `loader()` (which runs them in the agent's sandbox), where the
+    adapter has generated modules; as it is otherwise."""
+    if loader is None or "load_generated" not in inspect.signature(adapt).parameters:
+        return adapt
+    return functools.partial(adapt, load_generated=loader())
 
 
 def write_verification(directory: Path, spec: ModelSpec, twin: Twin, decision: Decision,
@@ -134,6 +150,14 @@ def verify_bundle(directory: Path, *, trust_remote_code: bool = False) -> tuple[
         raise OnboardError(f"{directory}: unreadable bundle ({exc})") from None
     decision = read_decision(directory)
     twin = build_twin(bundle_source(origin, trust_remote_code))
-    verification = verify(spec, twin, load_adapter(directory).adapt, decision)
+    adapter = load_adapter(directory).adapt
+    if "load_generated" in inspect.signature(adapter).parameters:  # an agent's bundle: its generated code sandboxed
+        from onboard.agent.sandbox.remote import Host
+        from onboard.agent.sandbox.session import Sandbox
+
+        with Sandbox() as sandbox, Host(sandbox) as host:
+            verification = verify(spec, twin, sandboxed(adapter, lambda: host.load), decision)
+    else:
+        verification = verify(spec, twin, adapter, decision)
     write_verification(directory, spec, twin, decision, verification)
     return spec, verification

@@ -1,9 +1,11 @@
 """`onboard check`: is each committed bundle what today's onboard makes of its recorded source, and does it
 still verify? What CI runs on every pull request.
 
-For each bundle: its verification is run again as committed (on a copy: the bundle is never touched unless
-`fix`), and the bundle is made again from its recorded source (`source.json`; an agent's bundle by replaying its
-own `agent.jsonl`) into a scratch folder and compared file by file. A bundle is stale when a file differs, one
+For each bundle: the bundle is made again from its recorded source (`source.json`; an agent's bundle by replaying
+its own `agent.jsonl`, whose candidates meet the guard and run only in the agent's sandbox) into a scratch
+folder, verified there, and compared file by file. The committed bundle's own code is never run (it arrives in a
+pull request): a bundle whose files are what onboard makes now has exactly the verification just run; one that
+differs is stale, whatever its edited code would compute. The bundle is never touched unless `fix`. A bundle is stale when a file differs, one
 line each, naming what it was made from that changed since (provenance.json: templates, runtime files,
 versions, the model's config) or saying that nothing did (an edit by hand). Files that hold measured errors are
 compared by their verdicts: the last digits of a float, and so which gradient comes out worst, differ from one
@@ -138,19 +140,26 @@ def committed_bundles(root: Path = Path("bundles")) -> list[Path]:
     return sorted(p.parent for p in root.glob("*/spec.json")) if root.is_dir() else []
 
 
+def _worst(verification) -> str:
+    failed = [s for s in verification.seeds if not s.passed]
+    if not failed:
+        return "see onboard verify"
+    seed = failed[0]
+    return (f"seed {seed.seed}: logits {seed.logits_max_rel:.1e} relative, worst gradient {seed.grad_worst_param} "
+            f"{seed.grad_worst_rel:.1e}")
+
+
 def check_bundle(bundle: Path, *, fix: bool = False, trust_remote_code: bool = False) -> Checked:
-    from onboard.bundle import verify_bundle
     from onboard.placement import place, staging_for
 
     directory, _, _ = read_bundle(bundle)
     result = Checked(directory)
     with tempfile.TemporaryDirectory(prefix="onboard-check-") as scratch:
-        committed, fresh = Path(scratch) / "committed", Path(scratch) / "fresh"
-        shutil.copytree(directory, committed)
-        _, verification = verify_bundle(committed, trust_remote_code=trust_remote_code)
+        fresh = Path(scratch) / "fresh"
+        verification = regenerate(directory, fresh, trust_remote_code=trust_remote_code)
+        result.fresh_passed = verification.passed
         if not verification.passed:
-            result.failed = f"no longer verifies: {verification.note or 'see onboard verify'}"
-        result.fresh_passed = regenerate(directory, fresh, trust_remote_code=trust_remote_code).passed
+            result.failed = f"no longer verifies: {verification.note or _worst(verification)}"
         result.stale = differences(directory, fresh)
         recorded = directory / provenance.FILE
         made_at = json.loads(recorded.read_text()).get("onboard", {}).get("commit") if recorded.is_file() else None

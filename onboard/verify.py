@@ -17,6 +17,7 @@ HuggingFace blocks they replaced run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -126,6 +127,34 @@ def _redraw(model: nn.Module, spec: ModelSpec, layers_path: str, seed: int, deca
     return bool(wide)
 
 
+@contextlib.contextmanager
+def class_calls(model: nn.Module, classes: list[type]):
+    """Count calls of each class's `forward` on any object that is not one of `model`'s own modules of that
+    class: the replaced code reached through its class (on the replacement itself, or on a copy) rather than
+    through an instance the model still runs. Yields a one-item list, the count."""
+    count = [0]
+    patched = []
+    for cls in dict.fromkeys(classes):
+        original = cls.forward
+        own = {id(m) for m in model.modules() if type(m) is cls}  # instances the adapted model still runs
+
+        def counted(self, *args, __original=original, __own=own, **kwargs):
+            if id(self) not in __own:
+                count[0] += 1
+            return __original(self, *args, **kwargs)
+
+        patched.append((cls, "forward" in vars(cls), original))
+        cls.forward = counted
+    try:
+        yield count
+    finally:
+        for cls, had, original in reversed(patched):
+            if had:
+                cls.forward = original
+            else:
+                del cls.forward
+
+
 def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
     counter = [0]
 
@@ -189,14 +218,17 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_dr
         # gradient summed the wrong way loses its digits; the first crosses many short chunks
         swaps = _adapt_for_checking(adapt, adapted, None if wide else CHECK_CHUNK)
         made = {kind: len(swaps.of(kind)) for kind in wanted}
-        # the modules swapped out must not run: MoE blocks and experts, and what the agent's code replaced
+        # the modules swapped out must not run: MoE blocks and experts, and what the agent's code replaced; the
+        # classes the agent's code replaced not on any object the adapted model does not run as HuggingFace code
         original_hooks, original_calls = _count_calls([s.replaced for s in swaps.of(*MOE_KINDS, GENERATED)])
         batch = twin.example_batch(seed, WIDE_SEQ if wide else TEST_SEQ_LEN)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()
         out_truth, why_no_truth = _truth(truth, batch) if against_fp64 else (None, "not asked for")
-        out_ad = adapted(**batch, use_cache=False)
-        out_ad.loss.backward()
+        with class_calls(adapted, [type(s.replaced) for s in swaps.of(GENERATED)]) as stray:
+            out_ad = adapted(**batch, use_cache=False)
+            out_ad.loss.backward()
+        original_calls[0] += stray[0]
         for h in original_hooks:
             h.remove()
         runtime_calls = sum(swaps.calls(kind) for kind in MOE_KINDS)

@@ -3,7 +3,8 @@
     replacement = load_generated(path)(original)     # the class a generated file defines, built on `original`
 
 A generated module takes the place of one HuggingFace module. It is built from that module's state and
-never from the module itself: `Generated.__init__` registers the original's parameters and buffers (the same
+never from the module itself (`ModuleState`: what the onboarding agent's sandbox receives, where the module's
+class cannot be imported): `Generated.__init__` registers the original's parameters and buffers (the same
 tensors, no copies) under the same dotted names, and copies its plain settings (numbers, strings, flags,
 tuples of them) onto the same places, so generated code reads `self.fn`, `self.input_norm.eps` as the
 original's code would, the model's state_dict keys do not change, and no reference to the original module,
@@ -14,8 +15,10 @@ its class or its forward is left for the generated code to call. Generated files
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 
 PLAIN = (int, float, bool, str, type(None))
@@ -38,20 +41,42 @@ def settings(module: nn.Module) -> dict[str, object]:
     return out
 
 
+@dataclass
+class ModuleState:
+    """What a generated module is built from: a module's plain settings, parameters and buffers by dotted name,
+    which buffers its state_dict holds, its mode, and its class's name (for repr only)."""
+
+    settings: dict[str, object]
+    parameters: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    persistent: set[str] = field(default_factory=set)
+    training: bool = False
+    replaces: str = ""
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModuleState:
+        return cls(settings(module), dict(module.named_parameters()), dict(module.named_buffers()),
+                   set(module.state_dict(keep_vars=True)), module.training, type(module).__name__)
+
+    def names(self) -> set[str]:
+        """The dotted names generated code reads as self.<name>."""
+        return set(self.settings) | set(self.parameters) | set(self.buffers)
+
+
 class Generated(nn.Module):
     """Holds the original module's parameters, buffers and settings at their own names (module docstring)."""
 
-    def __init__(self, original: nn.Module):
+    def __init__(self, original: nn.Module | ModuleState):
         super().__init__()
-        for path, value in settings(original).items():
+        state = original if isinstance(original, ModuleState) else ModuleState.of(original)
+        for path, value in state.settings.items():
             self._owner(path).__dict__[path.rpartition(".")[2]] = value
-        for path, param in original.named_parameters():
+        for path, param in state.parameters.items():
             self._owner(path).register_parameter(path.rpartition(".")[2], param)
-        persistent = set(original.state_dict(keep_vars=True))
-        for path, buffer in original.named_buffers():
-            self._owner(path).register_buffer(path.rpartition(".")[2], buffer, persistent=path in persistent)
-        self.replaces = type(original).__name__  # for repr and REVIEW.md only
-        self.train(original.training)  # a module swapped into an evaluated model evaluates too
+        for path, buffer in state.buffers.items():
+            self._owner(path).register_buffer(path.rpartition(".")[2], buffer, persistent=path in state.persistent)
+        self.replaces = state.replaces  # for repr and REVIEW.md only
+        self.train(state.training)  # a module swapped into an evaluated model evaluates too
 
     def _owner(self, path: str) -> nn.Module:
         """The container for a dotted name's last part, made on the way (plain modules, named as the original's)."""

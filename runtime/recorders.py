@@ -8,19 +8,32 @@ keeps the model's own router only to feed them runs it while one of them is coll
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
-try:
-    from transformers import PreTrainedModel
-    from transformers.utils import output_capturing
-except ImportError:  # a transformers without output recorders: nothing records outputs by class
-    PreTrainedModel, output_capturing = None, None
+
+def _capturing():
+    """transformers' output_capturing module, where transformers is loaded (imported here lazily: runtime ops
+    run in processes that never load transformers, the agent's sandbox among them); None without it."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:  # a transformers without output recorders: nothing records outputs by class
+        return None
+    return output_capturing
 
 
 def install(root: nn.Module) -> None:
     """Attach transformers' recorders to `root` (a model) now rather than on the forward that first asks."""
-    if output_capturing is not None and isinstance(root, PreTrainedModel) and getattr(root, "_can_record_outputs", None):
-        output_capturing.maybe_install_capturing_hooks(root)
+    capturing = _capturing()
+    if capturing is None:
+        return
+    from transformers import PreTrainedModel
+
+    if isinstance(root, PreTrainedModel) and getattr(root, "_can_record_outputs", None):
+        capturing.maybe_install_capturing_hooks(root)
 
 
 def _is_recorder(hook) -> bool:
@@ -33,4 +46,5 @@ def observed(module: nn.Module) -> bool:
     hooks = list(module._forward_hooks.values())
     if not all(_is_recorder(h) for h in hooks):
         return True
-    return bool(hooks) and bool(output_capturing._active_collector.get())
+    capturing = _capturing()
+    return bool(hooks) and capturing is not None and bool(capturing._active_collector.get())

@@ -1,94 +1,415 @@
-"""What candidate code may contain, checked on its syntax tree before anything imports or runs it.
+"""What candidate code may contain, checked on its syntax tree before anything imports or runs it: a guard by
+capability, not by name.
 
-    problems = check(source)          # [] or one line each: "line 12: try/except: ..."
+    problems = check(source, state)     # [] or one line each: "line 12: reach-through: torch.os is not ..."
 
-A candidate is a file that imports from torch, math and runtime only and defines `class Replacement(Generated)`
-with a `forward` and helper methods. Refused, whatever a policy (or a model's reply) says:
-- other imports (os, sys, subprocess, socket, inspect, transformers, ...), `__import__`, `importlib`;
-- `try` / `except`: a candidate that fails must fail, not fall back to something else;
-- eval, exec, compile, open, breakpoint, globals, locals, vars, getattr / setattr / delattr, and any
-  dunder attribute (`__class__`, `__dict__`, `__globals__`, ...): the ways back to the original module, its
-  class, the caller's frame or the file system;
-- frame and code introspection (`f_back`, `f_globals`, `gi_frame`, `_getframe`, ...), and torch's own file
-  and extension loaders (`torch.load`, `torch.save`, `torch.hub`, `load_library`, `cpp_extension`);
-- an `__init__`, `global` / `nonlocal`, assignments to attributes of anything but `self` (`torch.x = ...`), and
-  module-level statements other than imports, constants, functions and classes: `runtime.generated.Generated`
-  builds the module from the original's state, nothing else does.
+`state` is the dotted names of the parameters, buffers and settings of the module the candidate replaces (what
+`runtime.generated.Generated` gives it as `self.<name>`). A candidate is a file of imports, constants and one
+`class Replacement(Generated)` whose methods compute with tensors. Every name it uses must be one of its own
+(parameters, locals, constants, methods), an entry of the allow-list (`onboard.agent.capabilities`: curated
+torch and torch.nn.functional functions, math, the runtime API, a few builtins), or an attribute on a value it
+holds that the list allows (tensor methods, dtype / device / finfo fields). What the allow-list does not
+name cannot be reached, whatever path leads there: `torch.os`, `torch.sys.modules[...]`, `runtime.generated.
+importlib`, a generator's frame, a class's `forward`, `type(x)`, `super()`, a dunder. Each refusal names the
+class of attack it stops:
+
+- reach-through: a name, attribute or import off the list; a module, class or part of the module used as a
+  value; `self.<name>` that is not the module's state or the class's own method;
+- fallback: `try` / `except`, and any context manager but `torch.enable_grad` / `torch.autocast` (one that
+  swallows an error is a fallback no `try` shows; `no_grad` turns the gradients it must carry off);
+- judge tampering: assigning to an attribute or into the module's state, rebinding `self` or an import,
+  `global` / `nonlocal`: a candidate changes its own locals only;
+- import-time code: any module-level statement but imports, constants and the class; decorators, metaclasses,
+  `__init__` or other dunder methods, and methods that override `nn.Module`'s own.
 """
 
 from __future__ import annotations
 
 import ast
+import math
+from collections.abc import Iterable
 
-ALLOWED_ROOTS = {"torch", "math", "runtime"}
-FORBIDDEN_CALLS = {"eval", "exec", "compile", "open", "breakpoint", "globals", "locals", "vars",
-                   "getattr", "setattr", "delattr", "__import__", "memoryview"}
-FORBIDDEN_ATTRIBUTES = {"f_back", "f_globals", "f_locals", "f_code", "gi_frame", "cr_frame", "tb_frame",
-                        "_getframe", "load", "save", "hub", "load_library", "cpp_extension", "_C", "system",
-                        "forward_with_globals", "replaced"}
+from torch import nn
+
+from onboard.agent import capabilities as cap
+
 CLASS_NAME = "Replacement"
+BASE = "runtime.generated.Generated"
+REACH, FALLBACK, TAMPER, IMPORT_TIME = "reach-through", "fallback", "judge tampering", "import-time code"
+MAX_SOURCE = 200_000  # characters: a candidate is one small module
+RESERVED = frozenset(n for n in dir(nn.Module) if not n.startswith("_")) - {"forward"}  # nn.Module's own methods
+FUTURE = "__future__.annotations"
 
 
-def _imports(node: ast.AST) -> list[str]:
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
-    if isinstance(node, ast.ImportFrom):
-        return ["." * node.level + (node.module or "")]
-    return []
+def _math_entry(path: str) -> bool:
+    name = path.removeprefix("math.")
+    return path.startswith("math.") and "." not in name and not name.startswith("_") and hasattr(math, name)
 
 
-def _foreign_attribute(target: ast.AST) -> bool:
-    """An assignment target through an attribute of anything but `self`: torch.x = ..., probe.TOLERANCE[0] = ...
-    (a local tensor's items, out[..., :n] = ..., are the candidate's own)."""
-    through_attribute = False
-    while isinstance(target, ast.Attribute | ast.Subscript):
-        through_attribute |= isinstance(target, ast.Attribute)
-        target = target.value
-    return through_attribute and not (isinstance(target, ast.Name) and target.id == "self")
+def is_entry(path: str) -> bool:
+    """Whether the dotted `path` names something a candidate may call or read (`capabilities`)."""
+    return path in cap.ENTRIES or _math_entry(path)
 
 
-def check(source: str) -> list[str]:
-    """Everything the candidate `source` does that it may not, one line each (empty: it may run)."""
+def _chain(node: ast.AST) -> tuple[ast.AST, list[str]]:
+    """(root, [attr, ...]) of an attribute chain a.b.c."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return node, attrs[::-1]
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+class _Checker:
+    def __init__(self, state: Iterable[str]):
+        self.leaves = set(state)
+        self.containers = {p for name in self.leaves for p in _prefixes(name)}
+        self.problems: list[str] = []
+        self.modules: dict[str, str] = {}  # bound name -> module path
+        self.entries: dict[str, str] = {}  # bound name -> entry path
+        self.constants: set[str] = set()
+        self.methods: set[str] = set()
+        self.class_constants: set[str] = set()
+
+    def refuse(self, node: ast.AST, kind: str, what: str) -> None:
+        self.problems.append(f"line {getattr(node, 'lineno', 0)}: {kind}: {what}")
+
+    # --- module level -------------------------------------------------------------------------------------
+
+    def module(self, tree: ast.Module) -> None:
+        classes = 0
+        for index, node in enumerate(tree.body):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and index == 0:
+                continue  # the docstring
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                self.import_(node)
+            elif isinstance(node, ast.Assign | ast.AnnAssign):
+                self.constant(node, self.constants)
+            elif isinstance(node, ast.ClassDef) and node.name == CLASS_NAME and not classes:
+                classes += 1
+                self.class_(node)
+            else:
+                what = {ast.ClassDef: f"class {getattr(node, 'name', '')}: only one class, {CLASS_NAME}",
+                        ast.FunctionDef: "a module-level function: write helpers as methods of the class"}.get(
+                    type(node), f"{type(node).__name__} at module level runs when the file is imported")
+                self.refuse(node, IMPORT_TIME, what + " (only imports, constants and the class)")
+        if not classes:
+            self.refuse(tree, IMPORT_TIME, f"no class {CLASS_NAME}(Generated) at module level")
+
+    def import_(self, node: ast.Import | ast.ImportFrom) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name not in cap.MODULES:
+                    self.refuse(node, REACH, f"import of {alias.name}: only torch, math and runtime modules "
+                                             f"({', '.join(sorted(cap.MODULES))})")
+                elif alias.asname:
+                    self.bind(node, alias.asname, module=alias.name)
+                else:
+                    root = alias.name.split(".")[0]
+                    self.bind(node, root, module=root)
+            return
+        module = node.module or ""
+        if node.level or module == "__future__":
+            if node.level or any(f"__future__.{a.name}" != FUTURE for a in node.names):
+                self.refuse(node, REACH, f"import from {'.' * node.level}{module}: only torch, math and runtime")
+            return
+        for alias in node.names:
+            full = f"{module}.{alias.name}"
+            name = alias.asname or alias.name
+            if alias.name == "*":
+                self.refuse(node, REACH, f"from {module} import *: name what you use")
+            elif module in cap.MODULES and full in cap.MODULES:
+                self.bind(node, name, module=full)
+            elif module in cap.MODULES and is_entry(full):
+                self.bind(node, name, entry=full)
+            else:
+                self.refuse(node, REACH, f"import of {full}: not on the allow-list (show_runtime_api lists it)")
+
+    def bind(self, node: ast.AST, name: str, *, module: str = "", entry: str = "") -> None:
+        if name.startswith("__"):
+            self.refuse(node, REACH, f"the name {name}")
+        elif module:
+            self.modules[name] = module
+        else:
+            self.entries[name] = entry
+
+    def constant(self, node: ast.Assign | ast.AnnAssign, into: set[str]) -> None:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if not all(isinstance(t, ast.Name) and not t.id.startswith("_") for t in targets):
+            self.refuse(node, IMPORT_TIME, "an assignment at module or class level that is not NAME = constant")
+            return
+        if node.value is None or not self.constant_expression(node.value):
+            self.refuse(node, IMPORT_TIME, "a constant computed by a call or from a non-constant: runs at import")
+            return
+        into.update(t.id for t in targets)
+
+    def constant_expression(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.Tuple | ast.List):
+            return all(self.constant_expression(e) for e in node.elts)
+        if isinstance(node, ast.UnaryOp):
+            return self.constant_expression(node.operand)
+        if isinstance(node, ast.BinOp):
+            return self.constant_expression(node.left) and self.constant_expression(node.right)
+        if isinstance(node, ast.Name):
+            return node.id in self.constants
+        if isinstance(node, ast.Attribute):  # math.pi, torch.float32
+            root, attrs = _chain(node)
+            return (isinstance(root, ast.Name) and root.id in self.modules
+                    and is_entry(".".join([self.modules[root.id], *attrs])))
+        return False
+
+    def class_(self, node: ast.ClassDef) -> None:
+        if node.decorator_list or node.keywords:
+            self.refuse(node, IMPORT_TIME, "a class decorator or keyword (metaclass): runs at import")
+        if len(node.bases) != 1 or self.resolve_entry(node.bases[0]) != BASE:
+            self.refuse(node, REACH, f"{CLASS_NAME} must derive from runtime.generated.Generated alone")
+        methods = []
+        for index, item in enumerate(node.body):
+            if isinstance(item, ast.Expr) and isinstance(item.value, ast.Constant) and index == 0:
+                continue
+            if isinstance(item, ast.Assign | ast.AnnAssign):
+                self.constant(item, self.class_constants)
+            elif isinstance(item, ast.FunctionDef):
+                if item.name.startswith("_"):
+                    self.refuse(item, IMPORT_TIME, f"method {item.name}: dunder and private methods (__init__, "
+                                                   "__getattr__, ...) change how the module is built or called")
+                elif item.name in RESERVED:
+                    self.refuse(item, REACH, f"method {item.name} overrides nn.Module's own")
+                elif item.decorator_list:
+                    self.refuse(item, IMPORT_TIME, f"a decorator on {item.name}: runs at import")
+                else:
+                    methods.append(item)
+                    self.methods.add(item.name)
+            else:
+                self.refuse(item, IMPORT_TIME, f"{type(item).__name__} in the class body: only methods and constants")
+        if "forward" not in self.methods:
+            self.refuse(node, IMPORT_TIME, f"{CLASS_NAME} has no forward method")
+        for method in methods:
+            _Method(self, method).check()
+
+    def resolve_path(self, node: ast.AST) -> str:
+        """The dotted path a Name or attribute chain of imported names stands for ("" when none)."""
+        root, attrs = _chain(node)
+        if not isinstance(root, ast.Name):
+            return ""
+        if root.id in self.entries and not attrs:
+            return self.entries[root.id]
+        if root.id in self.modules:
+            return ".".join([self.modules[root.id], *attrs])
+        return ""
+
+    def resolve_entry(self, node: ast.AST) -> str:
+        """The entry a Name or attribute chain of imported names resolves to ("" when none)."""
+        path = self.resolve_path(node)
+        return path if is_entry(path) else ""
+
+
+class _Method:
+    """One method of the class (nested functions and lambdas with it): its names, and each expression."""
+
+    def __init__(self, checker: _Checker, node: ast.FunctionDef):
+        self.c, self.node = checker, node
+        self.parents = {child: parent for parent in ast.walk(node) for child in ast.iter_child_nodes(parent)}
+        self.bound: set[str] = set()
+        self.aliases: dict[str, str] = {}  # local name -> the part of the module it names (mlp = self.router_mlp)
+
+    def check(self) -> None:
+        c, node = self.c, self.node
+        args = node.args
+        positional = args.posonlyargs + args.args
+        if not positional or positional[0].arg != "self":
+            c.refuse(node, REACH, f"method {node.name} must take self first")
+        self.names()
+        for child in ast.walk(node):
+            self.statement(child)
+            if isinstance(child, ast.Attribute) and not isinstance(self.parents.get(child), ast.Attribute):
+                self.attribute_chain(child)
+            elif isinstance(child, ast.Name):
+                self.name(child)
+            elif isinstance(child, ast.Call):
+                self.call(child)
+
+    def names(self) -> None:
+        """The method's own names, and which of them name a part of the module."""
+        c, counts = self.c, {}
+        for child in ast.walk(self.node):
+            if isinstance(child, ast.arg):
+                if child.arg == "self" and child is not (self.node.args.posonlyargs + self.node.args.args)[0]:
+                    c.refuse(child, TAMPER, "a parameter called self other than the method's own")
+                counts[child.arg] = counts.get(child.arg, 0) + 1
+            elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store | ast.Del):
+                if child.id == "self":
+                    c.refuse(child, TAMPER, "rebinding self")
+                counts[child.id] = counts.get(child.id, 0) + 1
+            elif isinstance(child, ast.FunctionDef):
+                counts[child.name] = counts.get(child.name, 0) + 1
+        for name in counts:
+            if name in c.modules or name in c.entries or name in c.constants:
+                c.refuse(self.node, TAMPER, f"rebinding the imported or constant name {name}")
+            if name.startswith("__"):
+                c.refuse(self.node, REACH, f"the name {name}")
+        self.bound = set(counts)
+        for child in ast.walk(self.node):
+            if (isinstance(child, ast.Assign) and len(child.targets) == 1 and isinstance(child.targets[0], ast.Name)
+                    and isinstance(child.value, ast.Attribute)):
+                part = self.self_path(child.value)
+                if part is not None and part in c.containers:
+                    name = child.targets[0].id
+                    if counts[name] != 1:
+                        c.refuse(child, REACH, f"{name} names a part of the module and is bound again")
+                    self.aliases[name] = part
+
+    def self_path(self, node: ast.AST) -> str | None:
+        """The dotted path below self of a chain rooted at self or at an alias of a part of the module."""
+        root, attrs = _chain(node)
+        if not isinstance(root, ast.Name):
+            return None
+        if root.id == "self":
+            return ".".join(attrs)
+        if root.id in self.aliases:
+            return ".".join([self.aliases[root.id], *attrs])
+        return None
+
+    def statement(self, node: ast.AST) -> None:
+        c = self.c
+        if isinstance(node, ast.Try | ast.TryStar):
+            c.refuse(node, FALLBACK, "try/except: a candidate that fails must fail, not fall back")
+        elif isinstance(node, ast.With):
+            for item in node.items:
+                expr = item.context_expr
+                path = c.resolve_path(expr.func) if isinstance(expr, ast.Call) else ""
+                if path not in cap.CONTEXT_MANAGERS:
+                    c.refuse(node, FALLBACK, "a context manager other than torch.enable_grad / torch.autocast (one "
+                                             "can swallow errors, or turn the gradients off)")
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            c.refuse(node, TAMPER, f"{type(node).__name__.lower()} statement")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            c.refuse(node, REACH, "an import inside a method: imports are checked at module level only")
+        elif isinstance(node, ast.ClassDef | ast.AsyncFunctionDef | ast.AsyncFor | ast.AsyncWith | ast.Await
+                        | ast.Yield | ast.YieldFrom | ast.Match):
+            c.refuse(node, REACH, f"{type(node).__name__} in a method: plain functions of tensors only")
+        elif isinstance(node, ast.FunctionDef) and node is not self.node and node.decorator_list:
+            c.refuse(node, IMPORT_TIME, f"a decorator on {node.name}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            c.refuse(node, TAMPER, "assignment to an attribute (of a module, a tolerance, self): a candidate "
+                                   "changes its own locals only")
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
+            root = node.value
+            while isinstance(root, ast.Subscript | ast.Attribute):
+                root = root.value
+            if not (isinstance(root, ast.Name) and root.id in self.bound and root.id not in self.aliases
+                    and root.id != "self"):
+                c.refuse(node, TAMPER, "writing into something other than a local value (the module's state)")
+
+    def name(self, node: ast.Name) -> None:
+        c, name = self.c, node.id
+        if isinstance(node.ctx, ast.Store | ast.Del):
+            return  # bindings are checked in names()
+        parent = self.parents.get(node)
+        root_of_chain = isinstance(parent, ast.Attribute) and parent.value is node
+        if name.startswith("__"):
+            c.refuse(node, REACH, f"the name {name}")
+        elif name == "self" or name in self.aliases:
+            if not root_of_chain:
+                c.refuse(node, REACH, f"{name} used as a value: read its parameters, buffers and settings instead")
+        elif name in self.bound or name in c.constants or name in c.entries:
+            return
+        elif name in c.modules:
+            if not root_of_chain:
+                c.refuse(node, REACH, f"the module {c.modules[name]} used as a value")
+        elif name in cap.BUILTINS:
+            return
+        else:
+            c.refuse(node, REACH, f"{name} is not on the allow-list (the capabilities are in show_runtime_api)")
+
+    def attribute_chain(self, node: ast.Attribute) -> None:
+        c = self.c
+        root, attrs = _chain(node)
+        private = [a for a in attrs if a.startswith("_")]
+        if private:
+            c.refuse(node, REACH, f"attribute .{private[0]}: private and dunder state is out of reach")
+            return
+        if isinstance(root, ast.Name) and (root.id == "self" or root.id in self.aliases):
+            self.state_chain(node, root.id, attrs)
+        elif isinstance(root, ast.Name) and root.id in c.modules:
+            path = c.modules[root.id]
+            for i, attr in enumerate(attrs):
+                path = f"{path}.{attr}"
+                if is_entry(path):
+                    self.values(node, attrs[i + 1:])
+                    return
+                if path in cap.CONTEXT_MANAGERS and i == len(attrs) - 1 and self.manages(node):
+                    return
+                if path not in cap.MODULES:
+                    break
+            c.refuse(node, REACH, f"{path} is not a function or constant on the allow-list")
+        else:
+            self.values(node, attrs)
+
+    def manages(self, node: ast.AST) -> bool:
+        """Whether `node` is called as the context manager of a with statement (`with torch.enable_grad():`)."""
+        call = self.parents.get(node)
+        return (isinstance(call, ast.Call) and call.func is node
+                and isinstance(self.parents.get(call), ast.withitem))
+
+    def values(self, node: ast.AST, attrs: list[str]) -> None:
+        bad = [a for a in attrs if a not in cap.ATTRIBUTES]
+        if bad:
+            self.c.refuse(node, REACH, f"attribute .{bad[0]}: not a tensor method or value attribute on the "
+                                       "allow-list")
+
+    def state_chain(self, node: ast.Attribute, root: str, attrs: list[str]) -> None:
+        c = self.c
+        parts = ([*self.aliases[root].split(".")] if root != "self" else []) + attrs
+        if root == "self" and attrs[0] in c.methods:
+            parent = self.parents.get(node)
+            if len(attrs) != 1 or not (isinstance(parent, ast.Call) and parent.func is node):
+                c.refuse(node, REACH, f"self.{attrs[0]}: the class's methods are called, not taken as values")
+            return
+        if root == "self" and (attrs[0] in c.class_constants or attrs[0] == "training"):
+            self.values(node, attrs[1:])
+            return
+        for i in range(1, len(parts) + 1):
+            path = ".".join(parts[:i])
+            if path in c.leaves:
+                self.values(node, parts[i:])
+                return
+            if path not in c.containers:
+                c.refuse(node, REACH, f"self.{path} is not a parameter, buffer or setting of the module, nor a "
+                                      "method of the class")
+                return
+        parent = self.parents.get(node)
+        if not (isinstance(parent, ast.Assign) and parent.value is node and len(parent.targets) == 1
+                and isinstance(parent.targets[0], ast.Name)):
+            c.refuse(node, REACH, f"self.{'.'.join(parts)} is a part of the module, not a value")
+
+    def call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in self.aliases:
+            self.c.refuse(node, REACH, f"calling {func.id}, a part of the module (its forward is not yours)")
+
+
+def check(source: str, state: Iterable[str] = ()) -> list[str]:
+    """Everything the candidate `source` does that it may not, one line each (empty: it may run); `state`: the
+    dotted names of the replaced module's parameters, buffers and settings."""
+    if not isinstance(source, str) or len(source) > MAX_SOURCE:
+        return [f"line 0: {IMPORT_TIME}: a candidate is a Python file of at most {MAX_SOURCE} characters"]
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
         return [f"line {exc.lineno}: not Python ({exc.msg})"]
-    problems = []
-
-    def refuse(node: ast.AST, what: str) -> None:
-        problems.append(f"line {getattr(node, 'lineno', 0)}: {what}")
-
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # a docstring
-        if not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef | ast.Assign
-                          | ast.AnnAssign):
-            refuse(node, f"{type(node).__name__} at module level: only imports, constants, functions, classes")
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS_NAME]
-    if not classes:
-        refuse(tree, f"no class {CLASS_NAME}(Generated) at module level")
-    for node in ast.walk(tree):
-        for name in _imports(node):
-            if name.split(".")[0] not in ALLOWED_ROOTS:
-                refuse(node, f"import of {name or 'a relative module'}: only torch, math and runtime")
-        if isinstance(node, ast.Try | ast.TryStar):
-            refuse(node, "try/except: a candidate that fails must fail, not fall back")
-        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and any(
-                _foreign_attribute(t) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
-            refuse(node, "assignment to an attribute of something other than self (a module, a tolerance)")
-        elif isinstance(node, ast.Global | ast.Nonlocal):
-            refuse(node, f"{type(node).__name__.lower()} statement")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
-            refuse(node, f"call of {node.func.id}()")
-        elif isinstance(node, ast.Name) and node.id in FORBIDDEN_CALLS and isinstance(node.ctx, ast.Load):
-            refuse(node, f"use of {node.id}")
-        elif isinstance(node, ast.Attribute):
-            if node.attr.startswith("__") and node.attr.endswith("__"):
-                refuse(node, f"dunder attribute .{node.attr}")
-            elif node.attr in FORBIDDEN_ATTRIBUTES:
-                refuse(node, f"attribute .{node.attr} (files, extensions, frames or the replaced module)")
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "__init__":
-            refuse(node, "__init__: Generated builds the module from the original's state")
-        elif isinstance(node, ast.AsyncFunctionDef):
-            refuse(node, "async function")
-    return list(dict.fromkeys(problems))
+    except (RecursionError, MemoryError, ValueError):
+        return ["line 0: not Python the guard can read (nested too deeply, or null bytes)"]
+    checker = _Checker(state)
+    try:
+        checker.module(tree)
+    except RecursionError:
+        return ["line 0: nested too deeply for the guard to read"]
+    return list(dict.fromkeys(checker.problems))

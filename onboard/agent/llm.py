@@ -36,24 +36,24 @@ SYSTEM_PROMPT = """You adapt one PyTorch module of a HuggingFace model to a trai
 Write a Python file that defines `class Replacement(Generated)` (from runtime.generated) with a `forward` taking
 the same arguments as the module's forward and returning the same outputs, computed with torch and the runtime's
 ops. Generated builds the module from the original's state: `self.<name>` is each parameter, buffer and plain
-setting of the original under its own dotted name. Do not define __init__. Import only torch, math and runtime.
-No try/except, no eval/exec/open/getattr, no dunder attributes, no file or network access: such code is refused
-before it runs. Submit with submit_candidate(hypothesis, code): it is probed against the live module, forward and
-backward, and you get the result. Repair from the failure you are shown. Stop when a candidate passes."""
-
-RUNTIME_API = {
-    "runtime.generated": ["Generated"],
-    "runtime.hyper_connection": ["hyper_connection_weights", "sinkhorn"],
-    "runtime.residual": ["affine_sum", "short_conv_residual"],
-    "runtime.attention": ["causal_conv1d", "chunk_scalar_decay", "chunk_constant_decay", "chunk_gated_delta_rule"],
-}
+setting of the original under its own dotted name. The file holds imports, constants and the class only; helpers
+are methods of the class; no __init__ or other underscore methods, no decorators. Use only what show_runtime_api
+lists: tensor methods, the listed torch / torch.nn.functional functions, math, the runtime ops and a few builtins.
+No try/except, no context manager but torch.enable_grad, no assignment to attributes (self.x = ...), no other
+modules, classes or files: such code is refused before it runs. It then runs in a sandbox of its own. Submit with
+submit_candidate(hypothesis, code): it is probed against the live module on inputs you are not shown, forward and
+backward, in evaluation and training mode, and you get the result. Repair from the failure you are shown. Stop
+when a candidate passes."""
 
 
 def runtime_api() -> str:
-    """What generated code may call: each runtime op's signature and the first paragraph of its docstring."""
+    """What generated code may call: each runtime op's signature and the first paragraph of its docstring, and
+    the rest of the allow-list (`onboard.agent.capabilities`)."""
     import importlib
 
-    lines = []
+    from onboard.agent.capabilities import RUNTIME_API, describe
+
+    lines = [f"Allowed: {describe()}."]
     for module_name, names in RUNTIME_API.items():
         module = importlib.import_module(module_name)
         for name in names:

@@ -13,6 +13,7 @@ agent.jsonl.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,29 +21,34 @@ from pathlib import Path
 from onboard.agent import guard
 from onboard.agent.candidate import Candidate
 from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
-from onboard.agent import sandbox as sandboxes
-from onboard.agent.sandbox import Limits, Sandbox
+from onboard.agent.sandbox.judge import Judge
+from onboard.agent.sandbox.process import Stopped
+from onboard.agent.sandbox.remote import Host
+from onboard.agent.sandbox.session import Limits, Sandbox
 from onboard.agent.tasks import Task, leftovers
 from onboard.decision import Decision, GeneratedEntry
 from onboard.errors import OnboardError
 from onboard.source import ModelSource
 from onboard.spec import ModelSpec
 from onboard.twin import Twin
+from runtime.generated import ModuleState
 
 ROUNDS = 3  # candidates tried per task before it stays HuggingFace code
 
 
 @dataclass(frozen=True)
 class SpeedCheck:
-    """How a candidate that passed the probe is timed against the module (`probe.speed`): at `width` times the
-    twin's width and `tokens` tokens, the fastest of `repeats` samples; below `slower_than` times the module's
-    speed it is not swapped in (the round fails, saying so). The margin keeps a replacement doing the same
-    operations as the module from being refused by the noise of a shared machine (such pairs measure 0.93x to
-    1.07x on this 2-core machine)."""
+    """How a candidate that passed the probe is timed against the module (`Judge.speed`): at `width` times the
+    twin's width and `tokens` tokens, `repeats` samples each, the module in the reference's process and the
+    candidate in its own, each by the kernel's count of its CPU time; below `slower_than` times the module's
+    speed (the median of the samples' ratios) it is not swapped in (the round fails, saying so). The margin keeps
+    a replacement doing the same operations as the module from being refused by the noise of a shared machine:
+    such pairs, one millisecond calls in two processes, measured 0.74x to 1.28x on this 2-core VM (a candidate
+    doing twelve extra tanh passes measures 0.08x)."""
     width: int = 8
     tokens: int = 1024
-    repeats: int = 3
-    slower_than: float = 0.8
+    repeats: int = 9
+    slower_than: float = 0.6
 
 
 SLOWER = ("passed the probe, but ran below {check.slower_than}x the HuggingFace module's speed (forward + backward, "
@@ -62,6 +68,41 @@ class Agent:
         self.tasks: list[Task] = []
         self.recorded_speed: dict[tuple[str, int], bool] = {}  # a replay's timing verdicts (ReplayPolicy.speed)
         self.decision_entries: list[GeneratedEntry] = []  # one per task, as the decision holds them
+        self._scratch: Path | None = None
+        self._sandbox: Sandbox | None = None
+        self._judge: Judge | None = None
+        self._host: Host | None = None
+
+    def sandbox(self) -> Sandbox:
+        """The session's sandbox (started on first use): the reference's process and the candidates'."""
+        if self._sandbox is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="onboard-agent-"))
+            self._sandbox = Sandbox(self._model_ref(self._scratch), trust_remote_code=self.source.trust_remote_code,
+                                    limits=self.limits)
+        return self._sandbox
+
+    def warm(self) -> None:
+        """Start the sandbox's processes now, so their imports overlap with the caller's inspection."""
+        self.sandbox().warm()
+
+    def loader(self):
+        """How whole-twin verification loads generated files: into a candidate's process of the sandbox, never
+        into this one (`onboard.agent.sandbox.remote`)."""
+        if self._host is None:
+            self._host = Host(self.sandbox()).__enter__()
+        return self._host.load
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
+        self._judge = None
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def take_on(self, spec: ModelSpec, twin: Twin, decision: Decision, staging: Path) -> bool:
         """Attempt every leftover of `decision` not attempted before (adapt calls this as decided, and again
@@ -72,11 +113,7 @@ class Agent:
         if not tasks:
             return False
         self.tasks.extend(tasks)
-        entries = []
-        with tempfile.TemporaryDirectory(prefix="onboard-agent-") as scratch, Sandbox(self.limits) as sandbox:
-            model_ref = self._model_ref(Path(scratch))
-            for task in tasks:
-                entries.append(self.attempt(task, spec, twin, staging, model_ref, sandbox))
+        entries = [self.attempt(task, spec, twin, staging) for task in tasks]
         self.decision_entries.extend(entries)
         decision.generated.extend(entries)
         return any(entry.file for entry in entries)
@@ -88,14 +125,19 @@ class Agent:
         self.source.config.save_pretrained(scratch / "model")  # an in-memory config (families, tests)
         return str(scratch / "model")
 
-    def attempt(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path, model_ref: str,
-                sandbox: Sandbox) -> GeneratedEntry:
+    def attempt(self, task: Task, spec: ModelSpec, twin: Twin, staging: Path) -> GeneratedEntry:
         """One task: the policy proposes through `trial` until one passes or the budget of rounds is spent; the
         entry the decision gets (module docstring)."""
         record = self.recorder.add
         record("task", task=task.path, replaces=task.module_class, layers=list(task.layers), why=task.why)
         module_path = f"{spec.layers_path}.{task.twin_layers[0]}.{task.path}"
         module = twin.model.get_submodule(module_path)
+        names = set().union(*(ModuleState.of(twin.model.get_submodule(f"{spec.layers_path}.{i}.{task.path}")).names()
+                              for i in task.twin_layers))  # the same module reads other settings in other layers
+        sandbox = self.sandbox()
+        if self._judge is None:
+            self._judge = Judge(sandbox)
+        judge = self._judge
         entry = GeneratedEntry(layers=list(task.layers), path=task.path, file="", replaces=task.module_class,
                                policy=self.policy.name, reading="", hypothesis="")
         history: list[dict] = []
@@ -108,17 +150,25 @@ class Agent:
             record("candidate", task=task.path, round=number, policy=candidate.policy, reading=candidate.reading,
                    hypothesis=candidate.hypothesis, code=candidate.code, sha256=sha256(candidate.code))
             outcome = {"round": number, "reading": candidate.reading, "hypothesis": candidate.hypothesis}
-            if problems := guard.check(candidate.code):
+            if problems := guard.check(candidate.code, names):
                 record("guard", task=task.path, round=number, problems=problems)
                 outcome["outcome"] = "refused before running: " + "; ".join(problems[:3])
             else:
                 path = staging / GENERATED_DIR / f"{task.name}.py"
                 path.parent.mkdir(exist_ok=True)
                 path.write_text(candidate.code)
-                result = sandbox.probe({"model": model_ref, "trust_remote_code": self.source.trust_remote_code,
-                                        "module_path": module_path, "candidate": str(path)})
-                record("probe", task=task.path, round=number, result=result)
-                slower = result.get("passed") and self._slower(task, spec, path, model_ref, sandbox, number)
+                digest = sha256(candidate.code)
+                try:
+                    with sandbox.candidate() as worker:
+                        round_ = judge.round(worker)
+                        result = judge.probe(round_, module_path=module_path, code=candidate.code, name=path.name,
+                                             draw=judge.draw(digest, task.path, str(number)))
+                        record("probe", task=task.path, round=number, result=result)
+                        slower = result.get("passed") and self._slower(task, spec, candidate.code, path.name, judge,
+                                                                       round_, number, digest)
+                except Stopped as exc:  # the sandbox could not start a process for it
+                    result, slower = {"passed": False, "note": f"its process {exc}"}, ""
+                    record("probe", task=task.path, round=number, result=result)
                 if slower:
                     path.unlink()
                     outcome["outcome"] = slower
@@ -141,8 +191,8 @@ class Agent:
             record("left", task=task.path, why=entry.refused)
         return entry
 
-    def _slower(self, task: Task, spec: ModelSpec, path: Path, model_ref: str, sandbox: Sandbox,
-                number: int) -> str:
+    def _slower(self, task: Task, spec: ModelSpec, code: str, name: str, judge: Judge, round_, number: int,
+                digest: str) -> str:
         """Why a candidate that passed the probe is not swapped in for being slower ("" when it is not). Only
         the verdict goes into the record and the bundle (timings differ from run to run; the verdict, away
         from the margin, does not), and a replay takes the recorded verdict rather than timing again."""
@@ -153,11 +203,9 @@ class Agent:
         if recorded is not None:
             verdict = SLOWER.format(check=check) if recorded else ""
         else:
-            timed = sandbox.probe({"op": "speed", "model": model_ref,
-                                   "trust_remote_code": self.source.trust_remote_code,
-                                   "layers_path": spec.layers_path, "layer": task.twin_layers[0], "path": task.path,
-                                   "candidate": str(path), "width": check.width, "tokens": check.tokens,
-                                   "repeats": check.repeats})
+            timed = judge.speed(round_, layers_path=spec.layers_path, layer=task.twin_layers[0], path=task.path,
+                                code=code, name=name, width=check.width, tokens=check.tokens, repeats=check.repeats,
+                                seed_parts=(digest, task.path, str(number)))
             if "ratio" not in timed:
                 verdict = f"passed the probe, but timing it failed: {timed.get('note', 'no reason given')}"
             else:
@@ -233,6 +281,9 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
             session["keep_slower"] = True
     agent = Agent(chosen, source, rounds=rounds, session=session, speed=None if keep_slower else SpeedCheck())
     agent.recorded_speed = getattr(chosen, "speed", {})
-    sandboxes.warm()  # the probe's imports run while this process inspects the model
-    spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
+    agent.warm()  # the sandbox's imports run while this process inspects the model
+    try:
+        spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
+    finally:
+        agent.close()
     return spec, verification, agent

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.loop import Agent, SpeedCheck
-from onboard.agent.sandbox import Limits, Sandbox
+from onboard.agent.sandbox.session import Limits
 from onboard.agent.tasks import leftovers
 from onboard.capture import capture
 from onboard.decision import decide
@@ -125,7 +125,9 @@ def take_on(model, policy, tmp_path, rounds=3, limits=Limits(), speed=SpeedCheck
     task = next(t for t in tasks if t.path == path) if path else tasks[0]
     staging = tmp_path / "staging"
     staging.mkdir(parents=True)
-    with Sandbox(limits) as sandbox:
-        return agent.attempt(task, spec, twin, staging, source.ref, sandbox), agent, staging
+    try:
+        return agent.attempt(task, spec, twin, staging), agent, staging
+    finally:
+        agent.close()
 
 

@@ -6,16 +6,12 @@ test_llm.py. Models are tiny twins of transformers' own default configs."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from onboard.agent.loop import RECORD, SpeedCheck, run
 from onboard.agent.record import ReplayPolicy
-from onboard.agent.sandbox import Limits, Sandbox
+from onboard.agent.sandbox.session import Limits
 from onboard.errors import OnboardError
 from onboard.families import default_config
 from onboard.source import from_config, resolve
@@ -78,41 +74,21 @@ def test_replay_refuses_a_record_of_another_model_and_keeps_the_bundle(deepseek_
 
 
 def test_a_candidate_that_never_returns_is_stopped_by_the_sandbox(zaya, tmp_path):
-    entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(cpu_seconds=4, wall_seconds=60),
+    entry, _, _ = take_on(zaya, Scripted(LOOPS), tmp_path, rounds=1, limits=Limits(wall_seconds=10),
                           path=ZAYA_TASK)
-    assert entry.takes is None and "the probe process ended with code" in entry.rounds[0]["outcome"]
-
-
-def test_a_probe_process_that_dies_fails_its_round_and_the_next_probe_gets_a_fresh_one(tmp_path):
-    """Probe processes are forked by a zygote that outlives them: one killed from outside is reported with its
-    exit code, the next probe runs in a new process, and each session has its own."""
-    request = {"model": str(tmp_path / "no-such-model"), "module_path": "x", "candidate": "x.py"}
-    with Sandbox(Limits(wall_seconds=120)) as sandbox:
-        first = sandbox.probe(request)
-        assert not first["passed"] and "no-such-model" in first["note"]
-        killed = sandbox.pid
-        os.kill(killed, signal.SIGKILL)
-        assert sandbox.probe(request)["note"].startswith(f"the probe process ended with code {-signal.SIGKILL}")
-        assert sandbox.probe(request) == first and sandbox.pid not in (None, killed)
-        previous = sandbox.pid
-    with Sandbox() as sandbox:
-        assert sandbox.probe(request) == first and sandbox.pid not in (previous, killed)
-
-
-def test_the_probe_process_has_no_network():
-    code = ("from onboard.agent.probe import _no_network; _no_network(); import socket\n"
-            "try:\n    socket.create_connection(('192.0.2.1', 80), timeout=1)\n"
-            "except OSError as exc:\n    print(exc)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "has no network (tried 192.0.2.1)" in done.stdout
+    assert entry.takes is None and "ran past its round's 10 s" in entry.rounds[0]["outcome"]
 
 
 def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_path):
     """Right (it passes the probe) but slower than the module at 8x the twin's width: the round fails saying
-    so, and the next, as fast as the module, is taken. With the speed check off (--keep-slower) the slow one is."""
-    entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path / "a", path=ZAYA_TASK)
+    so, and the next, as fast as the module, is taken. With the speed check off (--keep-slower) the slow one is.
+    The margin here is wider than the default's: twelve extra tanh passes measure 0.08x, the module's own
+    operations 0.7x-1.3x in the sandbox's two processes on a 2-core machine, and what is tested is the rule,
+    not this machine's quiet."""
+    check = SpeedCheck(slower_than=0.3)
+    entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path / "a", path=ZAYA_TASK, speed=check)
     first, second = entry.rounds
-    assert "passed the probe, but ran below 0.8x" in first["outcome"] and "not swapped in" in first["outcome"]
+    assert "passed the probe, but ran below 0.3x" in first["outcome"] and "not swapped in" in first["outcome"]
     assert second["outcome"] == "passed the probe" and entry.takes
     assert [e["slower"] for e in agent.recorder.events if e["event"] == "speed"] == [True, False]
     # a replay takes the recorded verdicts: with a check that would pass anything, round 1 is still refused
@@ -146,6 +122,8 @@ def test_an_experts_only_block_leaves_its_router_to_the_rules(phimoe, tmp_path):
 def test_a_router_that_ignores_training_mode_fails_the_probe(phimoe, tmp_path):
     """A planted bug: the same routing always run as in evaluation (no sampling, no Heun estimate) agrees with
     the router in eval mode and is refused for what it does in training."""
-    entry, _, _ = take_on(phimoe, Scripted(EVAL_ONLY_PHIMOE_ROUTER), tmp_path, rounds=1, speed=None)
-    assert entry.takes is None and "in training mode" in entry.rounds[0]["outcome"]
-    assert "seed 0 x1:" not in entry.rounds[0]["outcome"]  # evaluation agreed
+    entry, agent, _ = take_on(phimoe, Scripted(EVAL_ONLY_PHIMOE_ROUTER), tmp_path, rounds=1, speed=None)
+    assert entry.takes is None and "train mode: output error" in entry.rounds[0]["outcome"]
+    probe = next(e["result"] for e in agent.recorder.events if e["event"] == "probe")
+    assert [c["mode"] for c in probe["cases"]] == ["eval", "train"]  # evaluation agreed, training did not
+    assert probe["cases"][0]["output_error"] < 1e-6

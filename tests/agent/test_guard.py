@@ -1,11 +1,15 @@
-"""The static guard on candidate code (`onboard.agent.guard`): what a policy (or a model's reply) may not put in
-a generated file, refused before anything imports it. Each cheat is a small edit of a right candidate."""
+"""The static guard on candidate code (`onboard.agent.guard`), by capability: what a policy (or a model's reply)
+may not put in a generated file, refused before anything runs it, with the class of attack named. Each cheat
+is a small edit of a right candidate; the reach-through cases go through names the old name-based guard let
+pass (torch.os, torch.sys.modules, a runtime module's own imports, a generator's frame)."""
 
 from __future__ import annotations
 
 import pytest
 
-from onboard.agent.guard import check
+from onboard.agent.guard import FALLBACK, IMPORT_TIME, REACH, TAMPER, check
+
+STATE = {"s1", "b1", "s2", "b2", "mlp.fc1.weight", "mlp.fc1.bias", "norm.eps", "top_k"}
 
 RIGHT = '''"""A right candidate."""
 
@@ -20,53 +24,118 @@ SCALE = 2.0
 
 
 class Replacement(Generated):
+    def gate(self, x):
+        mlp = self.mlp
+        return F.silu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias))
+
     def forward(self, a, b):
-        with torch.no_grad():
-            _ = math.sqrt(SCALE)
-        return affine_sum(a, b, self.s1, self.b1, self.s2, F.relu(self.b2))
+        with torch.enable_grad():
+            k = math.sqrt(SCALE) * self.norm.eps + self.top_k
+        out = affine_sum(a, b, self.s1, self.b1, self.s2, F.relu(self.b2))
+        picked = torch.topk(out.float(), 2, dim=-1).indices
+        out[..., :1] = out[..., :1] * k
+        return out + self.gate(a).sum(-1, keepdim=True) * picked.shape[-1], [t for t in (a, b) if t.dim() > 1]
 '''
 
-CHEATS = {
+CHEATS = {  # name: (extra module-level line, forward body, the class and words the refusal must name)
     "falls back to the HuggingFace forward": (
         "from transformers.models.zaya.modeling_zaya import ZayaResidualScaling\n",
-        "        return ZayaResidualScaling.forward(self, a, b)\n", "import of transformers"),
-    "try/except around the runtime op": (
-        "", "        try:\n            return a + b\n        except Exception:\n            return a\n", "try/except"),
-    "a forbidden import": ("import os\n", "        return a + b\n", "import of os"),
-    "writing a file": ("", "        open('/tmp/x', 'w').write('x')\n        return a + b\n", "call of open()"),
-    "touching a tolerance": ("import onboard.agent.probe as probe\n", "        return a + b\n",
-                             "import of onboard.agent.probe"),
-    "eval": ("", "        return eval('a + b')\n", "call of eval()"),
-    "frame introspection": ("", "        return a.grad_fn.__class__\n", "dunder attribute .__class__"),
-    "reaching through getattr": ("", "        return getattr(self, 'forward')(a, b)\n", "call of getattr()"),
-    "loading a file through torch": ("", "        return torch.load('weights.pt')\n", "attribute .load"),
-    "its own __init__": ("", "        return a\n\n    def __init__(self, original):\n        self.original = original\n",
-                         "__init__"),
-    "module-level code": ("print('hello')\n", "        return a + b\n", "Expr at module level"),
-    "a global": ("", "        global SCALE\n        return a + b\n", "global statement"),
-    "patching torch": ("", "        torch.sigmoid = torch.tanh\n        return a + b\n", "assignment to an attribute"),
-    "loosening the probe": ("import runtime.generated as g\n", "        g.PLAIN[0] = float\n        return a + b\n",
-                            "assignment to an attribute"),
+        "        return ZayaResidualScaling.forward(self, a, b)\n", (REACH, "import of transformers")),
+    "reaches os through torch": ("", "        torch.os.system('touch /tmp/x')\n        return a\n",
+                                 (REACH, "torch.os")),
+    "reaches sys.modules through torch": (
+        "", "        return torch.sys.modules['transformers'].AutoModel\n", (REACH, "torch.sys")),
+    "reaches a module through runtime": (
+        "import runtime.generated as g\n", "        return g.importlib.import_module('os')\n",
+        (REACH, "runtime.generated.importlib")),
+    "reaches the module's code through a module alias held as a value": (
+        "", "        m = torch\n        return m.load('x')\n", (REACH, "the module torch used as a value")),
+    "walks a generator's frame to the builtins": (
+        "", "        g = (i for i in range(1))\n        return g.gi_frame.f_globals\n", (REACH, "attribute .gi_frame")),
+    "a dunder": ("", "        return a.grad_fn.__class__\n", (REACH, "attribute .__class__")),
+    "a class's forward through type()": ("", "        return type(self).forward(self, a, b)\n",
+                                         (REACH, "type is not on the allow-list")),
+    "super()": ("", "        return super().forward(a, b)\n", (REACH, "super is not on the allow-list")),
+    "getattr": ("", "        return getattr(self, 'forward')(a, b)\n", (REACH, "getattr is not on the allow-list")),
+    "eval": ("", "        return eval('a + b')\n", (REACH, "eval is not on the allow-list")),
+    "open": ("", "        open('/tmp/x', 'w').write('x')\n        return a\n", (REACH, "open is not on the allow-list")),
+    "nn.Module's own methods on self": ("", "        return [p for p in self.parameters()]\n",
+                                        (REACH, "self.parameters is not")),
+    "a part of the module called (its forward is not the candidate's)": (
+        "", "        return self.mlp(a)\n", (REACH, "self.mlp is a part of the module")),
+    "self as a value": ("", "        return affine_sum.__wrapped__(self)\n", (REACH, "__wrapped__")),
+    "torch.load": ("", "        return torch.load('weights.pt')\n", (REACH, "torch.load")),
+    "try/except": ("", "        try:\n            return a + b\n        except Exception:\n            return a\n",
+                   (FALLBACK, "try/except")),
+    "a suppressing context manager": (
+        "", "        with torch.autograd.graph.saved_tensors_hooks(abs, abs):\n            return a\n",
+        (FALLBACK, "context manager")),
+    "no_grad around code that must carry gradients": (
+        "", "        with torch.no_grad():\n            return a + b\n", (FALLBACK, "context manager")),
+    "assigning to an attribute through a parameter called self": (
+        "", "        f = lambda self: a\n        return a\n", (TAMPER, "a parameter called self")),
+    "patching torch": ("", "        torch.sigmoid = torch.tanh\n        return a\n", (TAMPER, "assignment to an attribute")),
+    "loosening a tolerance": ("import runtime.generated as g\n", "        g.PLAIN[0] = float\n        return a\n",
+                              (TAMPER, "writing into something other than a local value")),
+    "writing into the module's state": ("", "        self.s1[0] = 1.0\n        return a\n",
+                                        (TAMPER, "writing into something other than a local value")),
+    "rebinding an import": ("", "        F = torch\n        return a\n", (TAMPER, "rebinding the imported")),
+    "a global": ("", "        global SCALE\n        return a\n", (TAMPER, "global statement")),
+    "module-level code": ("print('hello')\n", "        return a\n", (IMPORT_TIME, "Expr at module level")),
+    "a module-level call in a constant": ("X = torch.zeros(3)\n", "        return a\n",
+                                          (IMPORT_TIME, "a constant computed by a call")),
+    "a module-level function": ("def helper(x):\n    return x\n", "        return a\n",
+                                (IMPORT_TIME, "a module-level function")),
+    "its own __init__": ("", "        return a\n\n    def __init__(self, original):\n        pass\n",
+                         (IMPORT_TIME, "method __init__")),
+    "a __getattr__": ("", "        return a\n\n    def __getattr__(self, name):\n        return 1\n",
+                      (IMPORT_TIME, "method __getattr__")),
+    "overriding nn.Module's own": ("", "        return a\n\n    def train(self, mode=True):\n        return self\n",
+                                   (REACH, "overrides nn.Module")),
+    "a decorator": ("", "        return a\n\n    @staticmethod\n    def helper(x):\n        return x\n",
+                    (IMPORT_TIME, "decorator")),
 }
 
 
-def _with(extra_import: str, body: str) -> str:
-    head, _, _ = RIGHT.partition("        with torch.no_grad():")
-    head = head.replace("SCALE = 2.0\n", extra_import + "SCALE = 2.0\n")
-    return head + body
+def _with(extra: str, body: str) -> str:
+    head = RIGHT.partition("    def forward(self, a, b):\n")[0]
+    head = head.replace("SCALE = 2.0\n", extra + "SCALE = 2.0\n")
+    return head + "    def forward(self, a, b):\n" + body
 
 
 def test_a_right_candidate_passes():
-    assert check(RIGHT) == []
+    assert check(RIGHT, STATE) == []
 
 
 @pytest.mark.parametrize("cheat", list(CHEATS))
-def test_a_cheat_is_refused_before_it_runs(cheat):
-    extra, body, what = CHEATS[cheat]
-    problems = check(_with(extra, body))
-    assert any(what in p for p in problems), problems
+def test_a_cheat_is_refused_with_its_class_named(cheat):
+    extra, body, (kind, words) = CHEATS[cheat]
+    problems = check(_with(extra, body), STATE)
+    assert any(f": {kind}: " in p and words in p for p in problems), problems
 
 
-def test_no_replacement_class_and_bad_syntax():
-    assert any("no class Replacement" in p for p in check("import torch\n"))
-    assert check("def f(:\n")[0].startswith("line 1: not Python")
+def test_a_state_name_the_module_does_not_have_is_refused():
+    assert any("self.weight is not a parameter" in p for p in check(RIGHT.replace("self.s1", "self.weight"), STATE))
+
+
+def test_no_replacement_class_bad_syntax_and_size():
+    assert any("no class Replacement" in p for p in check("import torch\n", STATE))
+    assert check("def f(:\n", STATE)[0].startswith("line 1: not Python")
+    assert "at most" in check("x = 1\n" * 100_000, STATE)[0]
+    assert "not Python" in check("(" * 10_000 + ")" * 10_000, STATE)[0]
+
+
+def test_the_allow_list_names_no_module_and_no_way_out():
+    """Every entry resolves to a function, class or constant, never a module; and no attribute on the list is
+    one of the ways to frames, code, globals or storage."""
+    import importlib
+    import types
+
+    from onboard.agent import capabilities as cap
+
+    for entry in cap.ENTRIES:
+        module, _, name = entry.rpartition(".")
+        assert not isinstance(getattr(importlib.import_module(module), name), types.ModuleType), entry
+    escapes = {"gi_frame", "f_globals", "f_back", "tb_frame", "cr_frame", "co_code", "cell_contents", "mro",
+               "format", "storage", "untyped_storage", "data_ptr", "numpy", "grad_fn", "register_hook", "apply_"}
+    assert not escapes & cap.ATTRIBUTES

@@ -54,7 +54,7 @@ def test_through_chatopenai_a_wrong_candidate_then_a_right_one_and_the_replay_is
     shown = [m for m in endpoint.requests[1]["body"]["messages"] if m["role"] == "tool"]
     assert "class LongcatFlashMLP" in shown[0]["content"]  # show_module's answer reached the model
     failed = [m for m in endpoint.requests[2]["body"]["messages"] if m["role"] == "tool"][-1]["content"]
-    assert failed.startswith("failed the probe: seed 0")
+    assert failed.startswith("failed the probe: wrong: ") and "output error" in failed
     assert verification.passed, verification.note
     (entry,) = agent.decision_entries
     assert entry.path == "mlps.1" and entry.takes and entry.policy == "llm"
@@ -102,8 +102,9 @@ def test_cheats_are_refused_before_anything_runs(longcat, tmp_path):
     entry, agent, _ = take_on(longcat, LLMPolicy(scripted_chat(script)), tmp_path, rounds=6, speed=None)
     outcomes = [r["outcome"] for r in entry.rounds]
     assert all(o.startswith("refused before running") for o in outcomes[:5]), outcomes
-    for what, outcome in zip(("import of transformers", "try/except", "import of os", "call of open()",
-                              "import of onboard.agent.probe"), outcomes):
+    for what, outcome in zip(("reach-through: import of transformers", "fallback: try/except",
+                              "reach-through: import of os", "reach-through: open is not on the allow-list",
+                              "reach-through: import of onboard.agent.probe"), outcomes):
         assert what in outcome
     assert outcomes[5] == "passed the probe" and entry.takes
     events = [e["event"] for e in agent.recorder.events]

@@ -50,6 +50,20 @@ def _copy(bundle: Path, to: Path) -> Path:
     return to
 
 
+# a template edit no giving back of a swap can undo: the adapted model's first layer scales what it returns
+BREAKS_THE_FIRST_LAYER = """
+
+_adapt = adapt
+
+
+def adapt(model, **kwargs):
+    swaps = _adapt(model, **kwargs)
+    model.get_submodule(LAYERS)[0].register_forward_hook(
+        lambda m, i, o: o.mul(1.01) if not isinstance(o, tuple) else (o[0].mul(1.01), *o[1:]))
+    return swaps
+"""
+
+
 def _edited_template(name: str, extra: str):
     """template_text with `extra` appended to template `name` (a template edit, as a pull request makes it)."""
     original = codegen.template_text
@@ -93,25 +107,31 @@ def test_check_finds_an_older_template_and_review_names_it(made, tmp_path, monke
     assert "+# a template edit" in text
 
 
-def test_check_fails_on_a_hand_edit_and_a_failing_bundle_and_fix_makes_them_pass(made, tmp_path, capsys):
+def test_check_never_runs_a_hand_edit_and_fails_when_what_onboard_makes_no_longer_verifies(
+        made, tmp_path, capsys, monkeypatch):
+    """A committed adapter edited by hand is stale, and its code is not run (a marker it would write stays
+    absent): check compares it with what onboard makes now, whose verification it runs. When what onboard makes
+    no longer verifies (planted: the template renormalises the router's weights), check says so (exit 3), and
+    --fix puts the hand edit right."""
     edited = _copy(made, tmp_path / "edited")
+    marker = tmp_path / "ran"
     with open(edited / "adapter.py", "a") as f:
-        f.write("# tidied by hand\n")
-    failing = _copy(made, tmp_path / "failing")  # the router's weights renormalised: the numbers change
-    adapter = (failing / "adapter.py").read_text()
-    assert "renormalize=False" in adapter
-    (failing / "adapter.py").write_text(adapter.replace("renormalize=False", "renormalize=True"))
-
-    assert main(["check", str(edited), str(failing)]) == 3
+        f.write(f"open({str(marker)!r}, 'w').write('the committed adapter ran')\n")
+    assert main(["check", str(edited)]) == 5  # stale; what onboard makes verifies
     lines = capsys.readouterr().out.splitlines()
     assert f"{edited}: stale: adapter.py differs from what onboard makes now (nothing it was made from changed: " \
            f"edited by hand?)" in lines
-    assert any(line.startswith(f"{failing}: no longer verifies") for line in lines)
-    assert main(["check", str(edited)]) == 5  # stale but verifying
+    assert not marker.exists()
 
-    assert main(["check", "--fix", str(edited), str(failing)]) == 0
-    assert (failing / "adapter.py").read_text() == (made / "adapter.py").read_text()
-    assert check_bundle(failing).ok and check_bundle(edited).ok  # fresh ones pass
+    original = codegen.template_text
+    monkeypatch.setattr(codegen, "template_text", _edited_template("adapter.py.j2", BREAKS_THE_FIRST_LAYER))
+    assert main(["check", str(_copy(made, tmp_path / "failing"))]) == 3
+    assert any(": no longer verifies" in line for line in capsys.readouterr().out.splitlines())
+    monkeypatch.setattr(codegen, "template_text", original)
+
+    assert main(["check", "--fix", str(edited)]) == 0
+    assert (edited / "adapter.py").read_text() == (made / "adapter.py").read_text()
+    assert check_bundle(edited).ok and not marker.exists()
 
 
 def test_review_lists_a_renamed_config_field_and_a_shrinking_margin(made, tmp_path):

@@ -1,0 +1,88 @@
+"""One call of a module, run the same way in the reference's process and in the candidate's: the inputs as
+fresh leaves, torch's generator seeded where the call draws random numbers, forward, and backward with the
+judge's cotangents; what it yields is the same set of tensors on both sides, named alike.
+
+    call = Call(module, args, kwargs, grad=True, rng=None, cotangents=None)
+    outputs = call.run()
+    call.grads()          # {"g:input 0": ..., "g:<param>": ...}
+    call.state()          # {"s:<param or buffer>": ...} after the call
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from onboard.agent.sandbox.wire import leaves
+
+
+def _map(fn, value):
+    if isinstance(value, tuple | list):
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+def floats(value) -> list[torch.Tensor]:
+    """The floating tensors of a value, in order (what cotangents pair with)."""
+    return [t for t in leaves(value) if t.is_floating_point()]
+
+
+class Call:
+    def __init__(self, module: nn.Module, args, kwargs: dict, *, grad: bool = True, rng: int | None = None,
+                 cotangents=None):
+        self.module, self.grad, self.rng, self.cotangents = module, grad, rng, cotangents
+        self.inputs: list[torch.Tensor] = []
+
+        def leaf(t):
+            if isinstance(t, torch.Tensor):
+                t = t.detach().clone()
+                if grad and t.is_floating_point():
+                    t.requires_grad_()
+                self.inputs.append(t)
+            return t
+
+        self.args, self.kwargs = _map(leaf, tuple(args)), _map(leaf, dict(kwargs))
+        self.outputs: list[torch.Tensor] = []  # floating outputs of the last run, for a later backward
+        self.params = list(module.parameters())
+
+    def run(self):
+        """Forward (and backward, with cotangents); the module's output."""
+        for t in (*self.params, *self.inputs):
+            t.grad = None
+        if self.rng is not None:  # the CPU generator alone (torch.manual_seed also queues seeds for other
+            torch.default_generator.manual_seed(int(self.rng))  # devices, reading the stack, which is refused)
+        with torch.set_grad_enabled(self.grad):
+            out = self.module(*self.args, **self.kwargs)
+        self.outputs = floats(out)
+        if self.cotangents is not None:
+            self.backward(self.cotangents)
+        return out
+
+    def backward(self, cotangents) -> None:
+        given = floats(cotangents)
+        if len(given) != len(self.outputs) or any(a.shape != b.shape for a, b in zip(self.outputs, given)):
+            raise ValueError(f"outputs of shapes {[tuple(a.shape) for a in self.outputs]} where the module gives "
+                             f"{[tuple(b.shape) for b in given]}")
+        # copies: a tensor read off the wire may sit at any alignment, and the kernels a backward picks (so the
+        # last bits of its sums) depend on it; fresh memory makes a call give the same bits on every run
+        pairs = [(a, b.to(a.dtype, copy=True)) for a, b in zip(self.outputs, given) if a.requires_grad]
+        if pairs:
+            torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        out = {f"g:input {i}": t.grad for i, t in enumerate(self.inputs) if t.grad is not None}
+        out.update({f"g:{n}": p.grad for n, p in self.module.named_parameters() if p.grad is not None})
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {f"s:{n}": p for n, p in self.module.named_parameters()}
+        out.update({f"s:{n}": b for n, b in self.module.named_buffers()})
+        return out
+
+
+def cotangents_for(outputs, seed: int):
+    """Random cotangents for the floating outputs of `outputs` (the judge's output weights), drawn from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in floats(outputs)]

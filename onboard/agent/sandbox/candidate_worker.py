@@ -1,0 +1,161 @@
+"""The candidate's process: the only place model-written code runs (started by `onboard.agent.sandbox.process`).
+
+    python -m onboard.agent.sandbox.candidate_worker READ_FD WRITE_FD PARENT_PID MEMORY_BYTES
+
+It raises its walls first (`confine.early`: dies with its parent, its own network namespace, limits), imports
+torch and the runtime API and nothing of transformers or of the judge, warms torch up, installs the audit hook
+(`confine.audit`) and only then reads requests, one frame each (`wire`), on its own pipe (its stdout is its
+stderr, so nothing a candidate prints is a reply):
+
+    load      {key, name, code}                   compile a candidate's file as a module of its own
+    call      {id, key, state, args, kwargs, training, grad, rng, cotangents, keep}
+              the candidate built on `state` (settings; parameters and buffers as tensors: the module's class is
+              never here), run on the inputs; with cotangents also backward. Replies with the outputs, the
+              gradients of every floating input and parameter, and the parameters and buffers after the call
+    backward  {id, cotangents}                    backward of a call kept for it (a remote module's backward)
+    repeat    {id, times}                         run a call again `times` times (the judge times it from outside)
+    end
+
+It answers with tensors and an error text at most: what they mean, and whether they pass, is decided in the
+`onboard` process (`judge`), which never imports candidate code.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import types
+
+KEEP = 512  # calls kept for a later backward or repeat
+
+
+def _warm() -> None:
+    """Run the common ops forward and backward once, so torch's lazy imports happen before the audit hook."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    y = F.silu(F.linear(x, w)) * torch.sigmoid(x) + F.gelu(x) + torch.tanh(x) + F.softplus(x)
+    y = F.rms_norm(y, (8,)) + F.layer_norm(y, (8,)) + torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    p = torch.softmax(torch.einsum("bsh,gh->bsg", y, w), -1)
+    top = torch.topk(p, 2, dim=-1)
+    z = p.gather(-1, top.indices).sum() + torch.cumsum(y, 1).sum() + torch.logsumexp(y, -1).sum()
+    z = z + F.conv1d(y.transpose(1, 2), torch.randn(8, 1, 3), groups=8, padding=2).sum() + F.pad(y, (1, 1)).sum()
+    z = z + torch.where(y > 0, y, -y).masked_fill(y < -1, 0).sum() + y.float().double().float().sum()
+    z.backward(retain_graph=True)
+    torch.autograd.backward([y], [torch.ones_like(y)])  # the worker's own backward: imports symbolic shapes
+    torch.default_generator.manual_seed(0)
+    torch.rand(3).bernoulli()
+    torch.multinomial(torch.ones(4), 2)
+
+
+class Server:
+    def __init__(self, reader, writer):
+        from onboard.agent.sandbox import wire
+
+        self.wire, self.reader, self.writer = wire, reader, writer
+        self.classes: dict[str, type] = {}
+        self.calls: collections.OrderedDict = collections.OrderedDict()
+
+    def reply(self, header: dict, tensors: dict | None = None) -> None:
+        self.wire.write(self.writer, header, tensors)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                header, tensors = self.wire.read(self.reader)
+            except EOFError:
+                return
+            op = header.get("op")
+            if op == "end":
+                return
+            try:
+                handler = {"load": self.load, "call": self.call, "backward": self.backward,
+                           "repeat": self.repeat}[op]
+                handler(header, tensors)
+            except BaseException as exc:  # noqa: BLE001 - the candidate's failure is its reply
+                if isinstance(exc, KeyboardInterrupt | SystemExit | MemoryError):
+                    raise
+                text = (str(exc).splitlines() or [""])[0][:400]
+                # the audit hook's refusal (candidate code cannot name PermissionError, nor catch anything)
+                refused = isinstance(exc, PermissionError) and text.startswith("the sandbox refused")
+                self.reply({"error": f"{type(exc).__name__}: {text}", "refused": refused})
+
+    def load(self, header: dict, _tensors: dict) -> None:
+        from runtime.generated import Generated
+
+        key, name = str(header["key"]), str(header.get("name", "candidate.py"))
+        module = types.ModuleType(f"onboard_candidate_{len(self.classes)}")
+        exec(compile(header["code"], name, "exec"), module.__dict__)  # noqa: S102 - what this process is for
+        cls = module.__dict__.get("Replacement")
+        if not (isinstance(cls, type) and issubclass(cls, Generated)):
+            raise TypeError(f"{name} defines no Replacement(runtime.generated.Generated)")
+        self.classes[key] = cls
+        self.reply({"loaded": key})
+
+    def call(self, header: dict, tensors: dict) -> None:
+        from torch import nn
+
+        from onboard.agent.sandbox.calls import Call
+        from runtime.generated import ModuleState
+
+        state, training = header["state"], bool(header["training"])
+        params = {n: nn.Parameter(tensors[f"p:{n}"].clone(), requires_grad=True) for n in state["parameters"]}
+        buffers = {n: tensors[f"b:{n}"].clone() for n in state["buffers"]}
+        module = self.classes[str(header["key"])](ModuleState(
+            dict(state["settings"]), params, buffers, set(state.get("persistent", ())), training,
+            str(state.get("replaces", ""))))
+        module.train(training)
+        cotangents = header.get("cotangents")
+        call = Call(module, self.wire.unpack(header["args"], tensors), self.wire.unpack(header["kwargs"], tensors),
+                    grad=bool(header.get("grad", True)), rng=header.get("rng"),
+                    cotangents=None if cotangents is None else self.wire.unpack(cotangents, tensors))
+        out = call.run()
+        structure, sent = self.wire.pack(out, prefix="o")
+        sent.update(call.grads())
+        sent.update(call.state())
+        self.calls[int(header["id"])] = call
+        while len(self.calls) > KEEP:
+            self.calls.popitem(last=False)
+        self.reply({"outputs": structure}, sent)
+
+    def backward(self, header: dict, tensors: dict) -> None:
+        call = self.calls.pop(int(header["id"]))
+        call.backward(self.wire.unpack(header["cotangents"], tensors))
+        self.reply({"backward": header["id"]}, call.grads())
+
+    def repeat(self, header: dict, _tensors: dict) -> None:
+        call = self.calls[int(header["id"])]
+        for _ in range(max(0, int(header.get("times", 1)))):
+            call.run()
+        self.reply({"repeated": header["id"]})
+
+
+def main(argv: list[str]) -> None:
+    read_fd, write_fd, parent, memory = (int(a) for a in argv[1:5])
+    from onboard.agent.sandbox import confine
+
+    network = confine.early(parent)
+    confine.memory(memory)
+    import torch
+
+    import runtime.generated  # noqa: F401 - the runtime API, imported before the walls close
+    from onboard.agent.capabilities import RUNTIME_API
+    from onboard.agent.sandbox import calls, wire  # noqa: F401
+
+    for name in RUNTIME_API:
+        __import__(name)
+    torch.set_num_threads(1)
+    _warm()
+    reader, writer = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
+    confine.audit(os.getcwd())
+    server = Server(reader, writer)
+    server.reply({"ready": os.getpid(), "network": network or "a network namespace of its own",
+                  "transformers": any(m.split(".")[0] == "transformers" for m in sys.modules)})
+    server.serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,189 @@
+"""The walls of a sandboxed process, raised by the process itself before it reads any request.
+
+    early(parent_pid)           # first thing: dies with its parent, no network, limits, stdout onto stderr
+    ...import what it needs, warm up...
+    audit(scratch)              # last thing before serving: the audit hook (PEP 578); it cannot be removed
+
+`early` runs before the process imports torch (a new network namespace needs a single-threaded process). It
+starts a watchdog thread that ends the process as soon as its parent is gone (the kernel's parent-death signal
+follows the thread that started a process, and the sandbox starts its processes from threads), moves it into a network namespace of its own where
+the kernel allows one (root, or unprivileged user namespaces): there is no interface but a loopback nobody
+listens on; sets resource limits (open files, file size, core dumps; memory with `memory`; the parent sets its
+CPU time from outside, `resource.prlimit`, which the process itself may not change); and points file
+descriptor 1 at 2, so nothing the process prints can pass for a reply.
+
+`audit` installs an audit hook that refuses, by raising, for the rest of the process's life: opening files for
+writing outside the scratch directory, or for reading outside the Python installation, the project's runtime
+and the scratch directory; sockets; starting processes (subprocess, os.system, os.exec*, os.posix_spawn,
+os.fork); signals to other processes; ctypes; frames, tracers, gc's object graph, new code or function
+objects; setting attributes on classes; and importing anything but torch, runtime, math, numpy and a short
+list of the standard library. Its policy is frozen in the hook's closure. Each refusal is also written to
+stderr, a line starting REFUSED, so a candidate that swallows the exception is still seen.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+REFUSED = "REFUSED"
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+
+# the standard library a candidate's torch calls may import lazily, and nothing that reaches the world
+IMPORTABLE = frozenset("""
+torch torchgen runtime math cmath numpy sympy mpmath typing_extensions functools collections dataclasses enum
+typing abc itertools operator warnings weakref contextlib re copy copyreg numbers decimal fractions random
+string textwrap struct bisect heapq keyword types traceback linecache tokenize token reprlib pprint
+statistics array difflib unicodedata opcode dis inspect ast
+""".split())
+PROCESS_EVENTS = frozenset("""
+os.system os.exec os.posix_spawn os.spawn os.fork os.forkpty os.kill os.killpg os.putenv os.unsetenv os.chdir
+os.symlink os.link os.rename os.remove os.rmdir os.truncate os.chmod os.chown os.chflags os.setxattr
+os.removexattr os.startfile os.add_dll_directory pty.spawn signal.pthread_kill sys._getframe
+sys._current_frames sys._current_exceptions sys.settrace sys.setprofile sys.remote_exec gc.get_referrers
+gc.get_referents gc.get_objects code.__new__ function.__new__ object.__setattr__ object.__delattr__
+builtins.input builtins.breakpoint pickle.find_class mmap.__new__ webbrowser.open
+cpython.run_command cpython.run_file cpython.run_module cpython.run_startup cpython.run_interactivehook
+urllib.Request ftplib.connect http.client.connect imaplib.open nntplib.connect poplib.connect
+smtplib.connect telnetlib.Telnet.open shutil.copyfile shutil.copymode shutil.copystat shutil.copytree
+shutil.rmtree shutil.move shutil.make_archive shutil.chown shutil.unpack_archive tempfile.mkstemp
+tempfile.mkdtemp resource.setrlimit resource.prlimit fcntl.ioctl fcntl.fcntl fcntl.flock fcntl.lockf
+""".split())
+REFUSED_PREFIXES = ("socket.", "subprocess.", "ctypes.", "_winapi.", "winreg.", "msvcrt.", "ssl.", "sqlite3.",
+                    "syslog.", "_posixsubprocess.")
+HIDDEN_ATTRIBUTES = frozenset({"gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "tb_frame",
+                               "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "__code__",
+                               "__globals__", "__closure__", "__builtins__"})
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _namespace() -> str:
+    """A network namespace of this process's own: "" or why not (the process then relies on the audit hook)."""
+    try:
+        libc = _libc()
+    except OSError as exc:
+        return f"no libc ({exc})"
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return ""
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        return f"unshare refused (errno {os.strerror(__import__('ctypes').get_errno())})"
+    try:  # map this user to itself, so files keep their owner inside the namespace
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{gid} {gid} 1")
+    except OSError as exc:
+        return f"user namespace without an id map ({exc})"
+    return ""
+
+
+def _watch(parent_pid: int) -> None:
+    """End this process (at once, whatever it is running) when its parent is gone."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def early(parent_pid: int, *, files: int = 256, file_bytes: int = 1 << 30) -> str:
+    """The walls raised before the process imports anything heavy; returns "" or why it has no network
+    namespace of its own."""
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    why = _namespace()  # before any thread: a process that has threads cannot enter a new user namespace
+    _watch(parent_pid)
+    for limit, value in ((resource.RLIMIT_NOFILE, files), (resource.RLIMIT_FSIZE, file_bytes),
+                         (resource.RLIMIT_CORE, 0)):
+        soft, hard = resource.getrlimit(limit)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(limit, (value, value))
+        except (ValueError, OSError):
+            pass
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return why
+
+
+def memory(limit_bytes: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+
+def read_roots() -> tuple[str, ...]:
+    """Where a confined process may read: the Python installation and its packages, and the runtime package."""
+    import runtime
+
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(runtime.__file__),
+             os.path.dirname(os.path.abspath(__file__)), "/dev/null", "/dev/urandom", "/proc/self/",
+             "/sys/devices/system/cpu/"}
+    roots |= {p for p in sys.path if "site-packages" in p or "dist-packages" in p}
+    return tuple(sorted(os.path.normpath(r) + ("/" if r.endswith("/") else "") for r in roots if r))
+
+
+def audit(scratch: str, roots: tuple[str, ...] | None = None) -> None:
+    """Install the audit hook (module docstring). Nothing it reads can be changed afterwards: its policy is
+    tuples and frozensets bound in its closure."""
+    scratch = os.path.normpath(os.path.abspath(scratch)) + os.sep
+    readable = tuple(roots if roots is not None else read_roots()) + (scratch,)
+    write, refused_prefixes, process_events = WRITE_FLAGS, REFUSED_PREFIXES, PROCESS_EVENTS
+    importable, hidden = IMPORTABLE, HIDDEN_ATTRIBUTES
+    frequent = frozenset({"builtins.id", "exec", "compile", "marshal.loads"})  # harmless, and called often
+    normpath, abspath, fspath, stderr = os.path.normpath, os.path.abspath, os.fsdecode, 2
+    os_write = os.write
+
+    def under(path, allowed) -> bool:
+        try:
+            full = normpath(abspath(fspath(path)))
+        except (TypeError, ValueError):
+            return False
+        return any(full == a.rstrip("/") or full.startswith(a if a.endswith("/") else a + "/") for a in allowed)
+
+    def refuse(what: str):
+        try:
+            os_write(stderr, f"{REFUSED} {what}\n".encode(errors="replace")[:2000])
+        except OSError:
+            pass
+        raise PermissionError(f"the sandbox refused {what}")
+
+    def hook(event: str, args: tuple) -> None:
+        if event in frequent:
+            return
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int):
+                refuse(f"open of file descriptor {path}")
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & write)
+            if writes and not under(path, (scratch,)):
+                refuse(f"open({path!r}, {mode!r}) for writing outside the scratch directory")
+            if not writes and not under(path, readable):
+                refuse(f"open({path!r}) for reading outside the Python installation and the scratch directory")
+        elif event in ("os.listdir", "os.scandir"):
+            if args and args[0] is not None and not under(args[0], readable):
+                refuse(f"{event}({args[0]!r})")
+        elif event == "import":
+            name = args[0] if args else ""
+            if not isinstance(name, str) or name.split(".")[0] not in importable:
+                refuse(f"import of {name} (only torch, runtime, math, numpy and some of the standard library)")
+        elif event == "object.__getattr__":
+            if len(args) > 1 and args[1] in hidden:
+                refuse(f"the attribute {args[1]} (frames and code are out of reach)")
+        elif event in process_events or event.startswith(refused_prefixes):
+            refuse(f"{event} (no processes, signals, sockets, ctypes, frames or changes to classes)")
+
+    sys.addaudithook(hook)

@@ -1,0 +1,408 @@
+"""The judge: the only place a candidate's verdict is made, in the `onboard` process, which never imports
+candidate code. It draws the inputs, asks the reference's process for HuggingFace's answers and the
+candidate's process for the candidate's, compares the tensors it is sent, and decides.
+
+    judge = Judge(sandbox)
+    round_ = judge.round(worker)                # one candidate's process and its wall-clock budget
+    result = judge.probe(round_, module_path=..., code=..., name=..., draw=judge.draw(sha, task, round))
+    timed = judge.speed(round_, ...)            # judged like the rest, then timed from outside
+
+What a candidate cannot predict (`draw`): the cases are drawn from an HMAC of the candidate's own code, task
+and round under a key kept outside the bundle and out of every sandboxed process (`judge_key`), so nothing a
+candidate can see tells it its inputs, and a replay on the same installation draws the same ones (the record
+stays byte for byte). Each probe holds the candidate against the module on CASES: sequence lengths from a
+few tokens to over six times the longest the twin runs (TWIN_SEQ) and past the timing run's 1024, each a prime
+(a multiple of no chunk size), inputs scaled up and down, negated and sparsified, the module's parameters redrawn per case, in
+evaluation and in training mode (torch's generator seeded alike on both sides), once more without gradients;
+and compares every output, input gradient, parameter gradient and the parameters and buffers after the call
+within TOLERANCE of the module's, relative to each tensor's largest value (integer outputs exactly). The
+timing run's outputs and gradients are judged the same way before its time counts.
+
+The candidate fails on the first thing that is wrong, and the note says what, naming the class of failure:
+"wrong" (it computes something else), "refused by the sandbox" (what the audit hook stopped), "ran past"
+(its wall-clock budget), or "its process" (it died, or answered with something that is not a reply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import random
+import secrets
+import time
+from pathlib import Path
+
+import torch
+
+from onboard.agent.sandbox import wire
+from onboard.agent.sandbox.process import Stopped, Worker
+
+TOLERANCE = 1e-4  # fp32, relative to the tensor's largest value: a reading of the wrong thing is off by O(1)
+TWIN_SEQ = 160  # the longest sequence the twin is verified at (onboard.verify.WIDE_SEQ)
+KEY_ENV = "ONBOARD_JUDGE_KEY"  # a file holding the judge's key (default: ~/.cache/onboard/judge.key)
+MODES = ("eval", "train")
+SAMPLE_SECONDS = 0.05  # CPU time per timing sample (the kernel counts it in nanoseconds)
+
+
+def _primes(low: int, high: int) -> list[int]:
+    return [n for n in range(max(low, 2), high + 1) if all(n % d for d in range(2, int(n ** 0.5) + 1))]
+
+
+# the longest case goes past 1024 tokens: the timing run's length, the longest any earlier check looked at
+SHORT, MEDIUM, LONG = _primes(17, 61), _primes(97, 251), _primes(1025, 1536)
+
+
+def judge_key() -> bytes:
+    """The installation's judge key (made on first use, readable by the user alone); a key for this process
+    only where no file can be kept."""
+    path = Path(os.environ.get(KEY_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "onboard" / "judge.key")
+    try:
+        data = path.read_bytes()
+        if len(data) >= 32:
+            return data[:32]
+    except OSError:
+        pass
+    key = secrets.token_bytes(32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+    except FileExistsError:
+        return path.read_bytes()[:32]
+    except OSError:
+        pass
+    return key
+
+
+def draw(key: bytes, *parts: str) -> list[dict]:
+    """The cases for one probe, drawn from HMAC(key, parts): four cases of the module's inputs."""
+    digest = hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).digest()
+    rng = random.Random(int.from_bytes(digest, "little"))
+
+    def seeds() -> dict:
+        return {"ids_seed": rng.getrandbits(31), "weights_seed": rng.getrandbits(31),
+                "cotangent_seed": rng.getrandbits(31), "rng": rng.getrandbits(31)}
+
+    short = rng.choice(SHORT)
+    return [  # magnitude: each floating positional input rescaled to this largest |value| (0: as the model gave it)
+        {"batch": 2, "tokens": short, "magnitude": 0.0, "negate": False, "sparsity": 0.0, **seeds()},
+        {"batch": 2, "tokens": short, "magnitude": 64.0, "negate": True, "sparsity": 0.0, **seeds()},
+        {"batch": 1, "tokens": rng.choice(MEDIUM), "magnitude": 0.01, "negate": rng.random() < 0.5, "sparsity": 0.5,
+         **seeds()},
+        {"batch": 1, "tokens": rng.choice(LONG), "magnitude": round(rng.uniform(1.0, 16.0), 3),
+         "negate": rng.random() < 0.5, "sparsity": 0.0, **seeds()},
+    ]
+
+
+def describe(case: dict) -> str:
+    """A case in words: "1109 tokens, inputs rescaled to |x| <= 8.2, negated"."""
+    words = [f"{case['tokens']} tokens"]
+    if case.get("magnitude"):
+        words.append(f"inputs rescaled to |x| <= {case['magnitude']:g}")
+    words += [w for w, on in (("negated", case.get("negate")), ("half zeros", case.get("sparsity"))) if on]
+    return ", ".join(words)
+
+
+def error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Largest difference relative to `theirs`' largest value (floating); the share of entries that differ."""
+    if not theirs.numel():
+        return 0.0
+    if not theirs.is_floating_point():
+        return float((ours != theirs).float().mean())
+    a, b = ours.double(), theirs.double()
+    same = (a == b) | (a.isnan() & b.isnan())  # equal infinities, and NaN where the module gives NaN, agree
+    if not bool((~same & ~b.isfinite()).any()) and bool(same.all()):
+        return 0.0
+    finite = b[b.isfinite()]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    diff = (a - b).abs().masked_fill(same, 0).max()
+    return float(diff) / max(scale, 1e-30) if torch.isfinite(diff) else float("inf")
+
+
+def _structure(ours, theirs, path: str = "output") -> str:
+    """Why two unpacked values differ in structure, shape or dtype ("" when they do not)."""
+    if isinstance(theirs, torch.Tensor):
+        if not isinstance(ours, torch.Tensor):
+            return f"{path} is a {type(ours).__name__} where the module gives a tensor"
+        if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
+            return (f"{path} of shape {tuple(ours.shape)} and {ours.dtype} where the module gives "
+                    f"{tuple(theirs.shape)} and {theirs.dtype}")
+        return ""
+    if isinstance(theirs, tuple | list):
+        if not isinstance(ours, tuple | list) or len(ours) != len(theirs):
+            return f"{path} holds {_describe(ours)} where the module gives {_describe(theirs)}"
+        return next((why for i, (a, b) in enumerate(zip(ours, theirs)) if (why := _structure(a, b, f"{path}[{i}]"))),
+                    "")
+    if isinstance(theirs, dict):
+        if not isinstance(ours, dict) or set(ours) != set(theirs):
+            return f"{path} holds {_describe(ours)} where the module gives {_describe(theirs)}"
+        return next((why for k in theirs if (why := _structure(ours[k], theirs[k], f"{path}[{k!r}]"))), "")
+    return "" if ours == theirs or (ours is None and theirs is None) else f"{path} is {ours!r} where the module gives {theirs!r}"
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple | list):
+        return f"{len(value)} items"
+    if isinstance(value, dict):
+        return f"keys {sorted(value)[:6]}"
+    return type(value).__name__
+
+
+def _prefixed(tensors: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+class Round:
+    """One candidate's round: its process and the wall-clock budget left to it."""
+
+    def __init__(self, worker: Worker, seconds: float, cpu_seconds: float):
+        self.worker, self.cpu_seconds = worker, cpu_seconds
+        self.deadline = time.monotonic() + seconds
+        self.seconds = seconds
+        self.calls = 0
+
+    def request(self, header: dict, tensors: dict | None = None) -> tuple[dict, dict]:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.worker.kill()
+            raise Stopped(f"ran past its round's {self.seconds:.0f} s and was stopped")
+        try:
+            return self.worker.request(header, tensors, seconds=left, cpu_seconds=self.cpu_seconds)
+        except Stopped as exc:
+            if "ran past" in str(exc):
+                raise Stopped(f"ran past its round's {self.seconds:.0f} s and was stopped") from None
+            raise
+
+    def refused(self) -> str:
+        return "; ".join(self.worker.refusals[:3])
+
+
+class Judge:
+    def __init__(self, sandbox, key: bytes | None = None):
+        self.sandbox = sandbox
+        self.key = key if key is not None else judge_key()
+
+    def draw(self, *parts: str) -> list[dict]:
+        return draw(self.key, *parts)
+
+    def _reference(self, request: dict) -> tuple[dict, dict]:
+        header, tensors = self.sandbox.reference().request(
+            {"model": self.sandbox.model_ref, "trust_remote_code": self.sandbox.trust_remote_code, **request},
+            seconds=self.sandbox.limits.reference_seconds)
+        if "error" in header:
+            raise ReferenceFailed(header["error"])
+        return header, tensors
+
+    def _load(self, round_: Round, code: str, name: str) -> None:
+        header, _ = round_.request({"op": "load", "key": "candidate", "name": name, "code": code})
+        if "error" in header:
+            raise Wrong(f"it does not load: {header['error']}")
+
+    def _call(self, round_: Round, state: dict, state_tensors: dict, args, kwargs, *, training: bool,
+              grad: bool, rng, cotangents) -> tuple[object, dict]:
+        tensors = {f"p:{n}": state_tensors[f"p:{n}"] for n in state["parameters"]}
+        tensors.update({f"b:{n}": state_tensors[f"b:{n}"] for n in state["buffers"]})
+        a, _ = wire.pack(args, tensors, prefix="a")
+        k, _ = wire.pack(kwargs, tensors, prefix="k")
+        c = None if cotangents is None else wire.pack(cotangents, tensors, prefix="c")[0]
+        round_.calls += 1
+        header, got = round_.request({"op": "call", "id": round_.calls, "key": "candidate", "state": state,
+                                      "args": a, "kwargs": k, "training": training, "grad": grad, "rng": rng,
+                                      "cotangents": c}, tensors)
+        if header.get("refused") or round_.refused():  # the hook's words, from the reply or from stderr
+            raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
+        if "error" in header:
+            raise Wrong(header["error"])
+        try:
+            return wire.unpack(header["outputs"], got), got
+        except (wire.WireError, KeyError) as exc:
+            raise Broken(f"an answer that is not one ({exc})") from None
+
+    def _compare(self, where: str, ours, got: dict, theirs, theirs_tensors: dict, *, gradients: bool) -> dict:
+        why = _structure(ours, theirs)
+        if why:
+            raise Wrong(f"{where}: {why}")
+        out_err = max((error(a, b) for a, b in zip(wire.leaves(ours), wire.leaves(theirs))), default=0.0)
+        measured = {"output_error": out_err}
+        if out_err > TOLERANCE:
+            raise Wrong(f"{where}: output error {out_err:.1e} (tolerance {TOLERANCE:.0e})", measured)
+        for kind, label in (("g:", "gradient"), ("s:", "state after the call")):
+            if kind == "g:" and not gradients:
+                continue
+            mine, expected = _prefixed(got, kind), _prefixed(theirs_tensors, kind)
+            if set(mine) != set(expected):
+                missing = sorted(set(mine) ^ set(expected))
+                raise Wrong(f"{where}: {label}s differ in what they reach ({', '.join(missing[:4])})", measured)
+            for name, value in expected.items():
+                if mine[name].shape != value.shape:
+                    raise Wrong(f"{where}: {label} of {name} has shape {tuple(mine[name].shape)}, the module's "
+                                f"{tuple(value.shape)}", measured)
+            errs = {name: error(mine[name], expected[name]) for name in sorted(expected)}
+            worst = max(errs, key=errs.get) if errs else ""  # ties: the first name (safetensors' order is not fixed)
+            if kind == "g:":
+                measured.update(grad_error=errs.get(worst, 0.0), worst_grad=worst)
+            if errs.get(worst, 0.0) > TOLERANCE:
+                raise Wrong(f"{where}: {label} of {worst} off by {errs[worst]:.1e} (tolerance {TOLERANCE:.0e})",
+                            measured)
+        return measured
+
+    def round(self, worker: Worker) -> Round:
+        return Round(worker, self.sandbox.limits.wall_seconds, self.sandbox.limits.cpu_seconds)
+
+    def probe(self, round_: Round, *, module_path: str, code: str, name: str, draw: list[dict]) -> dict:
+        """Hold the candidate against the module on the drawn cases (module docstring); the result the record
+        keeps: passed, a note naming what failed, and per case what was drawn and measured."""
+        measured: list[dict] = []
+        try:
+            reference, tensors = self._reference({"op": "cases", "module_path": module_path, "cases": draw,
+                                                  "modes": list(MODES)})
+            self._load(round_, code, name)
+            firsts = []
+            for i, (case, entry) in enumerate(zip(draw, reference["cases"])):
+                state = entry["state"]
+                mine = _prefixed(tensors, f"c{i}.")  # its state, as p:/b: keys
+                args, kwargs = wire.unpack(entry["args"], tensors), wire.unpack(entry["kwargs"], tensors)
+                for mode in MODES:
+                    theirs = wire.unpack(entry["modes"][mode]["outputs"], tensors)
+                    theirs_tensors = _prefixed(tensors, f"c{i}.{mode}.")  # its gradients and state after, g:/s:
+                    cotangents = wire.unpack(entry["modes"][mode]["cotangents"], tensors)
+                    where = f"{describe(case)}, {mode} mode"
+                    record = {k: case[k] for k in ("tokens", "batch", "magnitude", "negate", "sparsity")} | {"mode": mode}
+                    measured.append(record)
+                    ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=True,
+                                           rng=case["rng"] if mode == "train" else None, cotangents=cotangents)
+                    try:
+                        record.update(self._compare(where, ours, got, theirs, theirs_tensors, gradients=True))
+                    except Wrong as exc:
+                        record.update(exc.measured)
+                        raise
+                    if mode == "eval":
+                        firsts.append(wire.leaves(theirs)[:1])
+                if i == 0:  # the same call without gradients: a candidate must not depend on them being on
+                    theirs = wire.unpack(entry["modes"]["eval"]["outputs"], tensors)
+                    ours, got = self._call(round_, state, mine, args, kwargs, training=False, grad=False, rng=None,
+                                           cotangents=None)
+                    self._compare(f"{describe(case)}, without gradients", ours, got, theirs,
+                                  _prefixed(tensors, f"c{i}.eval."), gradients=False)
+            if not _varies(firsts):
+                return {"passed": False, "cases": measured,
+                        "note": "the module's outputs do not vary with its inputs: the probe would prove nothing"}
+        except ReferenceFailed as exc:
+            return {"passed": False, "cases": measured, "note": f"the module itself failed on the drawn inputs: {exc}"}
+        except Refused as exc:
+            return {"passed": False, "cases": measured, "note": f"refused by the sandbox: {exc}"}
+        except Wrong as exc:
+            refused = round_.refused()
+            note = f"refused by the sandbox: {refused}" if refused else f"wrong: {exc}"
+            return {"passed": False, "cases": measured, "note": note}
+        except (Stopped, Broken) as exc:
+            return {"passed": False, "cases": measured, "note": f"its process {exc}"}
+        return {"passed": True, "cases": measured, "note": ""}
+
+    def speed(self, round_: Round, *, layers_path: str, layer: int, path: str, code: str, name: str,
+              width: int, tokens: int, repeats: int, seed_parts: tuple[str, ...]) -> dict:
+        """The candidate against the module at `width` times the twin's width and `tokens` tokens: judged like a
+        probe case, then forward + backward timed by the kernel's count of each process's CPU time (neither
+        can lie about it), `repeats` samples each, alternately; the ratio (above 1: the candidate is faster) is
+        the median of the pairs' ratios, the times reported the fastest of each."""
+        worker = round_.worker
+        rng = random.Random(int.from_bytes(hmac.new(self.key, "\0".join(("speed", *seed_parts)).encode(),
+                                                    hashlib.sha256).digest(), "little"))
+        try:
+            entry, tensors = self._reference({"op": "speed", "layers_path": layers_path, "layer": layer,
+                                              "path": path, "width": width, "tokens": tokens,
+                                              "ids_seed": rng.getrandbits(31), "weights_seed": rng.getrandbits(31),
+                                              "cotangent_seed": rng.getrandbits(31)})
+            self._load(round_, code, name)
+            args, kwargs = wire.unpack(entry["args"], tensors), wire.unpack(entry["kwargs"], tensors)
+            theirs = wire.unpack(entry["outputs"], tensors)
+            ours, got = self._call(round_, entry["state"], tensors, args, kwargs, training=False, grad=True, rng=None,
+                                   cotangents=wire.unpack(entry["cotangents"], tensors))
+            measured = self._compare(f"{tokens} tokens at {width}x the twin's width", ours, got, theirs, tensors,
+                                     gradients=True)
+            reference = self.sandbox.reference()
+            once = _cpu(reference, lambda: self._reference({"op": "repeat", "times": 1}))
+            calls = max(1, int(SAMPLE_SECONDS / max(once, 1e-4)))
+            times: dict = {"hf": [], "generated": []}
+            with _same_core(reference, worker):
+                for _ in range(repeats):
+                    times["hf"].append(_cpu(reference, lambda: self._reference({"op": "repeat", "times": calls}))
+                                       / calls)
+                    times["generated"].append(_cpu(worker, lambda: round_.request(
+                        {"op": "repeat", "id": round_.calls, "times": calls})) / calls)
+            if round_.refused():
+                raise Refused(round_.refused())
+        except ReferenceFailed as exc:
+            return {"note": f"the module itself failed at {width}x the twin's width: {exc}"}
+        except Refused as exc:
+            return {"note": f"refused by the sandbox: {exc}"}
+        except Wrong as exc:
+            return {"note": f"wrong: {exc}"}
+        except (Stopped, Broken) as exc:
+            return {"note": f"its process {exc}"}
+        # the median of adjacent pairs' ratios: the machine's own drift (a neighbour's load, the clock) moves both
+        # of a pair alike, and a sample disturbed on one side moves the median little
+        ratios = sorted(h / max(g, 1e-12) for h, g in zip(times["hf"], times["generated"]))
+        ratio = ratios[len(ratios) // 2]
+        hf, ours_ms = min(times["hf"]), min(times["generated"])
+        return {"hf_ms": hf * 1e3, "generated_ms": ours_ms * 1e3, "ratio": ratio,
+                "max_rel_error": measured["output_error"], "shapes": [list(a.shape) for a in wire.leaves(args)]}
+
+
+@contextlib.contextmanager
+def _same_core(*workers: Worker):
+    """Both processes on one core while they are timed: cores of a shared machine run at different speeds (a
+    neighbour on the other hyperthread), and that would be measured as the candidate's."""
+    cores = sorted(os.sched_getaffinity(0))
+    before = {}
+    try:
+        for w in workers:
+            before[w.pid] = os.sched_getaffinity(w.pid)
+            os.sched_setaffinity(w.pid, {cores[-1]})
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        for pid, cpus in before.items():
+            try:
+                os.sched_setaffinity(pid, cpus)
+            except OSError:
+                pass
+
+
+def _cpu(worker: Worker, run) -> float:
+    before = worker.cpu_seconds()
+    run()
+    return worker.cpu_seconds() - before
+
+
+def _varies(firsts: list[list[torch.Tensor]]) -> bool:
+    """Whether the module's first outputs differ between two cases of the same shape (else any two shapes)."""
+    outs = [f[0] for f in firsts if f]
+    same = [(a, b) for i, a in enumerate(outs) for b in outs[i + 1:] if a.shape == b.shape]
+    if not same:
+        return len({tuple(o.shape) for o in outs}) > 1
+    return any(error(a, b) >= 1e-3 for a, b in same)
+
+
+class Wrong(Exception):
+    def __init__(self, what: str, measured: dict | None = None):
+        super().__init__(what)
+        self.measured = measured or {}
+
+
+class Refused(Exception):
+    """What the candidate's process's audit hook refused."""
+
+
+class Broken(Exception):
+    """A reply that is not one."""
+
+
+class ReferenceFailed(Exception):
+    """The module itself failed on the drawn inputs (its own code, not the candidate's)."""

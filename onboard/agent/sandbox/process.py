@@ -1,0 +1,178 @@
+"""A worker process of the agent's sandbox, seen from the `onboard` process: started from an allow-listed
+environment in a scratch directory, spoken to in frames (`wire`) over a pipe of its own, stopped when it runs
+past its time.
+
+    worker = Worker("onboard.agent.sandbox.candidate_worker", scratch, memory_bytes=8 << 30)
+    header, tensors = worker.request({"op": "call", ...}, tensors, seconds=60)   # Stopped: why it failed
+    worker.cpu_seconds()                       # CPU time it has used (the kernel's count: it cannot lie about it)
+    worker.close()
+
+No variable of the caller's environment reaches a candidate's process (`environment`): a key in the user's
+shell is not there to read. The worker raises its own walls (`confine`); this side bounds what it may cost:
+every request has a deadline on the wall clock, after which the process (and its session, `start_new_session`)
+is killed; CPU time is capped from outside (`resource.prlimit`) so it cannot raise its own; a reply is read
+by a thread of this side within size limits, and what the worker writes to stderr is drained as it comes
+(its last lines, and every line the audit hook wrote, are kept for the reason a round failed).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from onboard.agent.sandbox import wire
+from onboard.agent.sandbox.confine import REFUSED
+
+# what the reference process may see of the user's environment: where HuggingFace keeps its files
+REFERENCE_ENV = ("HOME", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME")
+
+
+class Stopped(Exception):
+    """A worker that failed to answer: it ran past its time, died, or wrote something that is not a frame."""
+
+
+def environment(scratch: Path, *, passed: tuple[str, ...] = ()) -> dict:
+    """A worker's whole environment, made here: one thread, offline, its home and temporary files in its scratch
+    directory, the interpreter's import path; of the caller's own variables only the names in `passed`."""
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch), "TMPDIR": str(scratch),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONHASHSEED": "0", "THP_MEM_ALLOC_ENABLE": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.update({k: os.environ[k] for k in passed if k in os.environ})
+    return env
+
+
+class Worker:
+    def __init__(self, module: str, scratch: Path, *, memory_bytes: int, passed_env: tuple[str, ...] = (),
+                 max_reply: int = wire.MAX_PAYLOAD, start_seconds: float = 120.0):
+        self.scratch = Path(scratch)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        to_child, from_parent = os.pipe()[::-1]  # (write end here, read end there)
+        from_child, to_parent = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(from_parent), str(to_parent), str(os.getpid()), str(memory_bytes)],
+            pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, cwd=self.scratch, env=environment(self.scratch, passed=passed_env),
+            start_new_session=True)
+        os.close(from_parent)
+        os.close(to_parent)
+        self.pid = self.proc.pid
+        self.errors: collections.deque = collections.deque(maxlen=30)
+        self.refusals: list[str] = []
+        self.replies: queue.Queue = queue.Queue()
+        self.dead = ""  # why the worker can no longer answer
+        self._writer = os.fdopen(to_child, "wb")
+        self._reader = os.fdopen(from_child, "rb")
+        self._max_reply = max_reply
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.ready = self._reply(start_seconds, "starting")[0]
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self.replies.put(wire.read(self._reader, max_payload=self._max_reply))
+        except EOFError:
+            self.replies.put(None)
+        except (wire.WireError, OSError, ValueError) as exc:
+            self.replies.put(exc)
+
+    def _drain(self) -> None:
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            if line.startswith(REFUSED):
+                if len(self.refusals) < 50:
+                    self.refusals.append(line[len(REFUSED):].strip()[:300])
+            elif line.strip():
+                self.errors.append(line[:500])
+
+    def last_error(self) -> str:
+        return self.errors[-1] if self.errors else "no output"
+
+    def _reply(self, seconds: float, doing: str) -> tuple[dict, dict]:
+        try:
+            got = self.replies.get(timeout=max(0.0, seconds))
+        except queue.Empty:
+            self.kill()
+            self.dead = f"ran past its {seconds:.0f} s while {doing} and was stopped"
+            raise Stopped(self.dead) from None
+        if isinstance(got, tuple):
+            return got
+        self.kill()
+        code = self.proc.wait()
+        if got is None:
+            self.dead = f"ended with code {code} while {doing}: {self.last_error()[:300]}"
+        else:
+            self.dead = f"wrote something that is not a reply while {doing} ({got})"
+        raise Stopped(self.dead)
+
+    def request(self, header: dict, tensors: dict | None = None, *, seconds: float,
+                cpu_seconds: float | None = None) -> tuple[dict, dict]:
+        """Send one request and wait at most `seconds` for its reply (its CPU time capped at `cpu_seconds`
+        more than it has used); Stopped when it does not come."""
+        if self.dead:
+            raise Stopped(self.dead)
+        if cpu_seconds is not None:
+            self.limit_cpu(cpu_seconds)
+        failed: list = []
+
+        def send():
+            try:
+                wire.write(self._writer, header, tensors)
+            except (OSError, ValueError) as exc:  # the worker is gone or killed mid-write
+                failed.append(exc)
+
+        sender = threading.Thread(target=send, daemon=True)  # a worker that stops reading cannot stall us
+        sender.start()
+        return self._reply(seconds, f"answering {header.get('op', 'a request')}")
+
+    def limit_cpu(self, seconds: float) -> None:
+        used = int(self.cpu_seconds()) + 1
+        try:
+            resource.prlimit(self.pid, resource.RLIMIT_CPU, (used + max(1, int(seconds)), resource.RLIM_INFINITY))
+        except (OSError, ValueError):
+            pass  # the wall clock still bounds it
+
+    def cpu_seconds(self) -> float:
+        """CPU time the process has used, from the kernel (nanoseconds where schedstat is kept)."""
+        try:
+            return int(Path(f"/proc/{self.pid}/schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc.poll() is None and not self.dead:
+            try:
+                wire.write(self._writer, {"op": "end"})
+            except (OSError, ValueError):
+                pass
+            deadline = time.monotonic() + 5
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self.kill()
+        self.proc.wait()
+        for stream in (self._writer, self._reader):
+            try:
+                stream.close()
+            except OSError:
+                pass

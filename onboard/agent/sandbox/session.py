@@ -1,0 +1,140 @@
+"""An agent session's sandbox: the reference's process, and a fresh candidate's process for every candidate.
+
+    with Sandbox(model_ref, trust_remote_code=False, limits=Limits()) as sandbox:
+        reference = sandbox.reference()      # one per session: it builds the twin once
+        with sandbox.candidate() as worker:  # a process no candidate has run in; ended with the round
+            ...
+
+Both kinds of process start ahead of need (`warm`, and a spare candidate process started whenever a round ends),
+so their imports overlap with the caller's work: a candidate's round does not wait for torch to load.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from onboard.agent.sandbox.process import REFERENCE_ENV, Stopped, Worker
+
+CANDIDATE = "onboard.agent.sandbox.candidate_worker"
+REFERENCE = "onboard.agent.sandbox.reference_worker"
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_seconds: int = 60  # a candidate's round on the wall clock: the probe, its timing, and starting
+    cpu_seconds: int = 120  # CPU time of a candidate's process per request
+    memory_bytes: int = 8 << 30  # address space: torch alone maps a few GiB
+    reference_seconds: int = 600  # the reference's requests (the model's own code, at lengths it may run slowly)
+
+
+class _Starting:
+    """A worker being started in a thread."""
+
+    def __init__(self, module: str, scratch: Path, limits: Limits, passed_env: tuple[str, ...] = ()):
+        self.worker: Worker | None = None
+        self.error: BaseException | None = None
+
+        def start():
+            try:
+                self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
+                self.error = exc
+
+        self.thread = threading.Thread(target=start, daemon=True)
+        self.thread.start()
+
+    def take(self, seconds: float) -> Worker:
+        self.thread.join(seconds)
+        if self.worker is None:
+            raise Stopped(f"could not start: {self.error or f'not ready after {seconds:.0f} s'}")
+        return self.worker
+
+
+_OPEN: set = set()  # sandboxes not closed yet: closed at exit, so no process outlives the command
+
+
+@atexit.register
+def _close_all() -> None:
+    for sandbox in list(_OPEN):
+        sandbox.close()
+
+
+class Sandbox:
+    def __init__(self, model_ref: str = "", *, trust_remote_code: bool = False, limits: Limits = Limits()):
+        self.model_ref, self.trust_remote_code, self.limits = model_ref, trust_remote_code, limits
+        _OPEN.add(self)
+        self._scratch = Path(tempfile.mkdtemp(prefix="onboard-sandbox-"))
+        self._count = 0
+        self._reference: _Starting | None = None
+        self._spare: _Starting | None = None
+        self._workers: list[Worker] = []
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _folder(self, kind: str) -> Path:
+        self._count += 1
+        return self._scratch / f"{kind}-{self._count}"
+
+    def warm(self) -> None:
+        """Start the reference's process and a candidate's process now."""
+        if self._reference is None:
+            self._reference = _Starting(REFERENCE, self._folder("reference"), self.limits, REFERENCE_ENV)
+        if self._spare is None:
+            self._spare = _Starting(CANDIDATE, self._folder("candidate"), self.limits)
+
+    def reference(self) -> Worker:
+        if self._reference is None or (self._reference.worker is not None and self._reference.worker.dead):
+            self._reference = _Starting(REFERENCE, self._folder("reference"), self.limits, REFERENCE_ENV)
+        worker = self._reference.take(self.limits.reference_seconds)
+        if worker not in self._workers:
+            self._workers.append(worker)
+        return worker
+
+    def acquire(self) -> Worker:
+        """A fresh candidate's process; `release` it when done (which starts the next one: a process importing
+        torch beside a round would slow the round's timing run)."""
+        starting = self._spare or _Starting(CANDIDATE, self._folder("candidate"), self.limits)
+        self._spare = None
+        worker = starting.take(self.limits.wall_seconds)
+        self._workers.append(worker)
+        return worker
+
+    def release(self, worker: Worker, *, spare: bool = True) -> None:
+        worker.close()
+        if worker in self._workers:
+            self._workers.remove(worker)
+        shutil.rmtree(worker.scratch, ignore_errors=True)
+        if spare and self._spare is None:
+            self._spare = _Starting(CANDIDATE, self._folder("candidate"), self.limits)
+
+    @contextlib.contextmanager
+    def candidate(self):
+        """A fresh candidate's process for one round (closed, or killed, when the round ends)."""
+        worker = self.acquire()
+        try:
+            yield worker
+        finally:
+            self.release(worker)
+
+    def close(self) -> None:
+        for starting in (self._spare, self._reference):
+            if starting is not None:
+                starting.thread.join(30)
+                if starting.worker is not None and starting.worker not in self._workers:
+                    self._workers.append(starting.worker)
+        self._spare = self._reference = None
+        for worker in self._workers:
+            worker.close()
+        self._workers.clear()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+        _OPEN.discard(self)
