@@ -53,7 +53,7 @@ def secret_in_environment():
 
 @pytest.fixture(scope="module")
 def sandbox(zaya):
-    with Sandbox(zaya[0].ref, limits=Limits(wall_seconds=20)) as box:
+    with Sandbox(zaya[0].ref) as box:
         yield box
 
 
@@ -221,10 +221,13 @@ def test_the_judge_is_not_in_the_candidates_process(sandbox):
 
 def test_a_hung_candidate_costs_its_round_and_no_more(zaya, tmp_path):
     started = time.monotonic()
-    outcome = through_the_loop(zaya, candidate("while True:\n    pass"), tmp_path, limits=Limits(wall_seconds=5))
-    assert "ran past its round's 5 s" in outcome, outcome
+    outcome = through_the_loop(zaya, candidate("while True:\n    pass"), tmp_path)  # the default limits
+    assert "ran past 10 s in one call" in outcome, outcome
     assert time.monotonic() - started < 20
-    assert Limits().wall_seconds == 60  # the default round
+    assert (Limits().wall_seconds, Limits().call_seconds) == (60, 10)  # a round, one call
+    outcome = through_the_loop(zaya, candidate("while True:\n    pass"), tmp_path / "round",
+                               limits=Limits(wall_seconds=4, call_seconds=10))
+    assert "ran past its round's 4 s" in outcome, outcome
 
 
 def test_a_candidate_that_hangs_only_in_whole_twin_verification_does_not_hang_the_command(zaya, tmp_path):
@@ -245,7 +248,7 @@ def _run_scripted(zaya, code: str, tmp_path: Path):
     from onboard.agent.loop import Agent
     from onboard.bundle import adapt
 
-    agent = Agent(Scripted(code), zaya[0], rounds=1, limits=Limits(wall_seconds=10), speed=None)
+    agent = Agent(Scripted(code), zaya[0], rounds=1, limits=Limits(call_seconds=5), speed=None)
     try:
         spec, verification = adapt(zaya[0], tmp_path / "bundle", agent=agent)
     finally:

@@ -157,24 +157,29 @@ def _prefixed(tensors: dict, prefix: str) -> dict:
 
 
 class Round:
-    """One candidate's round: its process and the wall-clock budget left to it."""
+    """One candidate's round: its process, the wall clock left to the round, and what one call may take."""
 
-    def __init__(self, worker: Worker, seconds: float, cpu_seconds: float):
-        self.worker, self.cpu_seconds = worker, cpu_seconds
+    def __init__(self, worker: Worker, seconds: float, cpu_seconds: float, call_seconds: float):
+        self.worker, self.cpu_seconds, self.call_seconds = worker, cpu_seconds, call_seconds
         self.deadline = time.monotonic() + seconds
         self.seconds = seconds
         self.calls = 0
 
-    def request(self, header: dict, tensors: dict | None = None) -> tuple[dict, dict]:
+    def request(self, header: dict, tensors: dict | None = None, *, seconds: float | None = None
+                ) -> tuple[dict, dict]:
+        """One request, stopped past `seconds` (default: the limit of one call) or past the round's end."""
         left = self.deadline - time.monotonic()
-        if left <= 0:
+        limit = min(left, seconds if seconds is not None else self.call_seconds)
+        why = (f"ran past its round's {self.seconds:.0f} s and was stopped" if limit == left
+               else f"ran past {limit:.0f} s in one call and was stopped")
+        if limit <= 0:
             self.worker.kill()
-            raise Stopped(f"ran past its round's {self.seconds:.0f} s and was stopped")
+            raise Stopped(why)
         try:
-            return self.worker.request(header, tensors, seconds=left, cpu_seconds=self.cpu_seconds)
+            return self.worker.request(header, tensors, seconds=limit, cpu_seconds=self.cpu_seconds)
         except Stopped as exc:
             if "ran past" in str(exc):
-                raise Stopped(f"ran past its round's {self.seconds:.0f} s and was stopped") from None
+                raise Stopped(why) from None
             raise
 
     def refused(self) -> str:
@@ -251,7 +256,8 @@ class Judge:
         return measured
 
     def round(self, worker: Worker) -> Round:
-        return Round(worker, self.sandbox.limits.wall_seconds, self.sandbox.limits.cpu_seconds)
+        limits = self.sandbox.limits
+        return Round(worker, limits.wall_seconds, limits.cpu_seconds, limits.call_seconds)
 
     def probe(self, round_: Round, *, module_path: str, code: str, name: str, draw: list[dict]) -> dict:
         """Hold the candidate against the module on the drawn cases (module docstring); the result the record
@@ -333,7 +339,8 @@ class Judge:
                     times["hf"].append(_cpu(reference, lambda: self._reference({"op": "repeat", "times": calls}))
                                        / calls)
                     times["generated"].append(_cpu(worker, lambda: round_.request(
-                        {"op": "repeat", "id": round_.calls, "times": calls})) / calls)
+                        {"op": "repeat", "id": round_.calls, "times": calls},
+                        seconds=max(round_.call_seconds, 20 * calls * times["hf"][-1]))) / calls)
             if round_.refused():
                 raise Refused(round_.refused())
         except ReferenceFailed as exc:

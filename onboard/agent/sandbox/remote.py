@@ -74,7 +74,7 @@ class Host:
 
     def _checked(self, header: dict, tensors: dict | None = None) -> tuple[dict, dict]:
         try:
-            reply, got = self.worker.request(header, tensors, seconds=self.sandbox.limits.wall_seconds,
+            reply, got = self.worker.request(header, tensors, seconds=self.sandbox.limits.call_seconds,
                                              cpu_seconds=self.sandbox.limits.cpu_seconds)
         except Stopped as exc:
             why = f"the generated module's process {exc}"

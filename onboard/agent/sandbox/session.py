@@ -28,6 +28,7 @@ REFERENCE = "onboard.agent.sandbox.reference_worker"
 @dataclass(frozen=True)
 class Limits:
     wall_seconds: int = 60  # a candidate's round on the wall clock: the probe, its timing, and starting
+    call_seconds: int = 10  # one call of a candidate (on the twin they take milliseconds): a hang costs this
     cpu_seconds: int = 120  # CPU time of a candidate's process per request
     memory_bytes: int = 8 << 30  # address space: torch alone maps a few GiB
     reference_seconds: int = 600  # the reference's requests (the model's own code, at lengths it may run slowly)
