@@ -7,9 +7,10 @@ the same size, wider MLPs), one forward records the module's real inputs at `--t
 its replacement (on a copy of the same parameters) are timed alternately, fp32, forward + backward with the same
 output weights (`onboard.agent.sandbox.judge.Judge.speed`, what `onboard agent` measures before it swaps a module
 in: the module in the reference's process, the replacement in a sandboxed candidate's process, one thread each,
-each timed by the kernel's count of its CPU time). Prints the fastest of `--repeats` samples of each (a sample
-repeats the call for 100 ms of CPU time), their ratio (above 1: the replacement is faster) and the largest error
-of the outputs relative to each tensor's largest value (judged as the probe judges it).
+each timed by the kernel's count of its CPU time, both on one core). Prints the fastest of `--repeats` samples of
+each (a sample repeats the call for 50 ms of CPU time), the median of the samples' ratios (above 1: the
+replacement is faster) and the largest error of the outputs relative to each tensor's largest value (judged as
+the probe judges it).
 
     python bench/generated_ops.py [BUNDLE ...] [--width 16] [--tokens 2048] [--repeats 5]
 """
@@ -87,7 +88,8 @@ def main():
         print(json.dumps(rows, indent=2))
         return
     print(f"generated modules vs HuggingFace, twin x{args.width} wide, {args.tokens} tokens, fp32, forward + backward, "
-          f"one thread each, fastest of {args.repeats} samples of 100 ms of CPU time each")
+          f"one thread each on one core, {args.repeats} samples of 50 ms of CPU time each: the fastest, and the "
+          f"median of the pairs' ratios")
     for r in rows:
         verdict = "faster" if r["ratio"] >= 1 else "SLOWER"
         print(f"{r['bundle']:<16} {r['module']:<30} {r['replaces']:<32} {r['policy']:<5} hf {r['hf_ms']:8.1f} ms, "

@@ -63,14 +63,18 @@ class ModuleState:
         return set(self.settings) | set(self.parameters) | set(self.buffers)
 
 
+def _frozen(value):
+    return tuple(_frozen(v) for v in value) if isinstance(value, tuple | list) else value
+
+
 class Generated(nn.Module):
     """Holds the original module's parameters, buffers and settings at their own names (module docstring)."""
 
     def __init__(self, original: nn.Module | ModuleState):
         super().__init__()
         state = original if isinstance(original, ModuleState) else ModuleState.of(original)
-        for path, value in state.settings.items():
-            self._owner(path).__dict__[path.rpartition(".")[2]] = value
+        for path, value in state.settings.items():  # lists as tuples: settings are read, never kept in
+            self._owner(path).__dict__[path.rpartition(".")[2]] = _frozen(value)
         for path, param in state.parameters.items():
             self._owner(path).register_parameter(path.rpartition(".")[2], param)
         for path, buffer in state.buffers.items():

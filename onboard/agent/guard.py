@@ -18,7 +18,9 @@ class of attack it stops:
 - fallback: `try` / `except`, and any context manager but `torch.enable_grad` / `torch.autocast` (one that
   swallows an error is a fallback no `try` shows; `no_grad` turns the gradients it must carry off);
 - judge tampering: assigning to an attribute or into the module's state, rebinding `self` or an import,
-  `global` / `nonlocal`: a candidate changes its own locals only;
+  `global` / `nonlocal`, a default argument or constant that is not immutable: a candidate changes its own
+  locals only, and keeps nothing from one call to the next (a call counter would let it be right while it is
+  judged and wrong later);
 - import-time code: any module-level statement but imports, constants and the class; decorators, metaclasses,
   `__init__` or other dunder methods, and methods that override `nn.Module`'s own.
 """
@@ -144,14 +146,17 @@ class _Checker:
             self.refuse(node, IMPORT_TIME, "an assignment at module or class level that is not NAME = constant")
             return
         if node.value is None or not self.constant_expression(node.value):
-            self.refuse(node, IMPORT_TIME, "a constant computed by a call or from a non-constant: runs at import")
+            self.refuse(node, IMPORT_TIME, "a constant that is not an immutable literal (a call runs at import; a list "
+                                           "or dict is state that outlives a call)")
             return
         into.update(t.id for t in targets)
 
     def constant_expression(self, node: ast.AST) -> bool:
+        """Immutable and computed without a call: a literal, a tuple of them, arithmetic on them, an earlier
+        constant or an entry (math.pi). A list or a dict would be state that outlives a call."""
         if isinstance(node, ast.Constant):
             return True
-        if isinstance(node, ast.Tuple | ast.List):
+        if isinstance(node, ast.Tuple):
             return all(self.constant_expression(e) for e in node.elts)
         if isinstance(node, ast.UnaryOp):
             return self.constant_expression(node.operand)
@@ -222,6 +227,12 @@ class _Method:
 
     def check(self) -> None:
         c, node = self.c, self.node
+        for child in ast.walk(node):  # defaults live as long as the class: a mutable one would count calls
+            if isinstance(child, ast.FunctionDef | ast.Lambda):
+                for default in [*child.args.defaults, *(d for d in child.args.kw_defaults if d is not None)]:
+                    if not c.constant_expression(default):
+                        c.refuse(default, TAMPER, "a default that is not a constant (a list, a tensor, a call): "
+                                                  "state that outlives a call")
         args = node.args
         positional = args.posonlyargs + args.args
         if not positional or positional[0].arg != "self":

@@ -83,7 +83,12 @@ CHEATS = {  # name: (extra module-level line, forward body, the class and words 
     "a global": ("", "        global SCALE\n        return a\n", (TAMPER, "global statement")),
     "module-level code": ("print('hello')\n", "        return a\n", (IMPORT_TIME, "Expr at module level")),
     "a module-level call in a constant": ("X = torch.zeros(3)\n", "        return a\n",
-                                          (IMPORT_TIME, "a constant computed by a call")),
+                                          (IMPORT_TIME, "a constant that is not an immutable literal")),
+    "a module-level list to count calls in": ("CALLS = [0]\n", "        return a\n",
+                                              (IMPORT_TIME, "a constant that is not an immutable literal")),
+    "a mutable default to count calls in": (
+        "", "        return self.count(a)\n\n    def count(self, a, calls=[0]):\n        calls[0] += 1\n        return a\n",
+        (TAMPER, "a default that is not a constant")),
     "a module-level function": ("def helper(x):\n    return x\n", "        return a\n",
                                 (IMPORT_TIME, "a module-level function")),
     "its own __init__": ("", "        return a\n\n    def __init__(self, original):\n        pass\n",

@@ -77,8 +77,11 @@ class Call:
         return out
 
     def state(self) -> dict[str, torch.Tensor]:
+        """The parameters and buffers after the call, and the inputs after it (a module that changes a tensor
+        it was given, in place, changes its caller's: the judge holds both sides to the same)."""
         out = {f"s:{n}": p for n, p in self.module.named_parameters()}
         out.update({f"s:{n}": b for n, b in self.module.named_buffers()})
+        out.update({f"s:input {i}": t for i, t in enumerate(self.inputs)})
         return out
 
 

@@ -12,10 +12,10 @@ and round under a key kept outside the bundle and out of every sandboxed process
 candidate can see tells it its inputs, and a replay on the same installation draws the same ones (the record
 stays byte for byte). Each probe holds the candidate against the module on CASES: sequence lengths from a
 few tokens to over six times the longest the twin runs (TWIN_SEQ) and past the timing run's 1024, each a prime
-(a multiple of no chunk size), inputs scaled up and down, negated and sparsified, the module's parameters redrawn per case, in
+(a multiple of no chunk size), batches of 1, 2 and 3, inputs scaled up and down, negated and sparsified, the module's parameters redrawn per case, in
 evaluation and in training mode (torch's generator seeded alike on both sides), once more without gradients;
-and compares every output, input gradient, parameter gradient and the parameters and buffers after the call
-within TOLERANCE of the module's, relative to each tensor's largest value (integer outputs exactly). The
+and compares every output, input gradient, parameter gradient, and the parameters, buffers and inputs after the
+call (a change in place is a change to the caller's tensors) within TOLERANCE of the module's, relative to each tensor's largest value (integer outputs exactly). The
 timing run's outputs and gradients are judged the same way before its time counts.
 
 The candidate fails on the first thing that is wrong, and the note says what, naming the class of failure:
@@ -91,7 +91,7 @@ def draw(key: bytes, *parts: str) -> list[dict]:
     return [  # magnitude: each floating positional input rescaled to this largest |value| (0: as the model gave it)
         {"batch": 2, "tokens": short, "magnitude": 0.0, "negate": False, "sparsity": 0.0, **seeds()},
         {"batch": 2, "tokens": short, "magnitude": 64.0, "negate": True, "sparsity": 0.0, **seeds()},
-        {"batch": 1, "tokens": rng.choice(MEDIUM), "magnitude": 0.01, "negate": rng.random() < 0.5, "sparsity": 0.5,
+        {"batch": 3, "tokens": rng.choice(MEDIUM), "magnitude": 0.01, "negate": rng.random() < 0.5, "sparsity": 0.5,
          **seeds()},
         {"batch": 1, "tokens": rng.choice(LONG), "magnitude": round(rng.uniform(1.0, 16.0), 3),
          "negate": rng.random() < 0.5, "sparsity": 0.0, **seeds()},

@@ -31,6 +31,7 @@ class Limits:
     call_seconds: int = 10  # one call of a candidate (on the twin they take milliseconds): a hang costs this
     cpu_seconds: int = 120  # CPU time of a candidate's process per request
     memory_bytes: int = 8 << 30  # address space: torch alone maps a few GiB
+    reply_bytes: int = 512 << 20  # the most a candidate's reply may carry (the twin's take kilobytes to megabytes)
     reference_seconds: int = 600  # the reference's requests (the model's own code, at lengths it may run slowly)
 
 
@@ -40,10 +41,12 @@ class _Starting:
     def __init__(self, module: str, scratch: Path, limits: Limits, passed_env: tuple[str, ...] = ()):
         self.worker: Worker | None = None
         self.error: BaseException | None = None
+        reply = limits.reply_bytes if module == CANDIDATE else None
 
         def start():
             try:
-                self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env)
+                self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env,
+                                     **({"max_reply": reply} if reply else {}))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
                 self.error = exc
 
