@@ -154,6 +154,10 @@ def test_a_candidate_has_no_secret_to_read(sandbox):
     assert result["note"].endswith("env: []"), result["note"]
     result = unguarded(sandbox, candidate("import os\nraise ValueError(open(f'/proc/{os.getppid()}/environ').read())"))
     assert "refused by the sandbox: open(" in result["note"] and SECRET not in result["note"]
+    outside = Path(__file__).resolve().parents[2] / "onboard" / "errors.py"  # readable by this user, not by it
+    result = unguarded(sandbox, candidate(  # through a link in /proc: the whole file system, followed and refused
+        f"raise ValueError(open('/proc/self/root{outside}').read())"))
+    assert "refused by the sandbox: open(" in result["note"], result["note"]
     result = unguarded(sandbox, candidate(
         "import os\nraise ValueError(open(os.path.expanduser('~/.cache/onboard/judge.key'), 'rb').read().hex())"))
     assert not result["passed"] and ("refused by the sandbox" in result["note"] or "No such file" in result["note"])

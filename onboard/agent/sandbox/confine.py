@@ -129,29 +129,30 @@ def read_roots() -> tuple[str, ...]:
     import runtime
 
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(runtime.__file__),
-             os.path.dirname(os.path.abspath(__file__)), "/dev/null", "/dev/urandom", "/proc/self/",
-             "/sys/devices/system/cpu/"}
+             os.path.dirname(os.path.abspath(__file__)), "/dev/null", "/dev/urandom", "/sys/devices/system/cpu"}
     roots |= {p for p in sys.path if "site-packages" in p or "dist-packages" in p}
-    return tuple(sorted(os.path.normpath(r) + ("/" if r.endswith("/") else "") for r in roots if r))
+    return tuple(sorted({os.path.realpath(r) for r in roots if r}))
 
 
 def audit(scratch: str, roots: tuple[str, ...] | None = None) -> None:
     """Install the audit hook (module docstring). Nothing it reads can be changed afterwards: its policy is
     tuples and frozensets bound in its closure."""
-    scratch = os.path.normpath(os.path.abspath(scratch)) + os.sep
+    scratch = os.path.realpath(scratch)
     readable = tuple(roots if roots is not None else read_roots()) + (scratch,)
     write, refused_prefixes, process_events = WRITE_FLAGS, REFUSED_PREFIXES, PROCESS_EVENTS
     importable, hidden = IMPORTABLE, HIDDEN_ATTRIBUTES
     frequent = frozenset({"builtins.id", "exec", "compile", "marshal.loads"})  # harmless, and called often
-    normpath, abspath, fspath, stderr = os.path.normpath, os.path.abspath, os.fsdecode, 2
+    realpath, fspath, stderr = os.path.realpath, os.fsdecode, 2
     os_write = os.write
 
     def under(path, allowed) -> bool:
+        """Whether `path`, every link in it followed (/proc/self/root/... is the whole file system), lies in one
+        of the `allowed` folders."""
         try:
-            full = normpath(abspath(fspath(path)))
-        except (TypeError, ValueError):
+            full = realpath(fspath(path))
+        except (TypeError, ValueError, OSError):
             return False
-        return any(full == a.rstrip("/") or full.startswith(a if a.endswith("/") else a + "/") for a in allowed)
+        return any(full == a or full.startswith(a.rstrip("/") + "/") for a in allowed)
 
     def refuse(what: str):
         try:
