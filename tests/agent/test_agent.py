@@ -6,6 +6,8 @@ test_llm.py. Models are tiny twins of transformers' own default configs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -96,6 +98,22 @@ def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_p
     assert "not swapped in" in replayed.rounds[0]["outcome"] and replayed.rounds[1] == second
     kept, _, _ = take_on(zaya, Scripted(SLOW_ZAYA), tmp_path / "b", speed=None, path=ZAYA_TASK)
     assert kept.takes and kept.rounds[0]["outcome"] == "passed the probe"
+
+
+def test_the_speed_rule_gives_the_same_verdicts_on_a_loaded_machine(zaya, tmp_path):
+    """Two processes spinning on this machine's two cores while the default rule times a slow candidate and one
+    doing the module's own operations: the same verdicts as on an idle machine (CPU time from the kernel, both
+    sides on one core, paired samples, slower only where three in four samples say so), so the bundle a run
+    writes does not depend on what else the machine was doing."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        entry, agent, _ = take_on(zaya, Scripted(SLOW_ZAYA, RIGHT_ZAYA), tmp_path, path=ZAYA_TASK)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert [e["slower"] for e in agent.recorder.events if e["event"] == "speed"] == [True, False]
+    assert entry.takes and entry.rounds[1]["outcome"] == "passed the probe"
 
 
 def test_a_candidate_that_prints_much_is_judged_on_what_it_computes(zaya, tmp_path):

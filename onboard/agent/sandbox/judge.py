@@ -314,7 +314,7 @@ class Judge:
         """The candidate against the module at `width` times the twin's width and `tokens` tokens: judged like a
         probe case, then forward + backward timed by the kernel's count of each process's CPU time (neither
         can lie about it), `repeats` samples each, alternately; the ratio (above 1: the candidate is faster) is
-        the median of the pairs' ratios, the times reported the fastest of each."""
+        the median of the pairs' ratios, `upper` their upper quartile, the times reported the fastest of each."""
         worker = round_.worker
         rng = random.Random(int.from_bytes(hmac.new(self.key, "\0".join(("speed", *seed_parts)).encode(),
                                                     hashlib.sha256).digest(), "little"))
@@ -354,9 +354,9 @@ class Judge:
         # the median of adjacent pairs' ratios: the machine's own drift (a neighbour's load, the clock) moves both
         # of a pair alike, and a sample disturbed on one side moves the median little
         ratios = sorted(h / max(g, 1e-12) for h, g in zip(times["hf"], times["generated"]))
-        ratio = ratios[len(ratios) // 2]
+        ratio, upper = ratios[len(ratios) // 2], ratios[(3 * len(ratios)) // 4]
         hf, ours_ms = min(times["hf"]), min(times["generated"])
-        return {"hf_ms": hf * 1e3, "generated_ms": ours_ms * 1e3, "ratio": ratio,
+        return {"hf_ms": hf * 1e3, "generated_ms": ours_ms * 1e3, "ratio": ratio, "upper": upper,
                 "max_rel_error": measured["output_error"], "shapes": [list(a.shape) for a in wire.leaves(args)]}
 
 
