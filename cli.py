@@ -118,7 +118,7 @@ def _write_bundle(args, agent_options: dict | None) -> int:
 
         spec, verification, agent = run(source, out, force=args.force, notes=notes, **agent_options)
     for note in notes:
-        print(f"tidied: {note}")
+        print(note if note.startswith("kept ") else f"tidied: {note}")
     if agent is not None and not agent.tasks:
         print("agent: nothing left over: the bundle is what `onboard adapt` writes")
     for entry in agent.decision_entries if agent is not None else []:

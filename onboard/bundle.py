@@ -65,7 +65,9 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
         write_verification(staging, spec, twin, decision, verification)
         write_launcher(staging, plan)
         provenance.write(staging, source)
-        place(staging, out, force=force, protect=protect)
+        kept = place(staging, out, force=force, protect=protect)
+        if notes is not None and kept:
+            notes.append(f"kept {', '.join(kept)} from the bundle it replaced (not onboard's: moved into the new one)")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -15,6 +15,14 @@ MARKER = ".onboard-bundle"  # every bundle holds it: what `onboard adapt --force
 FILES = ("spec.json", "source.json", "decision.json", "adapter.py", "kernels.json", "verification.json",
          "REVIEW.md", "plan.json", "train.sh", "train.slurm", "provenance.json", MARKER)
 REQUIRED = ("spec.json", "adapter.py", "source.json")
+# every name a bundle's top level may hold that onboard writes (FILES, and from `onboard agent` generated/ and
+# agent.jsonl); anything else in a bundle folder is the user's (checkpoints/, runs/, data, notes): never replaced
+GENERATED = (*FILES, "generated", "agent.jsonl")
+
+
+def owned(name: str) -> bool:
+    """Whether the top-level entry `name` of a bundle is one onboard writes (and --force / --fix replace)."""
+    return name in GENERATED
 
 
 def read_bundle(bundle) -> tuple[Path, dict, dict]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onboard import provenance
-from onboard.bundle_files import bundle_source, read_bundle
+from onboard.bundle_files import bundle_source, owned, read_bundle
 
 DERIVED = ("REVIEW.md",)  # rendered from compared files
 SEED_VERDICTS = ("seed", "passed", "truth", "decays", "runtime_calls", "original_calls", "runtime_loss_calls",
@@ -40,6 +40,7 @@ class Checked:
     fixed: bool = False
     fresh_passed: bool = True  # whether the bundle made now verifies
     commit: str = ""  # the commit it was made at, where that is not the one running
+    kept: list[str] = field(default_factory=list)  # what --fix kept of the user's, moved into the new bundle
 
     @property
     def ok(self) -> bool:
@@ -54,7 +55,8 @@ class Checked:
             out.append(f"{self.bundle}: {self.failed}")
         if self.fixed:
             out.append(f"{self.bundle}: fixed: replaced by the bundle made now"
-                       + ("" if self.fresh_passed else ", which does not verify either"))
+                       + ("" if self.fresh_passed else ", which does not verify either")
+                       + (f"; kept {', '.join(self.kept)} (not onboard's)" if self.kept else ""))
         return out
 
 
@@ -64,7 +66,9 @@ def masked(text: str) -> str:
 
 
 def _files(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    """The files onboard writes in a bundle (checkpoints/, runs/ and other files of the user's are not compared)."""
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and owned(p.relative_to(folder).parts[0])}
 
 
 def verdicts(verification: dict) -> dict:
@@ -168,6 +172,6 @@ def check_bundle(bundle: Path, *, fix: bool = False, trust_remote_code: bool = F
         if fix and not result.ok:
             staging = staging_for(directory)
             shutil.copytree(fresh, staging, dirs_exist_ok=True)
-            place(staging, directory, force=True)
+            result.kept = place(staging, directory, force=True)
             result.fixed = True
     return result

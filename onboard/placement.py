@@ -11,7 +11,9 @@ and again, under a lock on its parent folder, right before the rename:
   `--out` while adapt ran, or a concurrent adapt that finished first, is kept and this run fails);
 - what a killed run left behind is recognised and put right by the next run for the same target: staging
   folders whose writer is gone are removed, and an old bundle moved aside (`.NAME.old-XXXX`) but not yet
-  replaced is moved back.
+  replaced is moved back;
+- a bundle replaced keeps what is not onboard's (`bundle_files.owned`: checkpoints/, runs/, data, any file the
+  user put there): each such entry moves into the new bundle, and a run killed halfway finishes the move.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from onboard.bundle_files import MARKER, REQUIRED
+from onboard.bundle_files import MARKER, REQUIRED, owned
 from onboard.errors import OnboardError
 
 _WRITER = ".onboard-staging"  # in a staging folder: which process writes it
@@ -91,14 +93,30 @@ def _writer_alive(staging: Path) -> bool:
     return True
 
 
+def _carry(old: Path, new: Path) -> list[str]:
+    """Move the entries of bundle `old` that are not onboard's into bundle `new` (where the name is free); their
+    names. An entry whose name `new` already holds stays in `old`."""
+    carried = []
+    for entry in sorted(old.iterdir()):
+        if not owned(entry.name) and not (new / entry.name).exists() and not (new / entry.name).is_symlink():
+            entry.rename(new / entry.name)
+            carried.append(entry.name + ("/" if (new / entry.name).is_dir() else ""))
+    return carried
+
+
 def tidy(out: Path) -> list[str]:
     """Put right what a killed run for `out` left behind; returns what it did (one phrase each)."""
     done = []
     with locked(out.parent):
         for old in sorted(out.parent.glob(f".{out.name}.old-*")):
             if out.exists():
+                carried = _carry(old, out)
+                if any(not owned(e.name) for e in old.iterdir()):
+                    done.append(f"left {old.name} in place: it holds files of yours that {out.name} holds too")
+                    continue
                 shutil.rmtree(old)
-                done.append(f"removed {old.name}, a bundle already replaced")
+                done.append(f"removed {old.name}, a bundle already replaced"
+                            + (f" (moved {', '.join(carried)} into {out.name})" if carried else ""))
             else:
                 old.rename(out)
                 done.append(f"moved {old.name} back to {out.name}: a killed run had moved it aside")
@@ -116,16 +134,19 @@ def staging_for(out: Path) -> Path:
     return staging
 
 
-def place(staging: Path, out: Path, *, force: bool, protect: tuple[Path, ...] = ()) -> None:
-    """Move a complete staging folder to `out`, checking `out` again under the lock first."""
+def place(staging: Path, out: Path, *, force: bool, protect: tuple[Path, ...] = ()) -> list[str]:
+    """Move a complete staging folder to `out`, checking `out` again under the lock first; what it kept of the
+    bundle it replaced (entries that are not onboard's, moved into the new one)."""
     (staging / _WRITER).unlink()
     (staging / MARKER).write_text("a bundle written by onboard adapt: onboard adapt --force may replace it\n")
     with locked(out.parent):
         check_target(out, force=force, protect=protect)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-            out.rename(old)
+        if not out.exists():
             staging.rename(out)
-            shutil.rmtree(old)
-        else:
-            staging.rename(out)
+            return []
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        out.rename(old)
+        staging.rename(out)
+        carried = _carry(old, out)  # a run killed before this line leaves `old`: the next run's tidy carries it
+        shutil.rmtree(old)
+        return carried

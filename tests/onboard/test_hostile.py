@@ -128,6 +128,57 @@ def test_force_replaces_only_a_bundle(tmp_path):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+def _plant_users_files(bundle: Path) -> dict[str, bytes]:
+    """What `onboard train` and a user put in a bundle: checkpoints/, runs/, data/, a note. Their bytes by path."""
+    planted = {"checkpoints/step-2/model.safetensors": b"weights", "runs/run-1.jsonl": b'{"step": 1}\n',
+               "data/corpus.jsonl": b'{"text": "hello"}\n', "NOTES.md": b"my notes\n"}
+    for name, data in planted.items():
+        (bundle / name).parent.mkdir(parents=True, exist_ok=True)
+        (bundle / name).write_bytes(data)
+    return planted
+
+
+def test_force_keeps_what_is_not_onboards_and_says_so(copy_of):
+    b = copy_of()
+    planted = _plant_users_files(b)
+    result = cli("adapt", "qwen3-8b", "--out", b, "--force")
+    assert result.returncode == 0, result.stderr
+    assert "kept NOTES.md, checkpoints/, data/, runs/ from the bundle it replaced" in result.stdout
+    assert all((b / name).read_bytes() == data for name, data in planted.items())
+    assert not list(b.parent.glob(f".{b.name}.*"))
+
+
+def test_check_fix_keeps_what_is_not_onboards_and_a_trained_bundle_is_not_stale(copy_of):
+    from onboard.check import check_bundle
+
+    b = copy_of()
+    planted = _plant_users_files(b)
+    assert check_bundle(b).ok  # checkpoints and runs are not "no longer made"
+    with open(b / "adapter.py", "a") as f:
+        f.write("# edited\n")
+    result = check_bundle(b, fix=True)
+    assert result.fixed and sorted(result.kept) == ["NOTES.md", "checkpoints/", "data/", "runs/"]
+    assert all((b / name).read_bytes() == data for name, data in planted.items())
+    assert "# edited" not in (b / "adapter.py").read_text()
+
+
+def test_a_replacement_killed_halfway_keeps_the_users_files(copy_of, tmp_path):
+    """Killed after the new bundle moved into place, before the user's files followed it: the next run moves
+    them over (the old bundle is kept aside until then)."""
+    from onboard.placement import tidy
+
+    b = copy_of()
+    planted = _plant_users_files(b)
+    aside = b.with_name(f".{b.name}.old-deadbeef")
+    b.rename(aside)
+    shutil.copytree(aside, b, ignore=lambda d, names: [n for n in names if d == str(aside) and not n.endswith(
+        (".json", ".py", ".md", ".sh", ".slurm", ".onboard-bundle")) or n == "NOTES.md"])
+    done = tidy(b)
+    assert any("moved" in line and "checkpoints/" in line for line in done), done
+    assert all((b / name).read_bytes() == data for name, data in planted.items())
+    assert not aside.exists()
+
+
 def test_a_directory_created_at_out_while_adapt_runs_is_kept(tmp_path, monkeypatch):
     """The target is checked again, under a lock, right before the new bundle moves into place."""
     import onboard.bundle
