@@ -199,8 +199,8 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from onboard.train import export
 
-    print("running the bundle's adapter.py (generated code) to rebuild the trained model", flush=True)
-    code = export(args.checkpoint, args.format, args.out)
+    code = export(args.checkpoint, args.format, args.out, bundle=args.bundle, weights=args.weights,
+                  trust_remote_code=args.trust_remote_code)
     if code == 0:
         print(f"exported: {args.out}")
     return code
@@ -560,6 +560,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=("peft", "hf"),
                    help="peft: the LoRA adapters as a PEFT adapter; hf: the model, LoRA merged, as a HF checkpoint")
     p.add_argument("--out", required=True, help="a new folder for the export (never replaced)")
+    p.add_argument("--bundle", help="the bundle the run trained, whose adapter.py (generated code) export runs "
+                                    "(default: the folder above BUNDLE/checkpoints); it must be the one the "
+                                    "checkpoints were written by")
+    p.add_argument("--weights", help="the released model the run started from (default: the path the run recorded; "
+                                     "required with --trust-remote-code)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own modeling code (never read from the checkpoint's launch.json)")
     p.set_defaults(func=cmd_export)
 
     p = verb("catalogue", help="list the bundled model configs")
@@ -651,7 +658,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("onboard: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # a bug of ours (or of code we call): one line, and the traceback on request
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # a bug of ours or of code we call (torch's CheckpointException is a
+        # BaseException): one line, and the traceback on request
         if args.debug or os.environ.get("ONBOARD_DEBUG") == "1":
             raise
         from onboard.errors import one_line

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -25,11 +27,36 @@ def owned(name: str) -> bool:
     return name in GENERATED
 
 
+def only_regular_files(bundle: Path) -> None:
+    """Refuse (one line) a bundle whose own entries (`owned`, and everything below them) are anything but regular
+    files and directories: a link could lead out of the bundle (a review would print its target into a pull
+    request), a FIFO would block the reader, a loop would never end."""
+    for name in sorted(os.listdir(bundle)):
+        if not owned(name):
+            continue
+        stack = [bundle / name]
+        while stack:
+            path = stack.pop()
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                raise OnboardError(f"{path}: a symbolic link; onboard reads a bundle's own regular files only")
+            if stat.S_ISDIR(mode):
+                stack.extend(sorted(path.iterdir()))
+            elif not stat.S_ISREG(mode):
+                raise OnboardError(f"{path}: not a regular file (a FIFO, socket or device); onboard reads a "
+                                   f"bundle's own regular files only")
+
+
 def read_bundle(bundle) -> tuple[Path, dict, dict]:
-    """The bundle directory, its spec and its source record; one-line errors for anything missing."""
+    """The bundle directory, its spec and its source record; one-line errors for anything missing, and for a
+    bundle that is not made of regular files (`only_regular_files`)."""
     bundle = Path(bundle)
     if not bundle.is_dir():
         raise OnboardError(f"{bundle}: no such bundle directory (write one with `onboard adapt MODEL --out DIR`)")
+    try:
+        only_regular_files(bundle)
+    except OSError as exc:
+        raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
     missing = [f for f in REQUIRED if not (bundle / f).is_file()]
     if missing:
         raise OnboardError(f"{bundle} is not a bundle: missing {', '.join(missing)}")

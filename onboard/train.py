@@ -9,6 +9,7 @@ bundle's `train.sh`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -336,41 +337,89 @@ def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, w
 LAUNCH = "launch.json"  # in a checkpoint folder: what `onboard export` needs to rebuild the trained model
 
 
+def bundle_code_digest(bundle: Path) -> str:
+    """sha256 of the code a bundle runs in training (adapter.py, generated/*.py) and its spec: what a checkpoint
+    records of the bundle that wrote it, so an export runs that code and no other."""
+    digest = hashlib.sha256()
+    for path in [bundle / "spec.json", bundle / "adapter.py", *sorted((bundle / "generated").glob("*.py"))]:
+        if path.is_file():
+            digest.update(path.relative_to(bundle).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _record_launch(checkpoint_dir: Path, bundle: Path, weights: str, plan: Plan, trust_remote_code: bool) -> None:
+    """launch.json: the run's plan and what it was made from. Export reads the plan from it and checks the
+    bundle against its digest; it never takes consent (trust_remote_code) or a path to run code from it."""
     from onboard.outputs import write_atomically
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(checkpoint_dir / LAUNCH, json.dumps(
-        {"bundle": str(Path(bundle).resolve()), "weights": str(Path(weights).resolve()), "plan": plan.to_dict(),
-         "trust_remote_code": trust_remote_code}, indent=2, sort_keys=True) + "\n")
+        {"bundle": str(Path(bundle).resolve()), "bundle_sha256": bundle_code_digest(Path(bundle)),
+         "weights": str(Path(weights).resolve()), "plan": plan.to_dict()}, indent=2, sort_keys=True) + "\n")
 
 
-def export(checkpoint, fmt: str, out) -> int:
-    """`onboard export CHECKPOINT_DIR --format peft|hf --out DIR`: the newest checkpoint of a run trained on
-    released weights, exported as `onboard train --export-*` does at the end of a run: the run's own plan (and
-    process count) resumes it with nothing left to train, then writes the export shard by shard."""
+def _launch(launch_file: Path) -> tuple[dict, Plan]:
+    """launch.json's record and plan; one line naming the file and field for anything else."""
+    try:
+        launch = json.loads(launch_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise OnboardError(f"{launch_file}: not a launch record ({one_line(exc, 80)})") from None
+    if not isinstance(launch, dict):
+        raise OnboardError(f"{launch_file}: not a launch record (a JSON object)")
+    for key in ("plan", "bundle_sha256", "weights"):
+        if key not in launch:
+            raise OnboardError(f"{launch_file}: no '{key}' (written by an older onboard? train again, or export with "
+                               f"the onboard that wrote it)")
+    if not isinstance(launch["plan"], dict) or not isinstance(launch["weights"], str):
+        raise OnboardError(f"{launch_file}: 'plan' must be an object and 'weights' a path")
+    try:
+        plan = Plan.from_dict(launch["plan"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise OnboardError(f"{launch_file}: 'plan' is not a plan ({one_line(exc, 80)})") from None
+    return launch, plan
+
+
+def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote_code: bool = False) -> int:
+    """`onboard export CHECKPOINT_DIR --format peft|hf --out DIR [--bundle B] [--weights W]`: the newest checkpoint
+    of a run trained on released weights, exported as `onboard train --export-*` does at the end of a run: the
+    run's own plan (and process count) resumes it with nothing left to train, then writes the export shard by
+    shard. The bundle whose code runs is named here (default: the folder above BUNDLE/checkpoints) and must be
+    the one the checkpoint was written by (launch.json's digest of its code); consent to run the model's own code
+    comes from `trust_remote_code` alone, and with it the released model must be named here too."""
     from runtime.train.checkpoint import checkpoints
 
     checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise OnboardError(f"{checkpoint}: no such checkpoint folder")
     folder = checkpoint.parent if (checkpoint / ".metadata").is_file() else checkpoint
     launch_file = folder / LAUNCH
     if not launch_file.is_file():
         raise OnboardError(f"{checkpoint}: no checkpoints of a run on released weights here ({LAUNCH} is missing: "
                            f"train with --weights)")
+    if fmt not in ("peft", "hf"):
+        raise OnboardError(f"unknown export format {fmt!r}: choose peft or hf")
+    launch, plan = _launch(launch_file)
+    bundle = Path(bundle) if bundle is not None else folder.resolve().parent
+    if not (bundle / "adapter.py").is_file():
+        raise OnboardError(f"{bundle} is not a bundle: name the bundle the run trained with --bundle")
+    if bundle_code_digest(bundle) != launch["bundle_sha256"]:
+        raise OnboardError(f"{bundle} is not the bundle these checkpoints were written by (its adapter, generated code "
+                           f"or spec differ from the run's): name that bundle with --bundle")
+    if trust_remote_code and weights is None:
+        raise OnboardError("--trust-remote-code runs the released model's own code: name the model with --weights "
+                           "(a path in launch.json is not consent)")
     saved = checkpoints(folder)
     if not saved:
         raise OnboardError(f"{folder}: no complete checkpoint to export")
     if folder != checkpoint and checkpoint.resolve() != saved[-1][1].resolve():
         raise OnboardError(f"{checkpoint} is not the newest checkpoint of {folder} ({saved[-1][1].name}): export "
                            f"the folder, or move the newer ones away")
-    if fmt not in ("peft", "hf"):
-        raise OnboardError(f"unknown export format {fmt!r}: choose peft or hf")
-    launch = json.loads(launch_file.read_text())
+    print(f"running {bundle / 'adapter.py'} (the bundle's generated code) to rebuild the trained model", flush=True)
     with tempfile.TemporaryDirectory(prefix="onboard-export-") as scratch:
         plan_file = Path(scratch) / "plan.json"
-        plan_file.write_text(Plan.from_dict(launch["plan"]).to_json())
-        return run(launch["bundle"], plan_file, steps=saved[-1][0], weights=launch["weights"], checkpoint_dir=folder,
-                   runlog=Path(scratch) / "export.jsonl", trust_remote_code=launch.get("trust_remote_code", False),
+        plan_file.write_text(plan.to_json())
+        return run(bundle, plan_file, steps=saved[-1][0], weights=weights or launch["weights"], checkpoint_dir=folder,
+                   runlog=Path(scratch) / "export.jsonl", trust_remote_code=trust_remote_code,
                    **{f"export_{fmt}": out})
 
 

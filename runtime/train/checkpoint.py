@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -119,27 +120,43 @@ def _groups_key(model: torch.nn.Module) -> str:
     return "param_groups" if stage is None else f"param_groups@stage{stage.index}of{stage.num_stages}"
 
 
-def _checkpoint_view(model_state: dict, optim_state: dict, shards: dict, groups: str) -> tuple[dict, dict]:
-    """The state dicts under checkpoint names (the same tensors): expert keys made unique across EP ranks
-    (param_groups keep local names, the same on every rank of a stage), param_groups under `groups`."""
+def _canonical(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name -> the first, in sorted order, of the names the same tensor goes by. A runtime block
+    can hold the model's tensor under a second name (the MoE router's weight), and torch names optimizer state
+    by whichever name a set yields first, which differs from process to process: a checkpoint names it by this
+    one, so a resumed run finds it."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: min(group) for group in names.values() for name in group}
+
+
+def _checkpoint_view(model_state: dict, optim_state: dict, shards: dict, groups: str,
+                     canonical: dict[str, str]) -> tuple[dict, dict]:
+    """The state dicts under checkpoint names (the same tensors): optimizer state under each parameter's
+    canonical name, expert keys made unique across EP ranks (param_groups keep local names, the same on every
+    rank of a stage), param_groups under `groups`."""
     optim = {k: v for k, v in optim_state.items() if k != "param_groups"}
     optim[groups] = optim_state["param_groups"]
+    optim["state"] = {_global_key(canonical.get(k, k), shards): v for k, v in optim_state["state"].items()}
     if not shards:
         return model_state, optim
-    return ({_global_key(k, shards): v for k, v in model_state.items()},
-            {**optim, "state": {_global_key(k, shards): v for k, v in optim_state["state"].items()}})
+    return {_global_key(k, shards): v for k, v in model_state.items()}, optim
 
 
 def _local_view(model_state: dict, optim_state: dict, view: tuple[dict, dict], shards: dict,
-                groups: str) -> tuple[dict, dict]:
-    """`view` (as `_checkpoint_view` named it, now loaded) back under the model's own names."""
+                groups: str, canonical: dict[str, str]) -> tuple[dict, dict]:
+    """`view` (as `_checkpoint_view` named it, now loaded) back under the model's own names; param_groups
+    keep this run's own parameter names with the loaded settings."""
     model_view, optim_view = view
-    optim = {k: v for k, v in optim_view.items() if k != groups}
-    optim["param_groups"] = optim_view[groups]
+    optim = {k: v for k, v in optim_view.items() if k not in (groups, "state")}
+    optim["param_groups"] = [{**loaded, "params": here["params"]}
+                             for loaded, here in zip(optim_view[groups], optim_state["param_groups"])]
+    optim["state"] = {k: optim_view["state"][_global_key(canonical.get(k, k), shards)]
+                      for k in optim_state["state"]}
     if not shards:
         return model_view, optim
-    return ({k: model_view[_global_key(k, shards)] for k in model_state},
-            {**optim, "state": {k: optim_view["state"][_global_key(k, shards)] for k in optim_state["state"]}})
+    return {k: model_view[_global_key(k, shards)] for k in model_state}, optim
 
 
 def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -154,7 +171,8 @@ def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
         tmp.mkdir()
     _barrier()
     shards = _expert_shards(model)
-    model_state, optim_state = _checkpoint_view(*get_state_dict(model, optimizer), shards, _groups_key(model))
+    model_state, optim_state = _checkpoint_view(*get_state_dict(model, optimizer), shards, _groups_key(model),
+                                                _canonical(model))
     dcp.save({"model": model_state, "optim": optim_state,
               "train": {"step": step, "data_position": data_position, "ep": _ep(shards), "pp": _pp(model),
                         "expert_placement": json.dumps(_placements(model), sort_keys=True)}},
@@ -217,13 +235,27 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
             raise ValueError(f"checkpoint {path} was saved with {kind} parallelism {name}={layout['train'][name]} and "
                              f"this run has {name}={here}: resume with the plan's {name} it was saved with")
     _restore_placements(model, json.loads(layout["train"]["expert_placement"]), path)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    groups = _groups_key(model)
-    model_view, optim_view = _checkpoint_view(model_state, optim_state, shards, groups)
+    model_state, optim_state = get_state_dict(model, optimizer)  # optimizer state made for every parameter
+    groups, canonical = _groups_key(model), _canonical(model)
+    model_view, optim_view = _checkpoint_view(model_state, optim_state, shards, groups, canonical)
+    # a parameter without optimizer state in the checkpoint had no gradient before it was saved: it gets none
+    # here either (its state is not read, and taken away below), as in the run that was not interrupted
+    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    absent = {k for k in optim_view["state"] if not any(key.startswith(f"optim.state.{k}.") for key in saved)}
+    for key in absent:
+        optim_view["state"].pop(key)
     state = {"model": model_view, "optim": optim_view, "train": {"step": 0, "data_position": 0}}
     dcp.load(state, checkpoint_id=str(path))
-    model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards, groups)
+    for key in absent:
+        optim_view["state"][key] = {}
+    model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards, groups,
+                                           canonical)
+    stateless = {k for k, v in optim_state["state"].items() if not v}
+    optim_state["state"] = {k: v for k, v in optim_state["state"].items() if v}
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    for name in stateless:
+        optimizer.state.pop(by_name[name], None)
     rng = path / f"rng-{_rank()}.pt"
     if rng.is_file():
         saved = torch.load(rng, weights_only=True)

@@ -260,7 +260,9 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
 
             pipeline = Pipeline(model, plan, mesh, device, torch.bfloat16 if precision is not None else torch.float32)
     if pretrained is not None:  # built on the meta device: allocate this rank's shards, then read into them
+        shared = pretrained.shared_slots(model)
         model.to_empty(device=device)
+        pretrained.tie(shared)
         loaded = pretrained.load(model)
         cfg.run_meta = {**cfg.run_meta, "weights": str(pretrained.checkpoint.directory),
                         "weights_bytes": loaded["bytes"]}

@@ -318,6 +318,25 @@ class Pretrained:
         adapt(model)
         return cls(checkpoint, layout, layout.names(model), dtype, groups)
 
+    @staticmethod
+    def shared_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+        """The places (module, attribute) that hold one parameter between them, for each parameter held in more
+        than one: a runtime block keeps the model's tensor under a second name (the MoE router's weight)."""
+        slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    slots.setdefault(id(param), []).append((module, name))
+        return [group for group in slots.values() if len(group) > 1]
+
+    @staticmethod
+    def tie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+        """Make each group's places hold one parameter again (allocating with `to_empty` gave each its own copy:
+        the router would train one and the model export the other)."""
+        for (first, name), *rest in groups:
+            for module, attr in rest:
+                module._parameters[attr] = first._parameters[name]
+
     def load(self, model: nn.Module) -> dict:
         """Into the allocated (`to_empty`) model: derived buffers recomputed, weights read, LoRA adapters
         started afresh (B = 0: the adapted model computes what the checkpoint does)."""

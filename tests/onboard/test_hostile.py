@@ -179,6 +179,30 @@ def test_a_replacement_killed_halfway_keeps_the_users_files(copy_of, tmp_path):
     assert not aside.exists()
 
 
+@pytest.mark.parametrize("plant", ["a link out", "a link loop", "a FIFO"])
+@pytest.mark.parametrize("verb", ["review", "check"])
+def test_review_and_check_read_a_bundles_own_regular_files_only(verb, plant, copy_of, tmp_path):
+    """A link out of the bundle would put its target into a pull-request comment; a FIFO would block; a loop
+    would never end: each is one line naming the entry, and nothing of the target is printed."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("sk-do-not-print")
+    b = copy_of()
+    if plant == "a link out":
+        (b / "REVIEW.md").unlink()
+        (b / "REVIEW.md").symlink_to(secret)
+        culprit = b / "REVIEW.md"
+    elif plant == "a link loop":
+        (b / "generated").mkdir()
+        (b / "generated" / "loop").symlink_to(b / "generated")
+        culprit = b / "generated" / "loop"
+    else:
+        (b / "decision.json").unlink()
+        os.mkfifo(b / "decision.json")
+        culprit = b / "decision.json"
+    result = cli(verb, b, timeout=120)
+    assert refused(result, str(culprit)) and "sk-do-not-print" not in result.stdout + result.stderr, result.stderr
+
+
 def test_a_directory_created_at_out_while_adapt_runs_is_kept(tmp_path, monkeypatch):
     """The target is checked again, under a lock, right before the new bundle moves into place."""
     import onboard.bundle

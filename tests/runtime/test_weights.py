@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,13 +260,35 @@ def test_onboard_export_writes_from_a_saved_checkpoint_what_the_run_exported(rel
     assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2", "--lr",
                  "0.01", "--checkpoint-dir", str(ck), "--runlog", str(tmp_path / "run.jsonl"), "--export-peft",
                  str(tmp_path / "at-end")]) == 0
-    assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "later")]) == 0
+    # launch.json is not consent: an edit that names another bundle and switches remote code on changes nothing
+    launch = json.loads((ck / "launch.json").read_text())
+    (ck / "launch.json").write_text(json.dumps({**launch, "bundle": str(tmp_path), "trust_remote_code": True}))
+    capsys.readouterr()
+    assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "later"), "--bundle", str(bundle)]) == 0
+    assert f"running {bundle / 'adapter.py'}" in capsys.readouterr().out
     at_end = load_file(tmp_path / "at-end" / "adapter_model.safetensors")
     later = load_file(tmp_path / "later" / "adapter_model.safetensors")
     assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
     capsys.readouterr()
     assert main(["export", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "x")]) == 1
     assert "launch.json is missing" in capsys.readouterr().err
+    # the bundle must be the one that wrote the checkpoints, named on the command line
+    assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "x")]) == 1
+    assert "is not a bundle: name the bundle the run trained with --bundle" in capsys.readouterr().err
+    other = Path(shutil.copytree(bundle, tmp_path / "other"))
+    with open(other / "adapter.py", "a") as f:
+        f.write("# another bundle\n")
+    assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "x"), "--bundle", str(other)]) == 1
+    assert "is not the bundle these checkpoints were written by" in capsys.readouterr().err
+    assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "x"), "--bundle", str(bundle),
+                 "--trust-remote-code"]) == 1
+    assert "name the model with --weights" in capsys.readouterr().err
+    for broken in ("[]", "{}", '{"plan": 3, "bundle_sha256": "x", "weights": "w"}', "not json"):
+        (ck / "launch.json").write_text(broken)
+        assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "x"), "--bundle", str(bundle)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "launch.json" in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "x").exists()
 
 
 def test_exports_are_checked_before_training(released, tmp_path, capsys):
@@ -291,3 +314,41 @@ def test_exports_are_checked_before_training(released, tmp_path, capsys):
             assert "is not a writable folder" in capsys.readouterr().err
     finally:
         locked.chmod(0o700)
+
+
+def _run_losses(log: Path) -> list[float]:
+    from runtime.runlog import read_runs
+
+    runs, _ = read_runs([log])
+    return [s["loss"] for run in runs for s in run.steps]
+
+
+def test_a_full_fine_tune_on_released_weights_resumes_to_the_same_losses_and_exports_what_it_trained(tmp_path):
+    """Issue 33's bug: no LoRA, one process, a model whose MoE router the runtime holds under a second name.
+    Allocating the released model gave the two names two tensors (the router trained one, the export read the
+    other) and the optimizer state was named by whichever name a set gave first, which a resumed process did
+    not find. Now: stopped after 2 steps and resumed to 3, the losses are the uninterrupted run's, and the
+    export holds the router as trained."""
+    from safetensors.torch import load_file
+
+    model_dir, bundle = released_model("qwen3_moe", tmp_path / "released")
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(dtype="fp32", seq_len=SEQ, lora=None).to_json())
+
+    def train_to(steps: int, name: str) -> int:
+        return main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", str(steps),
+                     "--lr", "0.01", "--checkpoint-dir", str(tmp_path / name), "--runlog",
+                     str(tmp_path / f"{name}.jsonl")])
+
+    assert train_to(3, "straight") == 0
+    assert train_to(2, "resumed") == 0 and train_to(3, "resumed") == 0
+    straight, resumed = _run_losses(tmp_path / "straight.jsonl"), _run_losses(tmp_path / "resumed.jsonl")
+    assert len(straight) == 3 and resumed == straight
+    assert main(["export", str(tmp_path / "resumed"), "--format", "hf", "--out", str(tmp_path / "hf"),
+                 "--bundle", str(bundle)]) == 0
+    exported = {k: v for p in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(p).items()}
+    released = {k: v for p in model_dir.glob("*.safetensors") for k, v in load_file(p).items()}
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(exported[router], released[router])  # the router trained, and is what was exported
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert torch.equal(dict(reloaded.named_parameters())[router], exported[router])
