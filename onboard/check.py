@@ -108,12 +108,20 @@ def _same(name: str, old: Path, new: Path) -> bool:
     return False
 
 
+def record(folder: Path) -> dict | None:
+    """A bundle's provenance record; None where it has none, or one that is not a record (a pull request's
+    edit: the file then differs, and that is said as a difference)."""
+    path = folder / provenance.FILE
+    try:
+        value = json.loads(path.read_text()) if path.is_file() else None
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError):
+        return None
+    ok = isinstance(value, dict) and all(isinstance(value.get(k), dict) for k in ("versions", "files", "source"))
+    return value if ok and isinstance(value.get("onboard", {}), dict) else None
+
+
 def differences(old: Path, new: Path) -> list[str]:
     """One line per file of bundle `old` that differs from bundle `new`, with what changed in between."""
-    def record(folder: Path) -> dict | None:
-        path = folder / provenance.FILE
-        return json.loads(path.read_text()) if path.is_file() else None
-
     before, after = _files(old), _files(new)
     changed = sorted(name for name in before & after if not _same(name, old / name, new / name))
     lines = [f"{name}: no longer made" for name in sorted(before - after)]
@@ -165,8 +173,7 @@ def check_bundle(bundle: Path, *, fix: bool = False, trust_remote_code: bool = F
         if not verification.passed:
             result.failed = f"no longer verifies: {verification.note or _worst(verification)}"
         result.stale = differences(directory, fresh)
-        recorded = directory / provenance.FILE
-        made_at = json.loads(recorded.read_text()).get("onboard", {}).get("commit") if recorded.is_file() else None
+        made_at = (record(directory) or {}).get("onboard", {}).get("commit")
         if made_at and made_at != provenance.commit():
             result.commit = made_at
         if fix and not result.ok:

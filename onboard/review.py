@@ -30,6 +30,42 @@ FORMATS = ("markdown", "github")
 CODE = ("adapter.py", "kernels.json", "train.sh", "train.slurm")  # diffed, with generated/*.py
 
 
+# what the review reads of each JSON part: key -> type, or (type, item type), or a nested shape for a list of
+# objects; a part that does not fit is refused in one line naming the file and field (it arrives in a pull request)
+SHAPES = {
+    "decision.json": {"moe": [{"layers": (list, int), "block": str}], "attention": [{"layers": (list, int)}],
+                      "loss": dict, "generated": [{"layers": (list, int), "file": str, "rounds": (list, dict),
+                                                   "probe": dict}]},
+    "verification.json": {"seeds": [{"seed": int}], "tolerances": dict, "note": str, "swaps": dict, "backends": dict},
+    "plan.json": {},
+    provenance.FILE: {"versions": dict, "files": dict, "source": dict, "onboard": dict},
+}
+REQUIRED_KEYS = {provenance.FILE: ("versions", "files", "source")}
+
+
+def _fits(value, shape, where: str) -> None:
+    """Raise OnboardError naming `where` (file: field) when `value` does not have `shape`."""
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise OnboardError(f"{where} must be a JSON object")
+        for key, inner in shape.items():
+            if key in value and value[key] is not None:
+                _fits(value[key], inner, f"{where}: '{key}'")
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise OnboardError(f"{where} must be a list")
+        for i, item in enumerate(value):
+            _fits(item, shape[0], f"{where}[{i}]")
+    elif isinstance(shape, tuple):
+        kind, item = shape
+        _fits(value, kind, where)
+        bad = next((v for v in value if not isinstance(v, item) or isinstance(v, bool) != (item is bool)), None)
+        if bad is not None:
+            raise OnboardError(f"{where} must hold {item.__name__} values, not {type(bad).__name__}")
+    elif not isinstance(value, shape) or (shape is int and isinstance(value, bool)):
+        raise OnboardError(f"{where} must be {shape.__name__}, not {type(value).__name__}")
+
+
 class Bundle:
     """The parts of a bundle the review reads (None for a part a bundle lacks)."""
 
@@ -46,9 +82,16 @@ class Bundle:
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text())
-        except ValueError:
+            value = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
             raise OnboardError(f"{path}: not JSON") from None
+        except RecursionError:
+            raise OnboardError(f"{path}: nested too deeply to be a bundle's") from None
+        _fits(value, SHAPES.get(name, {}), str(path))
+        missing = [k for k in REQUIRED_KEYS.get(name, ()) if k not in value]
+        if missing:
+            raise OnboardError(f"{path}: no '{missing[0]}' (a provenance record names versions, files and source)")
+        return value
 
     def _code_files(self) -> dict[str, str]:
         names = [n for n in CODE if (self.folder / n).is_file()]

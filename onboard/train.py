@@ -414,6 +414,12 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
     if folder != checkpoint and checkpoint.resolve() != saved[-1][1].resolve():
         raise OnboardError(f"{checkpoint} is not the newest checkpoint of {folder} ({saved[-1][1].name}): export "
                            f"the folder, or move the newer ones away")
+    from runtime.train.checkpoint import incomplete
+
+    broken = incomplete(saved[-1][1])
+    if broken:  # resuming would pass over it and train from an older state, or from the released weights
+        raise OnboardError(f"{saved[-1][1]} is incomplete ({broken}): export needs the newest checkpoint whole; "
+                           f"move it away to export an older one")
     print(f"running {bundle / 'adapter.py'} (the bundle's generated code) to rebuild the trained model", flush=True)
     with tempfile.TemporaryDirectory(prefix="onboard-export-") as scratch:
         plan_file = Path(scratch) / "plan.json"

@@ -277,6 +277,13 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
             raise OnboardError(f"{replay} records a session on {chosen.session.get('model')!r}, not {source.name!r}")
         rounds = chosen.session.get("rounds", rounds)
         keep_slower = chosen.session.get("keep_slower", keep_slower)
+        for field in ("rounds", "calls"):
+            value = chosen.session.get(field, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OnboardError(f"{replay}: the session line's '{field}' is {value!r}: a replay needs a whole "
+                                   f"number of at least 1")
+        if not isinstance(keep_slower, bool):
+            raise OnboardError(f"{replay}: the session line's 'keep_slower' is {keep_slower!r}: true or false")
         session = {k: v for k, v in chosen.session.items() if k in ("endpoint", "model_name", "calls", "keep_slower")}
     else:
         chosen, session = policy_named(policy, **llm)

@@ -72,6 +72,11 @@ def test_replay_refuses_a_record_of_another_model_and_keeps_the_bundle(deepseek_
     (tmp_path / "bad.jsonl").write_text('{"event": "session", "schema_version": 1}\n{"event": "candidate"}\n')
     with pytest.raises(OnboardError, match="has no"):
         run(other, tmp_path / "out", replay=tmp_path / "bad.jsonl")
+    for field, value in (("rounds", "3"), ("rounds", -1), ("rounds", True), ("calls", 0), ("keep_slower", "yes")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"event": "session", "schema_version": 1, "model": other.name,
+                                                         "policy": "rules", field: value}) + "\n")
+        with pytest.raises(OnboardError, match=f"the session line's '{field}' is"):
+            run(other, tmp_path / "out", replay=tmp_path / "bad.jsonl")
     assert not (tmp_path / "out").exists()
 
 

@@ -436,3 +436,25 @@ def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsy
     assert err.count("\n") == 0 and "internal error: RuntimeError: planted bug" in err and "--debug" in err
     with pytest.raises(RuntimeError, match="planted"):
         onboard_cli.main(["--debug", "catalogue"])
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("provenance.json", "[1, 2]", "provenance.json must be a JSON object"),
+    ("provenance.json", '{"files": {}, "source": {}}', "no 'versions'"),
+    ("decision.json", '{"schema_version": 1, "generated": 5}', "'generated' must be a list"),
+    ("verification.json", "[" * 100000 + "]" * 100000, "nested too deeply"),
+], ids=["provenance a list", "provenance without versions", "generated not a list", "deeply nested"])
+def test_review_of_malformed_parts_is_one_line(name, text, words, copy_of):
+    b = copy_of()
+    (b / name).write_text(text)
+    assert refused(cli("review", b, timeout=120), str(b / name), words)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"versions": 3}', "{not json"])
+def test_check_with_a_malformed_provenance_says_it_differs(text, copy_of):
+    """check compares a bundle with a fresh one; a provenance record a pull request broke is a difference."""
+    b = copy_of()
+    (b / "provenance.json").write_text(text)
+    result = cli("check", b, timeout=300)
+    assert result.returncode not in (0, 70) and "Traceback" not in result.stderr, result.stderr
+    assert "provenance.json" in result.stdout + result.stderr
