@@ -53,13 +53,14 @@ def _documents(n: int = 40, seed: int = 0) -> list[str]:
 def corpus(tmp_path_factory):
     """The same documents as .txt, .jsonl and .parquet, prompt + completion and chat records of them, and a
     held-out file."""
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     folder = tmp_path_factory.mktemp("corpus")
     docs = _documents()
     (folder / "docs.txt").write_text("\n\n".join(docs) + "\n")
     (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    pd.DataFrame({"text": docs}).to_parquet(folder / "docs.parquet")
+    pq.write_table(pa.table({"text": docs}), folder / "docs.parquet")
     (folder / "pairs.jsonl").write_text("".join(json.dumps({"prompt": d[:12], "completion": d}) + "\n" for d in docs))
     (folder / "chat.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": d[:12]},
                                                                          {"role": "assistant", "content": d}]}) + "\n"
@@ -178,6 +179,64 @@ def test_text_data_errors_are_one_line(models_with_tokenizers, corpus, tmp_path,
     assert "no tokenizer" in capsys.readouterr().err
     assert main(["train", str(bundle), "--weights", str(model_dir), "--data", str(corpus / "docs.csv")]) == 1
     assert "no such" in capsys.readouterr().err
+
+
+def _write(path, content):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("n.jsonl", '{"text": "the model"}\n{"text": 5}\n', "record 2: 'text' must be text, not int"),
+    ("p.jsonl", '{"prompt": ["a"], "completion": "b"}\n', "'prompt' must be text, not list"),
+    ("m.jsonl", '{"messages": "hi"}\n', "'messages' must be a list"),
+    ("r.jsonl", '{"messages": [{"role": "user", "content": 3}]}\n', "messages[0].content' must be text"),
+    ("l.jsonl", '[1, 2]\n', "a record must be a JSON object, not list"),
+    ("j.jsonl", '{"text": "a"}\n{"text": \n', "line 2: not JSON"),
+    ("d.jsonl", "[" * 100000 + "\n", "nested too deeply"),
+    ("u.txt", b"the model\n\n\xff\xfe routes\n", "not UTF-8"),
+    ("a.json", '[{"text": "a"}, 7]', "record 2: a record must be a JSON object"),
+    ("x.parquet", "not parquet at all", "not readable as parquet"),
+], ids=["text a number", "prompt a list", "messages text", "content a number", "record a list", "broken line",
+        "deep nesting", "not utf-8", "json array of non-objects", "not parquet"])
+def test_bad_records_are_one_line_naming_file_and_record(name, content, words, tmp_path):
+    path = _write(tmp_path / name, content)
+    _tokenizer(tmp_path / "tok")
+    with pytest.raises(OnboardError, match=None) as caught:
+        prepare_text(path, tmp_path / "tok", tmp_path / "cache")
+    message = str(caught.value)
+    assert str(path) in message and words in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("name", ["big.jsonl", "big.txt"])
+def test_a_record_over_the_cap_is_refused_before_it_is_read_whole(name, tmp_path, monkeypatch):
+    """The reader never holds more than the cap of one line: a gigabyte line costs what the cap costs. (The cap
+    is lowered here so the test writes 3 MiB, not a gigabyte.)"""
+    import tracemalloc
+
+    import onboard.data as data
+
+    monkeypatch.setattr(data, "RECORD_CAP", 2**20)
+    path = tmp_path / name
+    with open(path, "w") as f:
+        f.write('{"text": "the"}\n' if name.endswith("jsonl") else "the\n\n")
+        f.write(('{"text": "' if name.endswith("jsonl") else "") + "a " * (3 * 2**19) + "\n")
+    _tokenizer(tmp_path / "tok")
+    tracemalloc.start()
+    try:
+        with pytest.raises(OnboardError, match="longer than the 1 MiB cap on one record") as caught:
+            prepare_text(path, tmp_path / "tok", tmp_path / "cache")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    line = "line 2" if name.endswith("jsonl") else "line 3"
+    assert line in str(caught.value) and peak < 2.5 * 2**20 * 4, peak  # a str of the cap, UCS-4 at worst
+
+
+def test_a_fifo_as_data_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "data.jsonl")
+    with pytest.raises(OnboardError, match="not a regular file"):
+        prepare_text(tmp_path / "data.jsonl", tmp_path / "tok", tmp_path / "cache")
 
 
 def _eval_loss(model, corpus_dir, dp: int, batches: int, micro_batch: int) -> float:
