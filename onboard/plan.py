@@ -68,9 +68,15 @@ class PlanReport:
     suggestions: list
     load: object = None  # predictors.imbalance.ExpertLoad measured from --runlog, when given
     assumed_imbalance: float | None = None  # --imbalance, when given
+    left_out: str | None = None  # --runlog's runs of other models, said in a line
 
     def imbalance_note(self) -> str | None:
-        """What expert load imbalance the ranking priced, for the best plan's EP degree."""
+        """What expert load imbalance the ranking priced, for the best plan's EP degree (and which runs of
+        --runlog were of another model, left out)."""
+        note = self._imbalance()
+        return f"{self.left_out}; {note}" if note and self.left_out else note
+
+    def _imbalance(self) -> str | None:
         c = self.best or self.fastest
         if c is None or (self.load is None and self.assumed_imbalance is None):
             return None
@@ -123,21 +129,47 @@ def suggest(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None, seq_len: 
     return out
 
 
-def expert_load(runlogs, experts: int | None):
-    """The per-expert token counts of run logs (files or folders), for `plan_model`'s imbalance; one-line errors."""
-    from predictors.imbalance import ExpertLoad
-    from runtime.runlog import read_runs
+IDENTITY = ("model_type", "layers", "hidden", "vocab", "experts", "top_k", "expert_ffn", "moe_layers")
 
-    missing = [str(p) for p in runlogs if not Path(p).exists()]
-    if missing:
-        raise OnboardError(f"--runlog {missing[0]}: no such file or folder")
-    runs, _ = read_runs(list(runlogs))
+
+def _other_model(run, mine: dict) -> str | None:
+    """How a run's model differs from the one planned (the first field both know and disagree on), or None.
+    Names are not compared: one model goes by a hub id, a catalogue name and a folder."""
+    theirs = run.model if isinstance(run.model, dict) else {}
+    for key in IDENTITY:
+        if theirs.get(key) is not None and mine.get(key) is not None and theirs[key] != mine[key]:
+            return f"{key} {theirs[key]!r}, the model planned has {mine[key]!r}"
+    return None
+
+
+def expert_load(runlogs, spec: ModelSpec):
+    """The per-expert token counts of run logs (files or folders) of `spec`'s model, for `plan_model`'s imbalance,
+    and a line naming the runs of other models left out; one-line errors."""
+    from predictors.imbalance import ExpertLoad
+    from runtime.runlog import model_record, read_runs
+
+    for path in map(Path, runlogs):
+        if not path.exists():
+            raise OnboardError(f"--runlog {path}: no such file or folder")
+        if not path.is_dir() and not path.is_file():
+            raise OnboardError(f"--runlog {path}: not a regular file")
+    runs, _ = read_runs([p for p in runlogs])
     if not runs:
         raise OnboardError(f"--runlog {', '.join(map(str, runlogs))}: no complete runs in it")
-    if not experts:
+    mine = model_record(spec.to_dict())
+    if not mine.get("experts"):
         raise OnboardError("--runlog prices expert load imbalance, and the model has no routed experts")
+    others = [(run, why) for run in runs if (why := _other_model(run, mine))]
+    runs = [run for run in runs if not _other_model(run, mine)]
+    note = None
+    if others:
+        run, why = others[0]
+        if not runs:
+            raise OnboardError(f"--runlog: no run of this model (run {run.header.get('run_id')!r} has {why})")
+        note = (f"--runlog: {len(others)} run(s) of another model left out (run {run.header.get('run_id')!r} has "
+                f"{why})")
     try:
-        return ExpertLoad.from_runs(runs, experts)
+        return ExpertLoad.from_runs(runs, mine["experts"]), note
     except ValueError as e:
         raise OnboardError(f"--runlog: {e}") from None
 
@@ -159,7 +191,7 @@ def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str =
         raise OnboardError(f"--imbalance is the busiest EP rank's tokens over the mean: 1 or more, got {imbalance}")
     hw = hardware(hardware_name)
     d = dims_of(spec)
-    load = expert_load(runlog, d.experts) if runlog else None
+    load, left_out = expert_load(runlog, spec) if runlog else (None, None)
     skew = load.factor if load is not None else (lambda ep: imbalance) if imbalance is not None else None
     model = load_predictor(predictor)
     lora = LoRA() if mode == "lora" else None
@@ -172,7 +204,7 @@ def plan_model(spec: ModelSpec, *, devices: int, hardware_name: str, mode: str =
         _stamp(c, hw, devices, model.label)
     suggestions = [] if result.ranked else suggest(d, devices, hw, lora=lora, seq_len=seq_len,
                                                    infeasible=result.infeasible)
-    return PlanReport(spec, hw, devices, result, batch, model.label, suggestions, load, imbalance)
+    return PlanReport(spec, hw, devices, result, batch, model.label, suggestions, load, imbalance, left_out)
 
 
 def write_plan(plan: Plan, path) -> Path:

@@ -363,10 +363,13 @@ def log_files(paths) -> list[Path]:
     for path in map(Path, paths):
         if path.is_dir():
             files += sorted(path.rglob("*.jsonl"))
-        elif path.exists():
+        elif path.exists() or path.is_symlink():
             files.append(path)
         else:
             raise OnboardError(f"{path}: no such file or directory")
+    for path in files:
+        if not path.is_file():  # a FIFO with no writer would block the report, not grow it
+            raise OnboardError(f"{path}: not a regular file (a run log is a file runtime.train appends to)")
     return list(dict.fromkeys(files))
 
 

@@ -290,6 +290,10 @@ def _follow(paths, out: Path, interval: float, idle_exit: float | None, hot: flo
                 seen, changed_at = stamp, time.monotonic()
                 runs, damage = read_logs(log_files(paths), growing=True, hot=hot, cold=cold)
                 warn(damage)
+                if not runs and not said.get("waiting"):
+                    said["waiting"] = True
+                    print(f"waiting for steps in {', '.join(map(str, paths))} (Ctrl-C to stop"
+                          f"{f', or {idle_exit:g} s without a change' if idle_exit is not None else ''})", flush=True)
                 if runs:
                     done = render(runs, damage, out, refresh=interval)
                     print(f"{time.strftime('%H:%M:%S')} {len(runs)} run{'s' if len(runs) > 1 else ''}, "

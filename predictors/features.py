@@ -93,7 +93,7 @@ def load_dataset(paths) -> Dataset:
             meta = run.header.get("meta") if isinstance(run.header.get("meta"), dict) else {}
             est = estimate(d, plan, hw, precision, gradient_overlap=meta.get("gradient_overlap") is not False)
             rows.append(features(d, plan, hw, precision, est))
-        except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        except (ValueError, TypeError, KeyError, ArithmeticError) as e:
             skipped.append(Skipped(where, str(e) or type(e).__name__))
             continue
         cost.append(est.step_time_s)

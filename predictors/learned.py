@@ -263,7 +263,8 @@ def train(paths=None, out=None) -> Predictor:
         raise PredictorError(f"no such run-log file or directory: {', '.join(missing)}")
     data = load_dataset(paths)
     if len(data) < 10:
-        raise PredictorError(f"only {len(data)} usable runs in {', '.join(map(str, paths))}; need at least 10")
+        why = f" (skipped: {data.skipped[0].where}: {data.skipped[0].reason})" if data.skipped else ""
+        raise PredictorError(f"only {len(data)} usable runs in {', '.join(map(str, paths))}; need at least 10{why}")
     out = Path(out) if out else MODELS_DIR
     if out.exists() and not out.is_dir() and out.suffix != ".joblib":
         raise PredictorError(f"{out} is a file: --out takes a new .joblib path or a directory")

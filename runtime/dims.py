@@ -21,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+RECORD_DIM_MAX = 2**31  # a dimension of a run log's model record (layers, hidden, vocab, experts, ...)
+RECORD_PARAMS_MAX = 2**50  # its parameter counts (a 10T model is 2**43)
+
 LINEAR_CHUNK = 64  # chunk length of chunk-parallel linear attention (flash-linear-attention's default)
 SPARSE_TOPK = 2048  # keys a sparse-attention query attends to when the record does not say (DSA default)
 # the shape fields of a mixer, named as ModelSpec attention fields are (but heads for num_heads)
@@ -166,7 +169,11 @@ class Dims:
         """From a run-log `model` record (`runtime.runlog.MODEL_FIELDS`, and `mixers` when it has them)."""
         def num(key, default=0):
             v = m.get(key)
-            return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                return default
+            if v > (RECORD_PARAMS_MAX if key.startswith("params") else RECORD_DIM_MAX):  # inf and 1e308 too
+                raise ValueError(f"model {m.get('name')!r}: {key} {v!r} is beyond any model's")
+            return int(v)
 
         layers, hidden = num("layers"), num("hidden")
         if not layers or not hidden:

@@ -177,12 +177,14 @@ def _check_step(record: dict) -> str | None:
     if not isinstance(record.get("step"), int):
         return "step number missing or not an integer"
     t = record.get("step_time_s")
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
-        return f"step_time_s must be a positive number, got {t!r}"
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < math.inf:
+        return f"step_time_s must be a positive finite number, got {t!r}"
     for key in STEP_NUMBERS[1:]:
         v = record.get(key)
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
             return f"{key} must be a number or null, got {v!r}"
+        if v is not None and key != "loss" and not math.isfinite(v):  # a diverged run's loss is worth seeing
+            return f"{key} must be finite, got {v!r}"
     return None
 
 
@@ -202,6 +204,9 @@ def read_runs(paths) -> tuple[list[Run], list[Skipped]]:
     runs: dict[tuple[str, str], Run] = {}
     skipped: list[Skipped] = []
     for path in files:
+        if not path.is_file():  # a FIFO would block the reader, a device never end
+            skipped.append(Skipped(str(path), "not a regular file"))
+            continue
         try:
             # bytes that are not UTF-8 (a torn write, a stray binary) spoil their own line, not the file
             lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()

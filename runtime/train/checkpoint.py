@@ -214,6 +214,22 @@ def incomplete(path: Path) -> str | None:
     return None
 
 
+def _check_tensors(path: Path, metadata: dict, expected: dict) -> None:
+    """Refuse a checkpoint whose tensors are not the ones this run holds: DCP copies into the run's tensors and
+    would cast an int32 or float64 tensor, or fail deep inside on a shape, where the file is what is wrong."""
+    for key, tensor in expected.items():
+        saved = metadata.get(key)
+        if not isinstance(tensor, torch.Tensor) or saved is None:
+            continue  # a missing key is DCP's own error, named there
+        dtype, size = getattr(saved, "properties", None), getattr(saved, "size", None)
+        if dtype is None or size is None:
+            raise ValueError(f"checkpoint {path}: {key} is not a tensor")
+        if dtype.dtype != tensor.dtype or tuple(size) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint {path}: {key} is {str(dtype.dtype).removeprefix('torch.')} "
+                             f"{list(size)}, this run holds {str(tensor.dtype).removeprefix('torch.')} "
+                             f"{list(tensor.shape)}")
+
+
 def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
     """Restore the newest complete checkpoint in place; returns its train state (step, data position, path,
     and `skipped`: newer checkpoints it passed over, with why) or None when there is none. Every rank reads
@@ -240,10 +256,13 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model_view, optim_view = _checkpoint_view(model_state, optim_state, shards, groups, canonical)
     # a parameter without optimizer state in the checkpoint had no gradient before it was saved: it gets none
     # here either (its state is not read, and taken away below), as in the run that was not interrupted
-    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    absent = {k for k in optim_view["state"] if not any(key.startswith(f"optim.state.{k}.") for key in saved)}
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    absent = {k for k in optim_view["state"] if not any(key.startswith(f"optim.state.{k}.") for key in metadata)}
     for key in absent:
         optim_view["state"].pop(key)
+    _check_tensors(path, metadata, {**{f"model.{k}": v for k, v in model_view.items()},
+                                    **{f"optim.state.{k}.{n}": v for k, s in optim_view["state"].items()
+                                       for n, v in s.items()}})
     state = {"model": model_view, "optim": optim_view, "train": {"step": 0, "data_position": 0}}
     dcp.load(state, checkpoint_id=str(path))
     for key in absent:

@@ -458,3 +458,35 @@ def test_check_with_a_malformed_provenance_says_it_differs(text, copy_of):
     result = cli("check", b, timeout=300)
     assert result.returncode not in (0, 70) and "Traceback" not in result.stderr, result.stderr
     assert "provenance.json" in result.stdout + result.stderr
+
+
+def _log(path, model_change=None, step_time="1.0"):
+    header = {"kind": "run", "schema_version": 1, "run_id": "a", "source": "runtime",
+              "model": {"name": "m", "layers": 2, "hidden": 32, "experts": 8, "top_k": 2, "moe_layers": 2,
+                        **(model_change or {})},
+              "plan": {"dtype": "fp32"}, "hardware": {"name": "cpu", "devices": 1}, "precision": "fp32", "meta": {}}
+    steps = [f'{{"kind": "step", "run_id": "a", "step": {i}, "step_time_s": {step_time}, "tokens_per_s": 1.0}}'
+             for i in range(3)]
+    path.write_text("\n".join([json.dumps(header), *steps]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("model_change, step_time, words", [
+    (None, "Infinity", "step_time_s must be a positive finite number, got inf"),
+    (None, "NaN", "step_time_s must be a positive finite number, got nan"),
+    ({"hidden": 1e308}, "1.0", "hidden 1e+308 is beyond any model's"),
+    ({"layers": 10**30}, "1.0", "is beyond any model's"),
+], ids=["infinite step time", "NaN step time", "hidden 1e308", "layers 1e30"])
+def test_predictor_train_on_unusable_logs_is_one_line(model_change, step_time, words, tmp_path):
+    log = _log(tmp_path / "log.jsonl", model_change, step_time)
+    result = cli("predictor", "train", "--logs", log, "--only", "--out", tmp_path / "m", timeout=120)
+    assert refused(result, str(log), words) and not (tmp_path / "m").exists(), result.stderr
+
+
+def test_a_run_log_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "log.jsonl")
+    start = time.monotonic()
+    assert refused(cli("report", tmp_path / "log.jsonl", "--out", tmp_path / "r", timeout=60), "not a regular file")
+    result = cli("plan", "mixtral-8x7b", "--devices", 8, "--hardware", "H100", "--runlog", tmp_path / "log.jsonl",
+                 "--out", tmp_path / "p.json", timeout=60)
+    assert refused(result, "not a regular file") and time.monotonic() - start < 60

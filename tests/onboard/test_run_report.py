@@ -286,12 +286,20 @@ def test_follow_ends_cleanly_on_ctrl_c(tmp_path, monkeypatch):
     assert sleeps == [0.5, 0.5] and not page.refresh
 
 
+def test_follow_says_it_waits_for_a_log_with_no_steps_yet(tmp_path, capsys):
+    log = write_log(tmp_path / "live.jsonl", [header(ep=1)])
+    with pytest.raises(run_report.OnboardError, match="no runs"):
+        run_report.report([log], tmp_path / "report", follow=True, interval=0.05, idle_exit=0.2)
+    assert capsys.readouterr().out.startswith(f"waiting for steps in {log} (Ctrl-C to stop, or 0.2 s without")
+
+
 def cli_run(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "cli.py"), "report", *map(str, args)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "header only", "out is a file", "out is a folder of yours"])
+@pytest.mark.parametrize("case", ["missing", "empty", "header only", "out is a file", "out is a folder of yours",
+                                  "a FIFO", "a FIFO in a folder"])
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, case):
     log = write_log(tmp_path / "run.jsonl", [header(), step(0)])
     out = tmp_path / "report"
@@ -303,6 +311,10 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, case):
         write_log(log, [header()])
     elif case == "out is a file":
         out.write_text("mine")
+    elif case.startswith("a FIFO"):  # no writer: reading it would block for ever
+        log.unlink()
+        os.mkfifo(log)
+        log = log.parent if case.endswith("folder") else log
     else:
         out.mkdir()
         (out / "index.html").write_text("mine")
@@ -311,7 +323,8 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, case):
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("onboard: error: ")
     assert "Traceback" not in result.stderr and result.stdout == ""
     word = {"missing": "no such file", "empty": "no runs", "header only": "no runs", "out is a file": "is a file",
-            "out is a folder of yours": "no onboard report wrote"}[case]
+            "out is a folder of yours": "no onboard report wrote", "a FIFO": "not a regular file",
+            "a FIFO in a folder": "not a regular file"}.get(case)
     assert word in lines[0]
     if case == "out is a file":
         assert out.read_text() == "mine"

@@ -55,8 +55,8 @@ def test_the_busiest_rank_is_charged_for_routed_compute_and_all_to_all():
         estimate(d, plan, hw, imbalance=0.5)
 
 
-def _runlog(path, counts_per_step, experts):
-    record = {"name": "m", "experts": experts}
+def _runlog(path, counts_per_step, experts, **model):
+    record = {"name": "m", "experts": experts, **model}
     with RunLogWriter(path, model=record, plan=Plan(dtype="fp32").to_dict(), hardware={"name": "cpu", "devices": 1},
                       precision="fp32") as log:
         for step, counts in enumerate(counts_per_step):
@@ -103,7 +103,7 @@ def test_plan_refuses_run_logs_it_cannot_use(tmp_path, mixtral):
     other = _runlog(tmp_path / "other.jsonl", [skewed(16, 3.0)], 16)
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_text("not json\n")
-    for runlog, words in (([tmp_path / "missing.jsonl"], "no such file"), ([other], "16 experts"),
+    for runlog, words in (([tmp_path / "missing.jsonl"], "no such file"), ([other], "experts 16, the model planned has 8"),
                           ([garbage], "no complete runs")):
         with pytest.raises(OnboardError, match=words) as e:
             plan_model(mixtral, runlog=runlog, **kwargs)
@@ -113,3 +113,21 @@ def test_plan_refuses_run_logs_it_cannot_use(tmp_path, mixtral):
     with pytest.raises(OnboardError, match="1 or more"):
         plan_model(mixtral, imbalance=0.5, **kwargs)
     assert other.read_text().count("\n") == 2  # the logs were only read
+
+
+def test_run_logs_of_another_model_are_left_out_and_said(tmp_path, mixtral):
+    """A log of a model with the same expert count but another shape must not price this one's plans silently."""
+    from onboard.plan import plan_model
+
+    kwargs = {"devices": 64, "hardware_name": "H100"}
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    even = _runlog(folder / "even.jsonl", [[100.0] * 8] * 4, 8, hidden=4096, model_type="mixtral")
+    alone = plan_model(mixtral, runlog=[even], **kwargs)
+    _runlog(folder / "other.jsonl", [skewed(8, 20.0)] * 4, 8, hidden=2048, model_type="mixtral")
+    mixed = plan_model(mixtral, runlog=[folder], **kwargs)
+    assert [c.plan for c in mixed.result.ranked[:5]] == [c.plan for c in alone.result.ranked[:5]]
+    assert len(mixed.load.counts) == len(alone.load.counts)
+    assert "1 run(s) of another model left out" in mixed.imbalance_note() and "hidden 2048" in mixed.imbalance_note()
+    with pytest.raises(OnboardError, match="no run of this model .*hidden 2048"):
+        plan_model(mixtral, runlog=[folder / "other.jsonl"], **kwargs)

@@ -132,6 +132,28 @@ def test_checkpoints_are_atomic_and_pruned(factory, tmp_path):
     assert again.resumed_from == 4 and again.steps == []
 
 
+@pytest.mark.parametrize("change", ["int32", "shape"])
+def test_resume_refuses_a_checkpoint_whose_tensors_are_not_the_runs(change, factory, tmp_path):
+    """DCP copies a saved tensor into the run's own: an int32 one would be cast to float silently, another shape
+    fail deep inside. The checkpoint is refused in one line naming the tensor."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    ck = tmp_path / "ck"
+    train(factory, _plan(), TrainConfig(steps=1, progress=False, checkpoint_dir=str(ck)))
+    saved = checkpoints(ck)[-1][1]
+    dcp_to_torch_save(saved, tmp_path / "plain.pt")
+    state = torch.load(tmp_path / "plain.pt", weights_only=False)
+    key = next(k for k in state["model"] if k.endswith("embed_tokens.weight"))
+    weight = state["model"][key]
+    state["model"][key] = (weight * 100).to(torch.int32) if change == "int32" else weight[:-1].clone()
+    torch.save(state, tmp_path / "plain.pt")
+    for f in saved.iterdir():
+        f.unlink()
+    torch_save_to_dcp(tmp_path / "plain.pt", saved)
+    with pytest.raises(ValueError, match=f"model.{key} is " + ("int32" if change == "int32" else "float32 \\[")):
+        train(factory, _plan(), TrainConfig(steps=2, progress=False, checkpoint_dir=str(ck)))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "emptied"])
 def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(damage, factory, tmp_path, capsys):
     """A truncated newest checkpoint (a file cut short) or an emptied step folder is passed over: the run resumes
