@@ -351,18 +351,23 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("layout", [
-    {},
-    pytest.param({"dp_shard": 2, "ep": 2}, marks=pytest.mark.multiprocess),
-], ids=["one process", "fsdp2+ep"])
-def test_a_full_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_trained(layout, qwen3_moe,
-                                                                                          tmp_path):
+ADAPTERS = LoRA(rank=4, alpha=8, targets=["attention", "experts"])
+
+
+@pytest.mark.parametrize("layout, lora", [
+    ({}, None),
+    pytest.param({"dp_shard": 2, "ep": 2}, None, marks=pytest.mark.multiprocess),
+    ({}, ADAPTERS),
+    pytest.param({"dp_shard": 2, "ep": 2}, ADAPTERS, marks=pytest.mark.multiprocess),
+], ids=["full, one process", "full, fsdp2+ep", "lora, one process", "lora, fsdp2+ep"])
+def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_trained(layout, lora, qwen3_moe,
+                                                                                     tmp_path):
     """Issue 33's bug: no LoRA, released weights, a model whose MoE router the runtime holds under a second name.
     Allocating the released model gave the two names two tensors (the router trained one, the export read the
     other) and the optimizer state was named by whichever name a set gave first, which a resumed process did
     not find. Now: every process of the run killed with SIGKILL after a checkpoint, the same command resumes
     with the uninterrupted run's losses, and `onboard export` of its checkpoint is what the uninterrupted run
-    exported, which plain transformers loads."""
+    exported, which plain transformers loads. The same holds for LoRA runs (exported merged)."""
     from safetensors.torch import load_file
 
     from runtime.train.checkpoint import checkpoints
@@ -370,7 +375,7 @@ def test_a_full_fine_tune_on_released_weights_survives_sigkill_and_exports_what_
     model_dir, bundle = qwen3_moe
     steps = 12
     plan = tmp_path / "plan.json"
-    plan.write_text(Plan(dtype="fp32", seq_len=SEQ, lora=None, **layout).to_json())
+    plan.write_text(Plan(dtype="fp32", seq_len=SEQ, lora=lora, **layout).to_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight = subprocess.run(_train_command(bundle, model_dir, plan, tmp_path / "ck0", tmp_path / "straight.jsonl",
                                              steps, "--export-hf", tmp_path / "hf0"),
@@ -403,11 +408,11 @@ def test_a_full_fine_tune_on_released_weights_survives_sigkill_and_exports_what_
     released = {k: v for p in model_dir.glob("*.safetensors") for k, v in load_file(p).items()}
     assert exported.keys() == expected.keys()  # (the released files may hold experts one tensor each)
     assert all(torch.allclose(exported[k], expected[k], rtol=1e-5, atol=1e-6) for k in exported)
-    router = "model.layers.0.mlp.gate.weight"
-    assert not torch.equal(exported[router], released[router])  # the router trained, and is what was exported
+    trained = "model.layers.0.mlp.gate.weight" if lora is None else "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(exported[trained], released[trained])  # it trained (a full run: the router too)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    assert torch.equal(dict(reloaded.named_parameters())[router], exported[router])
-    if layout:
+    assert torch.equal(dict(reloaded.named_parameters())[trained], exported[trained])
+    if layout or lora:
         return
     # the newest checkpoint truncated: export refuses, rather than train from an older state (or the released one)
     newest = checkpoints(ck)[-1][1]
