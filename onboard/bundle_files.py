@@ -96,6 +96,11 @@ def read_decision(bundle: Path):
 def load_adapter(directory: Path):
     """Import a bundle's adapter.py as a module of its own (this runs the bundle's code: callers say so).
     An adapter that does not import, or has no `adapt(model)`, is a one-line OnboardError."""
+    from onboard.kernel_restore import restore_kernels
+    from runtime.kernels.registry import available_backends
+
+    if "triton" in available_backends():  # where the adapter loads its kernels: a fresh clone's store is empty
+        restore_kernels(directory)
     path = Path(directory) / "adapter.py"
     name = f"onboard_adapter_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(name, path)

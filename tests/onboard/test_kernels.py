@@ -85,6 +85,73 @@ def test_the_store_keeps_one_file_per_key_and_refuses_other_text(tmp_path, monke
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [path.name]  # no temporary left
 
 
+def _bundle_kernels(tmp_path, bundle="deepseek-v3", change=None) -> Path:
+    """A copy of a committed bundle's kernels.json (with `change` applied to its first record)."""
+    entries = json.loads((ROOT / "bundles" / bundle / "kernels.json").read_text())
+    if change:
+        change(entries[0])
+    folder = tmp_path / "bundle"
+    folder.mkdir()
+    (folder / "kernels.json").write_text(json.dumps(entries))
+    return folder
+
+
+def test_a_committed_bundles_kernels_render_again_into_an_empty_store(tmp_path, monkeypatch):
+    """The store is not committed: each kernel of kernels.json renders again, to the recorded key and sha256."""
+    import hashlib
+
+    from onboard.kernel_restore import restore_kernels
+    from runtime.kernels import store
+
+    monkeypatch.setenv("ONBOARD_KERNEL_STORE", str(tmp_path / "store"))
+    folder = _bundle_kernels(tmp_path)
+    entries = json.loads((folder / "kernels.json").read_text())
+    assert restore_kernels(folder) == [e["key"] for e in entries]
+    for e in entries:
+        assert hashlib.sha256(store.path_of(e["key"]).read_bytes()).hexdigest() == e["sha256"]
+    assert restore_kernels(folder) == []  # present now: nothing rendered twice
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda e: e.update(template="../../../etc/passwd"), "not one of onboard's kernel templates"),
+    (lambda e: e["params"].update(name="x\nimport os; os.system('id')"), "must be a number or a plain name"),
+    (lambda e: e["params"].update(hidden=[1]), "must be a number or a plain name"),
+    (lambda e: e["params"].update(hidden=e["params"]["hidden"] + 1), "another version of"),
+    (lambda e: e.update(sha256="0" * 64), "renders to other text"),
+    (lambda e: e.update(key="../../x"), "not a kernel key"),
+    (lambda e: e.pop("sha256"), "needs a key and a sha256"),
+], ids=["template path", "code in a name", "list parameter", "edited parameter", "wrong sha256", "key a path",
+        "no sha256"])
+def test_a_tampered_kernel_record_is_refused_and_nothing_is_stored(change, words, tmp_path, monkeypatch):
+    """kernels.json arrives in a pull request, and its parameters are rendered into code."""
+    from onboard.errors import OnboardError
+    from onboard.kernel_restore import restore_kernels
+
+    monkeypatch.setenv("ONBOARD_KERNEL_STORE", str(tmp_path / "store"))
+    with pytest.raises(OnboardError, match=words):
+        restore_kernels(_bundle_kernels(tmp_path, change=change))
+    assert not (tmp_path / "store").exists() or not list((tmp_path / "store").iterdir())
+
+
+@pytest.mark.interpreter
+def test_a_committed_bundle_runs_its_kernels_from_an_emptied_store(tmp_path):
+    """A fresh clone: an empty store, Triton's interpreter, a committed bundle's adapter loaded as `onboard train`
+    and `verify` load it (its kernels render again), then its loss kernel checked against the reference."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "ONBOARD_KERNEL_STORE": str(tmp_path)}
+    script = ("from onboard.bundle_files import load_adapter; import sys; "
+              f"m = load_adapter({str(ROOT / 'bundles' / 'deepseek-v3')!r}); print(' '.join(m.KERNELS))")
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                            cwd=ROOT)
+    assert loaded.returncode == 0, loaded.stderr
+    keys = loaded.stdout.split()
+    assert sorted(p.stem for p in tmp_path.glob("*.py")) == sorted(keys)
+    loss = next(k for k in keys if k.startswith("loss_triton-"))
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "check_loss_triton.py"), loss],
+                            capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3"])
 def test_rendered_kernels_match_the_reference(model, twin_adapter, tmp_path):
