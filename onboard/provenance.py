@@ -1,7 +1,13 @@
 """What produced a bundle (provenance.json): onboard's version and git commit, the versions of transformers and
 torch, the model's source (its reference, the revision where the HuggingFace cache names one, a hash of its
-config), and a hash of every template the bundle was rendered from and every runtime file its code imports,
+config), and a hash of every template the bundle was rendered from and every runtime module its code imports,
 directly or through other runtime modules. Templates are hashed as the renderer reads them.
+
+A runtime module is recorded by what it does, not where it lives: keyed by its qualified name and hashed over
+its syntax tree (comments, docstrings and layout left out), with every runtime module name in its imports, and
+its own, written as the name it was first recorded under. `runtime_moves.json` maps each module that moved to
+its new name, so a refactor that moves code without changing it gives every bundle the same record: `onboard
+check` calls them up to date.
 
 Identical inputs give identical bytes. The commit is the one field that changes while every input stays the
 same (a commit that touched nothing the bundle uses), so `onboard check` reports it and does not call a bundle
@@ -20,8 +26,9 @@ import onboard
 from onboard import codegen
 from onboard.source import ModelSource
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: runtime modules by qualified name and syntax tree (1: by file path and bytes)
 FILE = "provenance.json"  # one of bundle_files.FILES
+MOVES = Path(__file__).with_name("runtime_moves.json")  # {"schema_version": 1, "moves": {old name: new name}}
 ROOT = Path(onboard.__file__).resolve().parent.parent  # the project: onboard/, runtime/, templates/
 TEMPLATES = ("adapter.py.j2", "REVIEW.md.j2", "train.sh.j2", "train.slurm.j2")  # every bundle's
 VOLATILE = ("onboard", "commit")  # the field check does not compare
@@ -67,8 +74,8 @@ def templates_used(bundle: Path) -> list[str]:
     return sorted(used)
 
 
-def _module_file(name: str) -> Path | None:
-    base = ROOT.joinpath(*name.split("."))
+def _module_file(name: str, root: Path = ROOT) -> Path | None:
+    base = root.joinpath(*name.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
@@ -93,9 +100,10 @@ def _imports(path: Path, package: str) -> set[str]:
     return out
 
 
-def runtime_files(sources: list[Path]) -> list[str]:
-    """The runtime files that code in `sources` imports, transitively, with the packages that hold them."""
-    seen: set[Path] = set()
+def runtime_modules(sources: list[Path], root: Path = ROOT) -> dict[str, Path]:
+    """The runtime modules (under `root`) that code in `sources` imports, transitively, with the packages that
+    hold them: name -> file."""
+    seen: dict[str, Path] = {}
     todo = [(path, "") for path in sources]
     while todo:
         path, package = todo.pop()
@@ -105,11 +113,80 @@ def runtime_files(sources: list[Path]) -> list[str]:
             parts = name.split(".")
             for i in range(1, len(parts) + 1):  # importing runtime.moe.block runs runtime/ and runtime/moe/ too
                 module = ".".join(parts[:i])
-                found = _module_file(module)
-                if found is not None and found not in seen:
-                    seen.add(found)
+                found = _module_file(module, root)
+                if found is not None and module not in seen:
+                    seen[module] = found
                     todo.append((found, module if found.name == "__init__.py" else ".".join(parts[:i - 1])))
-    return sorted(str(p.relative_to(ROOT)) for p in seen)
+    return dict(sorted(seen.items()))
+
+
+def moves(path: Path = MOVES) -> dict[str, str]:
+    """Old qualified module name -> new, for every runtime module that moved (packages move their modules)."""
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    if record.get("schema_version") != 1 or not isinstance(record.get("moves"), dict):
+        raise ValueError(f"{path}: not a runtime move map (schema_version 1, moves: {{old: new}})")
+    return dict(record["moves"])
+
+
+def first_name(name: str, renamed: dict[str, str]) -> str:
+    """The name a module was first recorded under: `renamed` (new -> old) applied, to the longest prefix that
+    moved, until nothing more applies."""
+    for _ in range(len(renamed) + 1):
+        parts = name.split(".")
+        prefix = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in renamed), None)
+        if prefix is None:
+            return name
+        name = renamed[prefix] + name[len(prefix):]
+    raise ValueError(f"runtime_moves.json: the moves of {name} go round in a circle")
+
+
+class _FirstNames(ast.NodeTransformer):
+    """A module's tree as it would read under first names: absolute imports, runtime names mapped, no
+    docstrings (they do not decide behaviour)."""
+
+    def __init__(self, package: str, renamed: dict[str, str]):
+        self.package, self.renamed = package, renamed
+
+    def _name(self, name: str) -> str:
+        return first_name(name, self.renamed) if name.split(".")[0] == "runtime" else name
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            alias.name = self._name(alias.name)
+        return node
+
+    def visit_ImportFrom(self, node):
+        if node.level:
+            parts = self.package.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            node.module, node.level = base, 0
+        node.module = self._name(node.module or "")
+        return node
+
+    def generic_visit(self, node):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+        return super().generic_visit(node)
+
+
+def module_digest(path: Path, name: str, renamed: dict[str, str]) -> str:
+    """sha256 of module `name`'s syntax tree under first names (module docstring)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = _FirstNames(package, renamed).visit(ast.parse(path.read_bytes()))
+    return _sha256(ast.dump(tree, include_attributes=False).encode())
+
+
+def runtime_digests(sources: list[Path], move_map: dict[str, str] | None = None,
+                    root: Path = ROOT) -> dict[str, str]:
+    """First name -> digest of every runtime module (under `root`) that code in `sources` imports."""
+    renamed = {new: old for old, new in (moves() if move_map is None else move_map).items()}
+    return dict(sorted((first_name(name, renamed), module_digest(path, name, renamed))
+                       for name, path in runtime_modules(sources, root).items()))
 
 
 def provenance(bundle: Path, source: ModelSource) -> dict:
@@ -119,7 +196,7 @@ def provenance(bundle: Path, source: ModelSource) -> dict:
 
     code = [bundle / "adapter.py"] + sorted((bundle / "generated").glob("*.py"))
     files = {f"templates/{name}": _sha256(codegen.template_text(name).encode()) for name in templates_used(bundle)}
-    files |= {name: _sha256((ROOT / name).read_bytes()) for name in runtime_files([p for p in code if p.is_file()])}
+    files |= runtime_digests([p for p in code if p.is_file()])
     return {
         "schema_version": SCHEMA_VERSION,
         "onboard": {"version": onboard.__version__, "commit": commit()},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -75,8 +76,8 @@ def test_a_bundle_records_what_produced_it(made):
     assert record["versions"]["transformers"] and record["versions"]["torch"]
     assert record["source"]["kind"] == "local" and len(record["source"]["config_sha256"]) == 64
     files = record["files"]
-    assert {"templates/adapter.py.j2", "templates/kernels/moe_triton.py.j2", "runtime/moe/block.py",
-            "runtime/swap.py"} <= set(files)
+    assert {"templates/adapter.py.j2", "templates/kernels/moe_triton.py.j2", "runtime.moe.block",
+            "runtime.swap"} <= set(files)
     assert all(len(h) == 64 for h in files.values())
 
 
@@ -184,6 +185,42 @@ def test_every_committed_bundle_records_its_provenance_and_verified(bundle):
     record = json.loads((folder / "provenance.json").read_text())
     assert record["source"]["kind"] == "catalogue" and record["source"]["ref"] == bundle
     assert json.loads((folder / "verification.json").read_text())["passed"]
+
+
+def _moved(tmp_path, old: str, new: str, edit: str = "") -> Path:
+    """A copy of runtime/ with module `old` moved to the file of `new` (importers rewritten, `edit` appended to
+    the moved file): the refactor a maintainer makes."""
+    root = tmp_path / "project"
+    shutil.copytree(ROOT / "runtime", root / "runtime", ignore=shutil.ignore_patterns("__pycache__", "store"))
+    source, target = (root.joinpath(*name.split(".")).with_suffix(".py") for name in (old, new))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source.rename(target)
+    target.write_text(target.read_text() + edit)
+    for path in (root / "runtime").rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(rf"\b{re.escape(old)}\b", new, text))
+    return root
+
+
+def test_a_runtime_module_moved_without_change_leaves_every_bundle_up_to_date(tmp_path):
+    """runtime.subnormals (which every bundle imports) moved to a new file, its importers rewritten, the move
+    recorded: each committed bundle's record of runtime modules is the one it holds. The same move with the
+    file changed, or not recorded, is a change."""
+    from onboard import provenance
+
+    bundles = sorted(p.parent for p in (ROOT / "bundles").glob("*/provenance.json"))
+    moved = _moved(tmp_path / "a", "runtime.subnormals", "runtime.exp_floor")
+    changed = _moved(tmp_path / "b", "runtime.subnormals", "runtime.exp_floor", "\nFLOOR = 1\n")
+    move = {"runtime.subnormals": "runtime.exp_floor"}
+    for bundle in bundles:
+        committed = json.loads((bundle / "provenance.json").read_text())["files"]
+        code = [bundle / "adapter.py", *sorted((bundle / "generated").glob("*.py"))]
+        recorded = {k: v for k, v in committed.items() if k.startswith("runtime")}
+        assert "runtime.subnormals" in recorded
+        assert provenance.runtime_digests(code, move, moved) == recorded, bundle.name
+        assert provenance.runtime_digests(code, move, changed) != recorded
+        assert "runtime.exp_floor" in provenance.runtime_digests(code, {}, moved)
+    assert provenance.moves() == {}  # nothing has moved yet: the shipped map is empty, and reads
 
 
 def test_the_catalogue_has_a_committed_bundle_each():
