@@ -8,6 +8,9 @@ import math
 import os
 import sys
 
+from onboard.train_request import TrainRequest
+from runtime.train.job import TrainJob, whole_number
+
 
 def _quiet_libraries() -> None:
     # transformers and torch warn about things the user did not ask about (missing fast kernels, etc.)
@@ -25,20 +28,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _count(low: int):
-    """An argparse type: a whole number of at least `low`."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
-
-
-POSITIVE, NON_NEGATIVE = _count(1), _count(0)
+POSITIVE, NON_NEGATIVE = whole_number(1), whole_number(0)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -187,13 +177,7 @@ def cmd_train(args) -> int:
     from onboard.train import run
 
     print(f"running {os.path.join(args.bundle, 'adapter.py')}: the bundle's generated code", flush=True)
-    return run(args.bundle, args.plan, steps=args.steps, layers=args.layers, width=args.width,
-               checkpoint_dir=args.checkpoint_dir, runlog=args.runlog, data=args.data, lr=args.lr, seed=args.seed,
-               checkpoint_every=args.checkpoint_every, trust_remote_code=args.trust_remote_code,
-               weights=args.weights, online=args.online, eval_data=args.eval_data, eval_every=args.eval_every,
-               mask_prompt=args.mask_prompt, text_field=args.text_field, export_hf=args.export_hf,
-               export_peft=args.export_peft, rebalance_every=args.rebalance_every,
-               expert_replicas=args.expert_replicas)
+    return run(TrainRequest.from_args(args), TrainJob.from_args(args))
 
 
 def cmd_export(args) -> int:
@@ -520,38 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("train", help="train a bundle's adapted model (torchrun for plans over several processes); "
                                      + RUNS_ADAPTER)
-    p.add_argument("bundle", help="bundle directory written by onboard adapt")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="run the model's own modeling code (a bundle never switches it on by itself)")
-    p.add_argument("--plan", help="plan JSON (default: the bundle's plan.json)")
-    p.add_argument("--steps", type=POSITIVE, default=10, help="optimizer steps in the whole run (default 10)")
-    p.add_argument("--weights", metavar="MODEL",
-                   help="train the released model: its config, and its *.safetensors weights read shard by shard "
-                        "(a local directory or the HuggingFace cache); default: the tiny twin with random weights")
-    p.add_argument("--online", action="store_true", help="with --weights: allow fetching MODEL's config from the Hub")
-    p.add_argument("--layers", type=POSITIVE, help="decoder layers to train (default: the tiny twin's)")
-    p.add_argument("--width", type=POSITIVE, default=1, help="widen the twin's hidden size, heads and MLPs (default 1)")
-    p.add_argument("--data", help="text (.txt, .jsonl, .parquet; tokenised with the --weights model's tokenizer and "
-                                  "packed) or token ids (.npy, or .bin of uint16); default: synthetic tokens")
-    p.add_argument("--eval-data", help="held-out data, as --data: its loss and perplexity go into the run log")
-    p.add_argument("--eval-every", type=NON_NEGATIVE, default=0, help="steps between held-out losses (default: at the end)")
-    p.add_argument("--mask-prompt", action="store_true",
-                   help="train on completions only (prompt + completion records, or chat messages)")
-    p.add_argument("--text-field", default="text", help="the text field of .jsonl / .parquet records (default text)")
-    p.add_argument("--export-hf", metavar="DIR",
-                   help="after training: a HuggingFace checkpoint (sharded safetensors, LoRA merged) in DIR, a new folder")
-    p.add_argument("--export-peft", metavar="DIR", help="after training: the LoRA adapters as a PEFT adapter in DIR")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the weights and the synthetic data (default 0)")
-    p.add_argument("--checkpoint-dir", help="default: BUNDLE/checkpoints (a rerun resumes from the newest)")
-    p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="steps between checkpoints (default: at the end)")
-    p.add_argument("--rebalance-every", type=NON_NEGATIVE, default=0, metavar="N",
-                   help="every N steps, place experts on the EP ranks from the load measured since the last placement "
-                        "(moves parameters and optimizer state; the math is unchanged; default 0: never)")
-    p.add_argument("--expert-replicas", type=NON_NEGATIVE, default=0, metavar="K",
-                   help="replica rows per EP rank in every MoE layer for copies of hot experts (memory: K experts' "
-                        "weights and optimizer state per rank per layer; default 0)")
-    p.add_argument("--runlog", help="run log JSON lines (default: BUNDLE/runs/train.jsonl)")
+    TrainRequest.add_arguments(p)  # the bundle, the model, text data: onboard's own
+    TrainJob.add_arguments(p, skip=("keep_checkpoints", "offload_dir", "progress"))  # the run's: runtime.train's
     p.set_defaults(func=cmd_train)
 
     p = verb("export", help="export the newest checkpoint of a run on released weights (onboard train --weights) "

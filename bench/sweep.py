@@ -77,14 +77,14 @@ def run_one(entry: dict, bundles: dict, configs: dict, out: Path, steps: int) ->
     """One configuration through runtime.train (every rank calls it)."""
     from onboard.train import build_model
     from runtime.plan import Plan
-    from runtime.train import TrainConfig, train
+    from runtime.train import TrainJob, train
 
     plan = Plan.from_dict(entry["plan"])
     key = f"{entry['model']}/{entry['size']}"
     # the machine is shared: the load average says how much the timings can be trusted
     meta = {"sweep": "cpu", "model_ref": entry["model"], "size": entry["size"], **SIZES[entry["size"]],
             "load_average": os.getloadavg()[0]}
-    cfg = TrainConfig(steps=steps, lr=1e-3, runlog=str(out), run_meta=meta, progress=False)
+    cfg = TrainJob(steps=steps, lr=1e-3, runlog=str(out), run_meta=meta, progress=False)
     train(lambda: build_model(bundles[entry["model"]], config=configs[key]), plan, cfg)
     gc.collect()
 

@@ -9,6 +9,7 @@ bundle's `train.sh`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,6 +24,9 @@ import torch
 from onboard.bundle_files import bundle_source, load_adapter, read_bundle
 from onboard.errors import OnboardError, one_line
 from runtime.plan import Plan
+from onboard.train_request import TrainRequest
+from runtime.train.job import FILE as JOB_FILE
+from runtime.train.job import TrainJob
 
 # twin config fields that grow with --width (head count grows, head size stays)
 _WIDE = ("hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn")
@@ -248,88 +252,75 @@ def _pretrained_model(bundle, weights: str, trust_remote_code: bool):
     return model, record, pretrained
 
 
-def command(bundle, plan_path, *, plan: Plan, steps: int, layers: int | None, width: int,
-            extra: list[str]) -> list[str]:
-    """The torchrun command line (the same as train.sh) for a plan's world size."""
-    kwargs = {"bundle": str(bundle), "layers": layers, "width": width}
-    return ["torchrun", "--standalone", f"--nproc-per-node={plan.world_size}", "-m", "runtime.train",
-            "--model", "onboard.train:build_model", "--model-kwargs", json.dumps(kwargs, sort_keys=True),
-            "--plan", str(plan_path), "--steps", str(steps), *extra]
+FACTORY = "onboard.train:build_model"
 
 
-def run(bundle, plan_path=None, *, steps: int = 10, layers: int | None = None, width: int = 1,
-        checkpoint_dir=None, runlog=None, data=None, lr: float = 1e-3, seed: int = 0,
-        checkpoint_every: int = 0, trust_remote_code: bool = False, weights: str | None = None,
-        online: bool = False, eval_data=None, eval_every: int = 0, mask_prompt: bool = False,
-        text_field: str = "text", export_hf=None, export_peft=None, rebalance_every: int = 0,
-        expert_replicas: int = 0) -> int:
-    """`onboard train`: check the bundle and plan, then train in this process or through torchrun. `weights`
-    (MODEL): the released model instead of the twin (`weights_source`); `data` / `eval_data`: token files, or
-    text tokenised with the model's tokenizer into packed corpora (`onboard.data`)."""
-    bundle, _, _ = read_bundle(bundle)
-    if (export_hf or export_peft) and weights is None:
+def command(job: TrainJob, job_file, world: int) -> list[str]:
+    """The torchrun command line of a job whose file is `job_file`, for `world` processes."""
+    return ["torchrun", "--standalone", f"--nproc-per-node={world}", "-m", "runtime.train", "--job", str(job_file)]
+
+
+def run(request: TrainRequest, job: TrainJob) -> int:
+    """`onboard train`: check the bundle, the plan and the job, then train in this process or through torchrun.
+    `request.weights` (MODEL): the released model instead of the twin (`weights_source`); `job.data` /
+    `job.eval_data`: token files, or text tokenised with the model's tokenizer into packed corpora
+    (`onboard.data`)."""
+    bundle, _, _ = read_bundle(request.bundle)
+    weights = request.weights
+    if (job.export_hf or job.export_peft) and weights is None:
         raise OnboardError("--export-hf / --export-peft write the released model trained: give --weights MODEL")
     if weights is not None:
-        if layers is not None or width != 1:
+        if request.layers is not None or request.width != 1:
             raise OnboardError("--weights trains the model as released: --layers and --width do not apply")
-        weights = str(weights_source(bundle, weights, online=online, trust_remote_code=trust_remote_code).path)
-    data, eval_data = (_prepared(bundle, path, weights, mask_prompt, text_field) for path in (data, eval_data))
-    plan = read_plan(plan_path) if plan_path else (read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file()
-                                                   else Plan(dtype="fp32", seq_len=32))
-    if steps < 1:
-        raise OnboardError("--steps must be at least 1")
-    if (rebalance_every or expert_replicas) and plan.ep == 1:
+        weights = str(weights_source(bundle, weights, online=request.online,
+                                     trust_remote_code=request.trust_remote_code).path)
+    data, eval_data = (_prepared(bundle, path, weights, request.mask_prompt, request.text_field)
+                       for path in (job.data, job.eval_data))
+    plan = Plan.from_dict(job.plan) if job.plan is not None else (
+        read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file() else Plan(dtype="fp32", seq_len=32))
+    from runtime.parallel.mesh import not_runnable
+
+    if problems := not_runnable(plan):
+        raise OnboardError(f"the plan cannot run: {'; '.join(problems)}")
+    if (job.rebalance_every or job.expert_replicas) and plan.ep == 1:
         raise OnboardError("--rebalance-every / --expert-replicas place experts on expert-parallel ranks: the "
                            "plan has ep=1")
     for path in (data, eval_data):
         if path is not None and not Path(path).exists():
             raise OnboardError(f"{path}: no such token file")
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else bundle / "checkpoints"
-    runlog = Path(runlog) if runlog else bundle / "runs" / "train.jsonl"
+    checkpoint_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else bundle / "checkpoints"
+    runlog = Path(job.runlog) if job.runlog else bundle / "runs" / "train.jsonl"
     if weights is not None:
-        _record_launch(checkpoint_dir, bundle, weights, plan, trust_remote_code)
+        _record_launch(checkpoint_dir, bundle, weights, plan)
+    kwargs = {"bundle": str(bundle), "layers": request.layers, "width": request.width,
+              "trust_remote_code": request.trust_remote_code, "weights": weights}
+    exports = {f"export_{kind}": str(Path(place).resolve()) if place else None
+               for kind, place in (("hf", job.export_hf), ("peft", job.export_peft))}
+    job = dataclasses.replace(job, plan=plan.to_dict(), data=str(data) if data else None,
+                              eval_data=str(eval_data) if eval_data else None, checkpoint_dir=str(checkpoint_dir),
+                              runlog=str(runlog), model=FACTORY, model_kwargs=kwargs, **exports)
     if plan.world_size == 1:
-        from runtime.train import TrainConfig, train
+        from runtime.train import train
 
-        cfg = TrainConfig(steps=steps, lr=lr, seed=seed, data=str(data) if data else None,
-                          eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
-                          export_hf=str(export_hf) if export_hf else None,
-                          export_peft=str(export_peft) if export_peft else None,
-                          checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                          checkpoint_every=checkpoint_every, rebalance_every=rebalance_every,
-                          expert_replicas=expert_replicas, runlog=str(runlog))
+        if job.threads:
+            torch.set_num_threads(job.threads)
         try:
-            train(lambda: build_model(bundle, layers, width, trust_remote_code=trust_remote_code, weights=weights),
-                  plan, cfg)
+            train(lambda: build_model(**kwargs), plan, job)
         except ValueError as exc:  # the runtime's one-line complaints about its inputs
             raise OnboardError(str(exc)) from None
         return 0
     with tempfile.TemporaryDirectory(prefix="onboard-train-") as scratch:
-        plan_file = Path(scratch) / "plan.json"
-        plan_file.write_text(plan.to_json())
-        config = Path(scratch) / "config.json"
-        if weights is None:
-            config.write_text(json.dumps(train_config(bundle, layers=layers, width=width,
-                                                      trust_remote_code=trust_remote_code), sort_keys=True))
-        extra = ["--runlog", str(runlog), "--lr", str(lr), "--seed", str(seed),
-                 "--checkpoint-every", str(checkpoint_every), "--rebalance-every", str(rebalance_every),
-                 "--expert-replicas", str(expert_replicas)]
-        if checkpoint_dir:
-            extra += ["--checkpoint-dir", str(checkpoint_dir)]
-        if data:
-            extra += ["--data", str(data)]
-        if eval_data:
-            extra += ["--eval-data", str(eval_data), "--eval-every", str(eval_every)]
-        for flag, place in (("--export-hf", export_hf), ("--export-peft", export_peft)):
-            if place:
-                extra += [flag, str(Path(place).resolve())]
-        cmd = command(bundle, plan_file, plan=plan, steps=steps, layers=layers, width=width, extra=extra)
-        i = cmd.index("--model-kwargs") + 1
-        chosen = {"weights": weights} if weights is not None else {"config": str(config)}
-        cmd[i] = json.dumps({**json.loads(cmd[i]), **chosen, "trust_remote_code": trust_remote_code}, sort_keys=True)
+        if weights is None:  # the twin's config, computed once here for every rank
+            config = Path(scratch) / "config.json"
+            config.write_text(json.dumps(train_config(bundle, layers=request.layers, width=request.width,
+                                                      trust_remote_code=request.trust_remote_code), sort_keys=True))
+            job.model_kwargs = {**kwargs, "config": str(config)}
+        job_file = Path(scratch) / JOB_FILE
+        job_file.write_text(job.to_json())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
-            return subprocess.call([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], env=env)
+            return subprocess.call([sys.executable, "-m", "torch.distributed.run",
+                                    *command(job, job_file, plan.world_size)[1:]], env=env)
         except KeyboardInterrupt:
             return 130
 
@@ -347,7 +338,7 @@ def bundle_code_digest(bundle: Path) -> str:
     return digest.hexdigest()
 
 
-def _record_launch(checkpoint_dir: Path, bundle: Path, weights: str, plan: Plan, trust_remote_code: bool) -> None:
+def _record_launch(checkpoint_dir: Path, bundle: Path, weights: str, plan: Plan) -> None:
     """launch.json: the run's plan and what it was made from. Export reads the plan from it and checks the
     bundle against its digest; it never takes consent (trust_remote_code) or a path to run code from it."""
     from onboard.outputs import write_atomically
@@ -421,12 +412,18 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
         raise OnboardError(f"{saved[-1][1]} is incomplete ({broken}): export needs the newest checkpoint whole; "
                            f"move it away to export an older one")
     print(f"running {bundle / 'adapter.py'} (the bundle's generated code) to rebuild the trained model", flush=True)
+    recorded = folder / JOB_FILE
+    try:  # the run's own options (its resume check needs them); never its consent or the code it ran
+        job = TrainJob.load(recorded) if recorded.is_file() else TrainJob()
+    except ValueError as exc:
+        raise OnboardError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="onboard-export-") as scratch:
-        plan_file = Path(scratch) / "plan.json"
-        plan_file.write_text(plan.to_json())
-        return run(bundle, plan_file, steps=saved[-1][0], weights=weights or launch["weights"], checkpoint_dir=folder,
-                   runlog=Path(scratch) / "export.jsonl", trust_remote_code=trust_remote_code,
-                   **{f"export_{fmt}": out})
+        exports = {"export_hf": None, "export_peft": None, f"export_{fmt}": str(out)}
+        job = dataclasses.replace(job, plan=plan.to_dict(), steps=saved[-1][0], checkpoint_dir=str(folder),
+                                  runlog=str(Path(scratch) / "export.jsonl"), data=None, eval_data=None, **exports)
+        request = TrainRequest(bundle=str(bundle), weights=weights or launch["weights"],
+                               trust_remote_code=trust_remote_code)
+        return run(request, job)
 
 
 def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_field: str):
@@ -461,9 +458,11 @@ def write_launcher(directory: Path, plan: Plan | None = None) -> None:
 
     plan = plan or Plan()
     (directory / "plan.json").write_text(plan.to_json())
-    cmd = command(".", "plan.json", plan=plan, steps=10, layers=None, width=1,
-                  extra=["--checkpoint-dir", "checkpoints", "--runlog", "runs/train.jsonl"])
     world = plan.world_size
+    # train.sh passes its own arguments on to runtime.train, whose flags are TrainJob's fields
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={world}", "-m", "runtime.train", "--model", FACTORY,
+           "--model-kwargs", json.dumps({"bundle": ".", "layers": None, "width": 1}, sort_keys=True),
+           "--plan", "plan.json", "--steps", "10", "--checkpoint-dir", "checkpoints", "--runlog", "runs/train.jsonl"]
     nodes = world // DEVICES_PER_NODE if world % DEVICES_PER_NODE == 0 and world > DEVICES_PER_NODE else 1
     program = cmd[cmd.index("-m"):]  # what follows torchrun's own options
     for name, text in (("train.sh", environment().get_template("train.sh.j2").render(

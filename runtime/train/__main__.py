@@ -1,8 +1,8 @@
-"""`python -m runtime.train` (what torchrun starts on every rank).
+"""`python -m runtime.train` (what torchrun starts on every rank): one `TrainJob`, from `--job job.json` or from
+flags (each generated from a TrainJob field).
 
-The model comes from a factory named on the command line, `module:function` with JSON keyword
-arguments, so the runtime never needs to know where models come from (`onboard.train:build_model`
-builds a bundle's adapted model).
+The model comes from a factory the job names, `module:function` with JSON keyword arguments, so the runtime
+never needs to know where models come from (`onboard.train:build_model` builds a bundle's adapted model).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.plan import Plan
-from runtime.train.loop import TrainConfig, train
+from runtime.train.job import TrainJob
+from runtime.train.loop import train
 
 
 def _factory(name: str, kwargs: dict):
@@ -31,46 +32,34 @@ def _factory(name: str, kwargs: dict):
     return lambda: fn(**kwargs)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="model factory, module:function")
-    p.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the factory")
-    p.add_argument("--plan", required=True)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--data", help="tokenized file (.npy, or .bin of uint16) or packed corpus folder; default: "
-                                  "synthetic tokens")
-    p.add_argument("--eval-data", help="held-out data, as --data: its loss goes into the run log")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out losses (0: at the end)")
-    p.add_argument("--export-hf", help="after training: a HuggingFace checkpoint of the model here (LoRA merged)")
-    p.add_argument("--export-peft", help="after training: the LoRA adapters as a PEFT adapter folder here")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--checkpoint-dir")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--rebalance-every", type=int, default=0,
-                   help="steps between expert placements from measured load (0: never)")
-    p.add_argument("--expert-replicas", type=int, default=0,
-                   help="replica rows per expert-parallel rank for copies of hot experts")
-    p.add_argument("--runlog")
-    p.add_argument("--threads", type=int, help="torch threads per rank (default: OMP_NUM_THREADS or torch's)")
-    p.add_argument("--no-progress", action="store_true")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.train", description="train one TrainJob on this rank "
+                                "(torchrun starts one per process)")
+    p.add_argument("--job", help="job.json (a TrainJob, as `onboard train` writes it); flags given as well win")
+    TrainJob.add_arguments(p, internal=True)
+    return p
+
+
+def parse(argv=None) -> TrainJob:
+    """The job of a command line: --job's file, with the flags given on the line over it."""
+    p = parser()
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.job:
+        base = TrainJob.load(args.job)
+        p.set_defaults(**{k: v for k, v in vars(base).items() if k != "betas"}, betas=list(base.betas))
+        args = p.parse_args(argv)
+    if args.model is None or args.plan is None:
+        raise ValueError("a job names its model factory (--model module:function) and its plan (--plan)")
+    return TrainJob.from_args(args)
+
+
+def main(argv=None) -> int:
     code = 0
     try:
-        plan = Plan.load(args.plan)
-        factory = _factory(args.model, json.loads(args.model_kwargs))
-        cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, clip=args.clip, data=args.data,
-                          eval_data=args.eval_data, eval_every=args.eval_every, export_hf=args.export_hf,
-                          export_peft=args.export_peft,
-                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                          keep_checkpoints=args.keep_checkpoints, runlog=args.runlog,
-                          rebalance_every=args.rebalance_every, expert_replicas=args.expert_replicas,
-                          progress=not args.no_progress)
-        train(factory, plan, cfg)
+        job = parse(argv)
+        if job.threads:
+            torch.set_num_threads(job.threads)
+        train(_factory(job.model, job.model_kwargs), Plan.from_dict(job.plan), job)
     except (ValueError, json.JSONDecodeError) as e:
         rank = os.environ.get("RANK", "0")
         print(f"runtime.train (rank {rank}): error: {e}", file=sys.stderr)

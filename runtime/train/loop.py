@@ -16,13 +16,14 @@ packed documents also `position_ids` and the `cu_seq_lens_*` / `max_length_*` ke
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,32 +35,9 @@ from runtime.memory import ActivationOffload, apply_recompute
 from runtime.plan import Plan
 from runtime.runlog import RunLogWriter
 from runtime.train import checkpoint, data
+from runtime.train.job import FILE as JOB_FILE
+from runtime.train.job import TrainJob
 from runtime.train.optimizer import AdamW
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 10  # optimizer steps in the whole run, resumed runs included
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    clip: float = 1.0  # max gradient norm; 0 turns clipping off
-    seed: int = 0
-    data: str | None = None  # tokenized file (.npy / .bin) or packed corpus folder; None: synthetic tokens
-    eval_data: str | None = None  # held-out data, as `data`: its loss goes into the run log
-    eval_every: int = 0  # steps between held-out losses; 0: at the end only
-    eval_batches: int = 4  # micro-batches per rank each held-out loss averages
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
-    keep_checkpoints: int = 2
-    runlog: str | None = None
-    run_meta: dict = field(default_factory=dict)
-    progress: bool = True
-    offload_dir: str | None = None  # where the CPU offload file lives (default: the system temp dir)
-    export_hf: str | None = None  # after training: a HuggingFace checkpoint here (LoRA merged; needs released weights)
-    export_peft: str | None = None  # after training: the LoRA adapters as a PEFT adapter folder here
-    rebalance_every: int = 0  # steps between expert placements from the load measured since the last (0: never)
-    expert_replicas: int = 0  # replica rows per EP rank in every MoE layer, for copies of hot experts
 
 
 @dataclass
@@ -143,7 +121,7 @@ def _clip(model: nn.Module, params: list, mesh, max_norm: float) -> None:
         nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
 
 
-def _data_source(path: str | None, cfg: TrainConfig, plan: Plan, vocab: int | None):
+def _data_source(path: str | None, cfg: TrainJob, plan: Plan, vocab: int | None):
     if path and Path(path).is_dir():
         return data.PackedCorpus.open(path, plan.seq_len, vocab)
     if path:
@@ -157,7 +135,7 @@ def _on(inputs: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def _evaluate(model, source, plan: Plan, cfg: TrainConfig, dp_rank: int, world: int, device, autocast,
+def _evaluate(model, source, plan: Plan, cfg: TrainJob, dp_rank: int, world: int, device, autocast,
               pipeline=None) -> tuple[float, int]:
     """(mean loss over the held-out target tokens of every rank, their count): `cfg.eval_batches` micro-batches
     per rank (under a pipeline, rounded up to whole schedules), each window read once (they are indexed as the
@@ -182,7 +160,7 @@ def _evaluate(model, source, plan: Plan, cfg: TrainConfig, dp_rank: int, world: 
     return float(total[0] / total[1].clamp_min(1)), int(total[1])
 
 
-def check_outputs(cfg: TrainConfig) -> None:
+def check_outputs(cfg: TrainJob) -> None:
     """Where the run will write, checked before anything is built: a run never trains to the end only to find
     it cannot save."""
     from runtime.train.export import check_target
@@ -208,6 +186,26 @@ def check_outputs(cfg: TrainConfig) -> None:
             raise ValueError(f"cannot write the {what} under {existing}: permission denied")
 
 
+def _record_job(cfg: TrainJob, plan: Plan, rank: int) -> None:
+    """job.json in the checkpoint folder: this job, plan included. Where the folder holds checkpoints of an earlier
+    job, the options that decided their steps (`job.RESUME_FIXED`) must be the same: a resumed run continues that
+    run, it does not quietly become another."""
+    if not cfg.checkpoint_dir:
+        return
+    folder = Path(cfg.checkpoint_dir)
+    here = dataclasses.replace(cfg, plan=plan.to_dict())
+    saved = checkpoint.checkpoints(folder)
+    if saved and cfg.steps <= saved[-1][0]:
+        return  # nothing left to train (an export resumes to write): the record stays the training run's
+    if saved and (folder / JOB_FILE).is_file():
+        conflicts = here.resume_conflicts(TrainJob.load(folder / JOB_FILE))
+        if conflicts:
+            raise ValueError(f"{folder} holds checkpoints of a job with {conflicts[0]}: resume with its options, or "
+                             f"train into another checkpoint folder")
+    if rank == 0:
+        here.write(folder)
+
+
 def _unpack(built) -> tuple[nn.Module, dict, object | None]:
     """A factory returns a model, (model, run-log record) or (model, record, `runtime.train.weights.Pretrained`)
     for a model built on the meta device whose weights the loop reads once it is parallelised."""
@@ -216,7 +214,7 @@ def _unpack(built) -> tuple[nn.Module, dict, object | None]:
     return built[0], built[1], built[2] if len(built) > 2 else None
 
 
-def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig) -> TrainResult:
+def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainJob) -> TrainResult:
     check_outputs(cfg)
     from runtime.parallel.mesh import not_runnable
 
@@ -232,6 +230,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
     rank, world, device = _init_distributed()
     if world != plan.world_size:
         raise ValueError(f"the plan lays out {plan.world_size} processes, and {world} were started")
+    _record_job(cfg, plan, rank)
     torch.manual_seed(cfg.seed)  # every rank builds the same initial weights
     model, record, pretrained = _unpack(factory())
     if plan.tp > 1 and record and (problems := not_runnable(plan, Dims.from_record(record))):
@@ -331,7 +330,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainConfig
     return TrainResult(results, start if resumed and resumed["path"] else None, writer.run_id if writer else None)
 
 
-def _export(model, pretrained, cfg: TrainConfig) -> None:
+def _export(model, pretrained, cfg: TrainJob) -> None:
     from runtime.train.export import export_hf, export_peft
 
     if pretrained is None:
@@ -420,7 +419,7 @@ class ExpertBalance:
 
     MIN_GAIN = 0.05
 
-    def __init__(self, slots, blocks, plan: Plan, cfg: TrainConfig, optimizer):
+    def __init__(self, slots, blocks, plan: Plan, cfg: TrainJob, optimizer):
         self.slots, self.blocks, self.plan, self.cfg, self.optimizer = slots, blocks, plan, cfg, optimizer
         self.window = [[0] * size for _, size in slots]
         # what each layer's placement is: this rank's layers say (a resumed run restored theirs); the others

@@ -124,7 +124,7 @@ def _worker(job_path: str) -> None:
     """One rank: a run without rebalancing, one that rebalances throughout, and one stopped at a checkpoint
     after a rebalance and resumed; each ends by gathering the full parameters."""
     from runtime.parallel import gather_experts
-    from runtime.train import TrainConfig, train
+    from runtime.train import TrainJob, train
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
@@ -137,7 +137,7 @@ def _worker(job_path: str) -> None:
             built["model"] = SkewedMoE()
             return built["model"]
 
-        result = train(factory, plan, TrainConfig(
+        result = train(factory, plan, TrainJob(
             steps=steps, lr=1e-2, progress=False, checkpoint_dir=ck, checkpoint_every=SAVED if ck else 0,
             runlog=runlog, rebalance_every=EVERY if rebalance else 0, expert_replicas=REPLICAS if rebalance else 0))
         params = {k: v.tolist() for k, v in gather_experts(built["model"]).items()}

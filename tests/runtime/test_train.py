@@ -17,7 +17,7 @@ from cli import main
 from onboard.train import build_model, train_config, trained_record
 from runtime.plan import Plan
 from runtime.runlog import read_runs
-from runtime.train import TrainConfig, train
+from runtime.train import TrainJob, train
 from runtime.train.checkpoint import checkpoints
 from runtime.train.data import TokenFile
 
@@ -52,7 +52,7 @@ def _losses(result):
 
 def test_loss_falls_and_the_run_log_has_every_field(factory, tmp_path):
     log = tmp_path / "run.jsonl"
-    result = train(factory, _plan(micro_batch=4), TrainConfig(steps=30, lr=3e-3, runlog=str(log), progress=False))
+    result = train(factory, _plan(micro_batch=4), TrainJob(steps=30, lr=3e-3, runlog=str(log), progress=False))
     losses = _losses(result)
     assert sum(losses[-10:]) / 10 < losses[0] - 0.5
     runs, skipped = read_runs(log)
@@ -96,20 +96,20 @@ def test_run_log_mixers_are_those_of_the_trained_prefix_at_trained_size():
 
 
 def test_gradient_accumulation_equals_the_bigger_micro_batch(factory):
-    one = _losses(train(factory, _plan(micro_batch=2), TrainConfig(steps=4, lr=1e-2, progress=False)))
-    two = _losses(train(factory, _plan(micro_batch=1, grad_accum=2), TrainConfig(steps=4, lr=1e-2, progress=False)))
+    one = _losses(train(factory, _plan(micro_batch=2), TrainJob(steps=4, lr=1e-2, progress=False)))
+    two = _losses(train(factory, _plan(micro_batch=1, grad_accum=2), TrainJob(steps=4, lr=1e-2, progress=False)))
     assert np.allclose(one, two, rtol=0, atol=1e-5)
 
 
 def test_memory_policies_leave_the_losses_unchanged(factory):
-    plain = _losses(train(factory, _plan(), TrainConfig(steps=3, lr=1e-2, progress=False)))
+    plain = _losses(train(factory, _plan(), TrainJob(steps=3, lr=1e-2, progress=False)))
     for policy in ({"offload": "moe"}, {"offload": "all", "recompute": "selective"}, {"recompute": "full"}):
-        assert _losses(train(factory, _plan(**policy), TrainConfig(steps=3, lr=1e-2, progress=False))) == plain
+        assert _losses(train(factory, _plan(**policy), TrainJob(steps=3, lr=1e-2, progress=False))) == plain
 
 
 def test_resume_continues_exactly(factory, tmp_path):
-    whole = _losses(train(factory, _plan(), TrainConfig(steps=6, lr=1e-2, progress=False)))
-    cfg = TrainConfig(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(tmp_path / "ck"))
+    whole = _losses(train(factory, _plan(), TrainJob(steps=6, lr=1e-2, progress=False)))
+    cfg = TrainJob(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(tmp_path / "ck"))
     first = train(factory, _plan(), cfg)
     assert first.resumed_from is None and _losses(first) == whole[:3]
     cfg.steps = 6
@@ -119,16 +119,33 @@ def test_resume_continues_exactly(factory, tmp_path):
     assert _losses(second) == whole[3:]
 
 
+def test_a_resumed_run_keeps_the_options_that_decided_its_steps(factory, tmp_path):
+    """job.json in the checkpoint folder records the job; resuming with another learning rate or seed would make
+    another run out of this one's steps: refused in one line. Steps, checkpoint spacing and outputs may change."""
+    from runtime.train.job import TrainJob as Job
+
+    ck = tmp_path / "ck"
+    train(factory, _plan(), TrainJob(steps=1, lr=1e-2, progress=False, checkpoint_dir=str(ck)))
+    recorded = Job.load(ck / "job.json")
+    assert recorded.lr == 1e-2 and recorded.plan == _plan().to_dict() and recorded.steps == 1
+    for change in ({"lr": 1e-3}, {"seed": 3}, {"clip": 0.5}):
+        with pytest.raises(ValueError, match=f"holds checkpoints of a job with {next(iter(change))} "):
+            train(factory, _plan(), TrainJob(steps=2, progress=False, checkpoint_dir=str(ck), **{"lr": 1e-2, **change}))
+    again = train(factory, _plan(), TrainJob(steps=2, lr=1e-2, progress=False, checkpoint_dir=str(ck),
+                                             checkpoint_every=1, runlog=str(tmp_path / "run.jsonl")))
+    assert again.resumed_from == 1 and Job.load(ck / "job.json").steps == 2
+
+
 def test_checkpoints_are_atomic_and_pruned(factory, tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / ".step-00000099.tmp").mkdir()  # debris of a save that was killed: never loaded
-    result = train(factory, _plan(), TrainConfig(steps=4, checkpoint_dir=str(ck), checkpoint_every=1,
+    result = train(factory, _plan(), TrainJob(steps=4, checkpoint_dir=str(ck), checkpoint_every=1,
                                                  keep_checkpoints=2, progress=False))
     assert result.resumed_from is None
     assert [step for step, _ in checkpoints(ck)] == [3, 4]
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000003", "step-00000004"]
-    again = train(factory, _plan(), TrainConfig(steps=4, checkpoint_dir=str(ck), progress=False))
+    assert sorted(p.name for p in ck.iterdir()) == ["job.json", "step-00000003", "step-00000004"]
+    again = train(factory, _plan(), TrainJob(steps=4, checkpoint_dir=str(ck), progress=False))
     assert again.resumed_from == 4 and again.steps == []
 
 
@@ -139,7 +156,7 @@ def test_resume_refuses_a_checkpoint_whose_tensors_are_not_the_runs(change, fact
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
     ck = tmp_path / "ck"
-    train(factory, _plan(), TrainConfig(steps=1, progress=False, checkpoint_dir=str(ck)))
+    train(factory, _plan(), TrainJob(steps=1, progress=False, checkpoint_dir=str(ck)))
     saved = checkpoints(ck)[-1][1]
     dcp_to_torch_save(saved, tmp_path / "plain.pt")
     state = torch.load(tmp_path / "plain.pt", weights_only=False)
@@ -151,16 +168,16 @@ def test_resume_refuses_a_checkpoint_whose_tensors_are_not_the_runs(change, fact
         f.unlink()
     torch_save_to_dcp(tmp_path / "plain.pt", saved)
     with pytest.raises(ValueError, match=f"model.{key} is " + ("int32" if change == "int32" else "float32 \\[")):
-        train(factory, _plan(), TrainConfig(steps=2, progress=False, checkpoint_dir=str(ck)))
+        train(factory, _plan(), TrainJob(steps=2, progress=False, checkpoint_dir=str(ck)))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "emptied"])
 def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(damage, factory, tmp_path, capsys):
     """A truncated newest checkpoint (a file cut short) or an emptied step folder is passed over: the run resumes
     from the newest complete one, with the losses of a run never stopped, and names what it skipped."""
-    whole = _losses(train(factory, _plan(), TrainConfig(steps=4, lr=1e-2, progress=False)))
+    whole = _losses(train(factory, _plan(), TrainJob(steps=4, lr=1e-2, progress=False)))
     ck = tmp_path / "ck"
-    cfg = TrainConfig(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(ck), checkpoint_every=1)
+    cfg = TrainJob(steps=3, lr=1e-2, progress=False, checkpoint_dir=str(ck), checkpoint_every=1)
     train(factory, _plan(), cfg)
     newest = checkpoints(ck)[-1][1]
     if damage == "truncated":
@@ -182,7 +199,7 @@ def test_token_file_windows_and_bad_files(factory, tmp_path):
     source = TokenFile(tmp_path / "tokens.npy", 32, 512)
     assert source.sequence(3).tolist() == tokens[96:128].tolist()
     assert source.sequence(31).tolist() == tokens[:32].tolist()  # wraps after the last whole window
-    result = train(factory, _plan(), TrainConfig(steps=2, data=str(tmp_path / "tokens.npy"), progress=False))
+    result = train(factory, _plan(), TrainJob(steps=2, data=str(tmp_path / "tokens.npy"), progress=False))
     assert len(result.steps) == 2
     np.save(tmp_path / "big.npy", np.array([0, 600] * 40))
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
@@ -201,9 +218,10 @@ def test_cli_errors_are_one_line(bundle, tmp_path, capsys):
     assert err.startswith("onboard: error:") and "no such bundle" in err and "\n" not in err
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"micro_batch": 2, "pipeline": 4}))
-    assert main(["train", str(bundle), "--plan", str(plan)]) == 1
+    with pytest.raises(SystemExit) as stopped:  # read as the option is parsed: argparse's one-line error
+        main(["train", str(bundle), "--plan", str(plan)])
     err = capsys.readouterr().err.strip()
-    assert "unknown plan field(s): 'pipeline'" in err and "\n" not in err
+    assert stopped.value.code == 2 and "unknown plan field(s): 'pipeline'" in err and "\n" not in err
     plan.write_text(json.dumps({"ep": 3, "dp_shard": 2}))
     assert main(["train", str(bundle), "--plan", str(plan)]) == 1
     assert "cannot run" in capsys.readouterr().err
@@ -382,3 +400,45 @@ def test_train_sh_runs_on_several_nodes_and_train_slurm_starts_it_there(tmp_path
     slurm = (tmp_path / "train.slurm").read_text()
     assert "#SBATCH --nodes=2" in slurm and "#SBATCH --gpus-per-node=8" in slurm
     assert "srun --kill-on-bad-exit=1 ./train.sh" in slurm
+
+
+EXTEND_JOB = """
+import dataclasses, json, os
+import runtime.train.job as job
+from runtime.train import loop
+
+Wider = dataclasses.make_dataclass("TrainJob", [("warmup_steps", int, job.option(
+    0, "steps of learning-rate warm-up (a field this test adds)", kind="non_negative"))], bases=(job.TrainJob,))
+job.TrainJob = Wider
+original = loop.train
+
+
+def train(factory, plan, cfg):
+    out = os.environ["ONBOARD_TEST_SEEN"] + f"-{os.environ.get('RANK', '0')}.json"
+    with open(out, "w") as f:
+        json.dump({"type": type(cfg).__name__, "warmup_steps": getattr(cfg, "warmup_steps", None)}, f)
+    return original(factory, plan, cfg)
+
+
+loop.train = train
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_field_added_to_the_job_reaches_every_rank_through_torchrun(bundle, tmp_path):
+    """An option is one field: added to TrainJob (here by a sitecustomize every process of the run imports), it is
+    an `onboard train` option, it goes into job.json, and each rank torchrun starts trains with it."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(EXTEND_JOB)
+    plan = tmp_path / "plan.json"
+    plan.write_text(_plan(dp_shard=2).to_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}",
+           "ONBOARD_TEST_SEEN": str(tmp_path / "seen")}
+    done = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", str(bundle), "--plan", str(plan),
+                           "--steps", "1", "--warmup-steps", "7", "--checkpoint-dir", str(tmp_path / "ck"),
+                           "--runlog", str(tmp_path / "run.jsonl")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [{"type": "TrainJob", "warmup_steps": 7}] * 2
+    assert json.loads((tmp_path / "ck" / "job.json").read_text())["warmup_steps"] == 7

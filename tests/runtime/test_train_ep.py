@@ -72,7 +72,7 @@ def _plan(world: int, ep: int) -> Plan:
 
 def _worker(job_path: str) -> None:
     """One rank: an uninterrupted run, a run stopped at a checkpoint, its resume, and a resume at another ep."""
-    from runtime.train import TrainConfig, train
+    from runtime.train import TrainJob, train
 
     torch.set_num_threads(1)
     job = json.loads(Path(job_path).read_text())
@@ -80,7 +80,7 @@ def _worker(job_path: str) -> None:
 
     def run(steps, ck=None, ep=ep):
         return train(lambda: TinyMoE(per_module), _plan(world, ep),
-                     TrainConfig(steps=steps, lr=1e-2, progress=False, checkpoint_dir=ck))
+                     TrainJob(steps=steps, lr=1e-2, progress=False, checkpoint_dir=ck))
 
     whole = run(STEPS)
     first = run(SAVED, job["ck"])

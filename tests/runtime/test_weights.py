@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from cli import main
 from onboard.train import build_model
 from runtime.plan import LoRA, Plan
-from runtime.train import TrainConfig, train
+from runtime.train import TrainJob, train
 from runtime.train import data as token_data
 from runtime.train.weights import Checkpoint, HFLayout, Pretrained, load_weights
 from runtime.runlog import read_runs
@@ -63,7 +63,7 @@ def test_training_from_released_weights_starts_from_their_loss(family, released)
     model_dir, bundle = released[family]
     assert len(list(model_dir.glob("*.safetensors"))) > 2  # several shards, with an index
     result = train(lambda: build_model(bundle, weights=str(model_dir)), Plan(dtype="fp32", seq_len=SEQ),
-                   TrainConfig(steps=1, progress=False))
+                   TrainJob(steps=1, progress=False))
     assert result.steps[0].loss == pytest.approx(_hf_loss(model_dir, 1), rel=1e-6)
 
 
@@ -78,7 +78,7 @@ def test_tied_embeddings_stay_one_tensor(tmp_path):
         built["model"] = made[0]
         return made
 
-    result = train(factory, Plan(dtype="fp32", seq_len=SEQ), TrainConfig(steps=1, progress=False))
+    result = train(factory, Plan(dtype="fp32", seq_len=SEQ), TrainJob(steps=1, progress=False))
     model = built["model"]
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert result.steps[0].loss == pytest.approx(_hf_loss(model_dir, 1), rel=1e-6)
@@ -221,7 +221,7 @@ def test_lora_training_exports_a_peft_adapter_and_a_merged_checkpoint_that_reloa
         return made
 
     plan = Plan(dtype="fp32", seq_len=SEQ, lora=LoRA(rank=4, alpha=8, targets=["attention", "experts"]))
-    train(factory, plan, TrainConfig(steps=3, lr=1e-2, progress=False, export_peft=str(tmp_path / "peft"),
+    train(factory, plan, TrainJob(steps=3, lr=1e-2, progress=False, export_peft=str(tmp_path / "peft"),
                                      export_hf=str(tmp_path / "hf")))
     ids = torch.randint(3, 200, (1, SEQ), generator=torch.Generator().manual_seed(5))
     trained = _logits(built["model"], ids)
@@ -244,7 +244,7 @@ def test_a_full_fine_tune_exports_a_checkpoint_shard_by_shard(released, tmp_path
         built["model"], built["pretrained"] = made[0], made[2]
         return made
 
-    train(factory, Plan(dtype="fp32", seq_len=SEQ), TrainConfig(steps=2, lr=1e-2, progress=False))
+    train(factory, Plan(dtype="fp32", seq_len=SEQ), TrainJob(steps=2, lr=1e-2, progress=False))
     export_hf(built["model"], built["pretrained"], tmp_path / "hf", shard_bytes=100_000)
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
     ids = torch.randint(3, 200, (1, SEQ), generator=torch.Generator().manual_seed(6))
