@@ -13,6 +13,8 @@ from runtime.swap import Swaps
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+# seconds that tell a hang from a slow machine: far above any command on a loaded one, far below never
+HANG = 300
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -90,7 +90,9 @@ class Options:
             if f.name in skip:
                 continue
             meta, flag = f.metadata, f.metadata["flag"] or "--" + f.name.replace("_", "-")
-            default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+            own = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            default = (defaults or {}).get(f.name, own)
             kind = meta["kind"]
             if kind == "switch":
                 parser.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])

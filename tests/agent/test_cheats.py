@@ -25,6 +25,7 @@ import pytest
 from onboard.agent.sandbox.judge import LONG, Judge
 from onboard.agent.sandbox.session import Limits, Sandbox
 from tests.agent.common import RIGHT_ZAYA, Scripted, take_on
+from tests.helpers import HANG
 
 TASK = "post_attention_residual_scale"
 MODULE = f"model.layers.0.{TASK}"
@@ -125,7 +126,7 @@ def test_the_guard_refuses_each_cheat_before_it_runs(attack, zaya, tmp_path):
     started = time.monotonic()
     outcome = through_the_loop(zaya, code, tmp_path)
     assert outcome.startswith("refused before running") and words in outcome, outcome
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < HANG
 
 
 # --- the sandbox: what a candidate that got past the guard would meet ------------------------------------------
@@ -231,7 +232,7 @@ def test_a_hung_candidate_costs_its_round_and_no_more(zaya, tmp_path):
     started = time.monotonic()
     outcome = through_the_loop(zaya, candidate("while True:\n    pass"), tmp_path)  # the default limits
     assert "ran past 10 s in one call" in outcome, outcome
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < HANG
     assert (Limits().wall_seconds, Limits().call_seconds) == (60, 10)  # a round, one call
     outcome = through_the_loop(zaya, candidate("while True:\n    pass"), tmp_path / "round",
                                limits=Limits(wall_seconds=4, call_seconds=10))
@@ -245,7 +246,7 @@ def test_a_candidate_that_hangs_only_in_whole_twin_verification_does_not_hang_th
     code = candidate("while out.shape[1] == 32:\n    pass")
     started = time.monotonic()
     _, verification, agent = _run_scripted(zaya, code, tmp_path)
-    assert time.monotonic() - started < 150
+    assert time.monotonic() - started < HANG
     assert not (tmp_path / "bundle" / "generated").exists() or not list((tmp_path / "bundle" / "generated").iterdir())
     verified = [e for e in agent.recorder.events if e["event"] == "verified"]
     assert verified and not any(e["kept"] for e in verified), verified

@@ -18,7 +18,7 @@ import pytest
 from onboard.bundle_files import MARKER
 from onboard.placement import is_bundle
 from runtime.plan import UNFOLDED_VERSION
-from tests.helpers import ROOT, TESTS
+from tests.helpers import HANG, ROOT, TESTS
 
 # a sweep of `onboard` processes, one per case (a few seconds each): in CI's full run, not the fast lane
 pytestmark = pytest.mark.slow
@@ -295,7 +295,7 @@ def test_training_checks_where_it_writes_before_the_first_step(place, copy_of, t
     wrong.mkdir() if place == "--runlog" else wrong.write_text("keep me")
     start = time.monotonic()
     result = cli("train", b, "--steps", 1000, place, wrong)
-    assert refused(result, str(wrong)) and time.monotonic() - start < 60
+    assert refused(result, str(wrong)) and time.monotonic() - start < HANG
     assert not (b / "checkpoints").exists() and (place == "--runlog" or wrong.read_text() == "keep me")
 
 
@@ -325,7 +325,7 @@ def _config(tmp_path, change: dict | str, slug="mixtral-8x7b") -> Path:
 def test_bad_configs_are_one_line(change, words, tmp_path):
     start = time.monotonic()
     assert refused(cli("inspect", _config(tmp_path, change), timeout=120), words)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < HANG
 
 
 def test_a_huge_config_is_refused_by_its_size(tmp_path):
@@ -333,7 +333,7 @@ def test_a_huge_config_is_refused_by_its_size(tmp_path):
     model.mkdir()
     with open(model / "config.json", "w") as f:
         f.write('{"model_type": "mixtral", "pad": "' + "x" * (17 * 2**20) + '"}')
-    assert refused(cli("inspect", model, timeout=60), "MiB")
+    assert refused(cli("inspect", model, timeout=HANG), "MiB")
 
 
 def test_a_broken_bundle_is_one_line(copy_of):
@@ -419,7 +419,7 @@ def test_negative_token_ids_are_one_line(copy_of, tmp_path):
 ], ids=["devices 1e12", "top -5", "checkpoint-every -1", "seq-len not a number"])
 def test_bad_arguments_are_one_line_and_quick(args, words, tmp_path):
     start = time.monotonic()
-    assert refused(cli(*args, cwd=tmp_path, timeout=60), words) and time.monotonic() - start < 60
+    assert refused(cli(*args, cwd=tmp_path, timeout=HANG), words) and time.monotonic() - start < HANG
 
 
 def test_an_internal_error_is_one_line_with_its_own_exit_code(monkeypatch, capsys):
@@ -486,7 +486,7 @@ def test_predictor_train_on_unusable_logs_is_one_line(model_change, step_time, w
 def test_a_run_log_that_is_a_fifo_is_refused_without_waiting(tmp_path):
     os.mkfifo(tmp_path / "log.jsonl")
     start = time.monotonic()
-    assert refused(cli("report", tmp_path / "log.jsonl", "--out", tmp_path / "r", timeout=60), "not a regular file")
+    assert refused(cli("report", tmp_path / "log.jsonl", "--out", tmp_path / "r", timeout=HANG), "not a regular file")
     result = cli("plan", "mixtral-8x7b", "--devices", 8, "--hardware", "H100", "--runlog", tmp_path / "log.jsonl",
-                 "--out", tmp_path / "p.json", timeout=60)
-    assert refused(result, "not a regular file") and time.monotonic() - start < 60
+                 "--out", tmp_path / "p.json", timeout=HANG)
+    assert refused(result, "not a regular file") and time.monotonic() - start < HANG

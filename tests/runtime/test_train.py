@@ -364,7 +364,7 @@ def test_cli_launches_torchrun_for_two_processes_with_expert_parallelism(bundle,
     log = tmp_path / "run.jsonl"
     assert main(["train", str(bundle), "--plan", str(plan), "--steps", "3", "--layers", "2", "--runlog", str(log),
                  "--checkpoint-dir", str(tmp_path / "ck")]) == 0
-    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step-00000003"]  # the EP run checkpoints too
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["job.json", "step-00000003"]  # EP checkpoints too
     runs, skipped = read_runs(log)
     assert not skipped and len(runs) == 1
     run = runs[0]
