@@ -82,6 +82,14 @@ def _module_file(name: str, root: Path = ROOT) -> Path | None:
     return None
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` in a module of `package` names, relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def _imports(path: Path, package: str) -> set[str]:
     """The modules `path` (a module of `package`) imports: absolute names, relative ones resolved; for `from A
     import B` both A and A.B (B may be a submodule)."""
@@ -90,11 +98,7 @@ def _imports(path: Path, package: str) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[:len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
+            base = _absolute(node, package)
             out.add(base)
             out |= {f"{base}.{alias.name}" for alias in node.names}
     return out
@@ -158,11 +162,7 @@ class _FirstNames(ast.NodeTransformer):
         return node
 
     def visit_ImportFrom(self, node):
-        if node.level:
-            parts = self.package.split(".")
-            base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            node.module, node.level = base, 0
-        node.module = self._name(node.module or "")
+        node.module, node.level = self._name(_absolute(node, self.package)), 0
         return node
 
     def generic_visit(self, node):

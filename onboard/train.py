@@ -23,8 +23,8 @@ import torch
 
 from onboard.bundle_files import bundle_source, load_adapter, read_bundle
 from onboard.errors import OnboardError, one_line
-from runtime.plan import Plan
 from onboard.train_request import TrainRequest
+from runtime.plan import Plan
 from runtime.train.job import FILE as JOB_FILE
 from runtime.train.job import TrainJob
 
@@ -34,15 +34,9 @@ _WIDE = ("hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn")
 
 def read_plan(path) -> Plan:
     try:
-        plan = Plan.load(path)
+        return Plan.load(path)
     except (ValueError, TypeError) as exc:
         raise OnboardError(f"plan {path}: {exc}") from None
-    from runtime.parallel.mesh import not_runnable
-
-    problems = not_runnable(plan)  # what runtime.train would refuse on every rank, said once before it starts
-    if problems:
-        raise OnboardError(f"plan {path} cannot run: {'; '.join(problems)}")
-    return plan
 
 
 def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_remote_code: bool = False) -> dict:
@@ -255,7 +249,7 @@ def _pretrained_model(bundle, weights: str, trust_remote_code: bool):
 FACTORY = "onboard.train:build_model"
 
 
-def command(job: TrainJob, job_file, world: int) -> list[str]:
+def command(job_file, world: int) -> list[str]:
     """The torchrun command line of a job whose file is `job_file`, for `world` processes."""
     return ["torchrun", "--standalone", f"--nproc-per-node={world}", "-m", "runtime.train", "--job", str(job_file)]
 
@@ -280,8 +274,10 @@ def run(request: TrainRequest, job: TrainJob) -> int:
         read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file() else Plan(dtype="fp32", seq_len=32))
     from runtime.parallel.mesh import not_runnable
 
-    if problems := not_runnable(plan):
-        raise OnboardError(f"the plan cannot run: {'; '.join(problems)}")
+    problems = not_runnable(plan)  # what runtime.train would refuse on every rank, said once before it starts
+    if problems:
+        where = "--plan" if job.plan is not None else f"plan {bundle / 'plan.json'}"
+        raise OnboardError(f"{where} cannot run: {'; '.join(problems)}")
     if (job.rebalance_every or job.expert_replicas) and plan.ep == 1:
         raise OnboardError("--rebalance-every / --expert-replicas place experts on expert-parallel ranks: the "
                            "plan has ep=1")
@@ -320,7 +316,7 @@ def run(request: TrainRequest, job: TrainJob) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             return subprocess.call([sys.executable, "-m", "torch.distributed.run",
-                                    *command(job, job_file, plan.world_size)[1:]], env=env)
+                                    *command(job_file, plan.world_size)[1:]], env=env)
         except KeyboardInterrupt:
             return 130
 

@@ -46,7 +46,7 @@ def parse(argv=None) -> TrainJob:
     args = p.parse_args(argv)
     if args.job:
         base = TrainJob.load(args.job)
-        p.set_defaults(**{k: v for k, v in vars(base).items() if k != "betas"}, betas=list(base.betas))
+        p.set_defaults(**vars(base))
         args = p.parse_args(argv)
     if args.model is None or args.plan is None:
         raise ValueError("a job names its model factory (--model module:function) and its plan (--plan)")

@@ -111,9 +111,7 @@ class Options:
     def from_args(cls, args: argparse.Namespace, **given):
         """The options an argparse namespace holds, with `given` fields set as well."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        if "betas" in values and values["betas"] is not None:
-            values["betas"] = tuple(values["betas"])
-        return cls(**{**values, **given})
+        return cls(**_pairs_as_tuples(cls, {**values, **given}))
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -138,9 +136,7 @@ class Options:
             problem = _misfit(value, names[name])
             if problem:
                 raise ValueError(f"{where}: {name} {problem}")
-        if isinstance(values.get("betas"), list):
-            values["betas"] = tuple(values["betas"])
-        return cls(**values)
+        return cls(**_pairs_as_tuples(cls, values))
 
     @classmethod
     def load(cls, path):
@@ -208,6 +204,12 @@ class TrainJob(Options):
             tmp.write(self.to_json())
         os.replace(tmp.name, folder / FILE)
         return folder / FILE
+
+
+def _pairs_as_tuples(cls, values: dict) -> dict:
+    """`values` with every `pair` field a tuple (argparse and JSON give lists)."""
+    pairs = {f.name for f in dataclasses.fields(cls) if f.metadata.get("kind") == "pair"}
+    return {k: tuple(v) if k in pairs and isinstance(v, list) else v for k, v in values.items()}
 
 
 def _misfit(value, f: dataclasses.Field) -> str | None:
