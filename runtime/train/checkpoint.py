@@ -230,19 +230,25 @@ def _check_tensors(path: Path, metadata: dict, expected: dict) -> None:
                              f"{list(tensor.shape)}")
 
 
+def newest(directory) -> tuple[tuple[int, Path] | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint (step, path), or None, and the newer ones passed over, with why."""
+    skipped = []
+    for step, candidate in reversed(checkpoints(directory)):
+        why = incomplete(candidate)
+        if why is None:
+            return (step, candidate), skipped
+        skipped.append((str(candidate), why))
+    return None, skipped
+
+
 def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
     """Restore the newest complete checkpoint in place; returns its train state (step, data position, path,
     and `skipped`: newer checkpoints it passed over, with why) or None when there is none. Every rank reads
     the same files and so makes the same choice."""
-    skipped = []
-    for _, candidate in reversed(checkpoints(directory)):
-        why = incomplete(candidate)
-        if why is None:
-            break
-        skipped.append((str(candidate), why))
-    else:
+    found, skipped = newest(directory)
+    if found is None:
         return {"step": 0, "data_position": 0, "path": None, "skipped": skipped} if skipped else None
-    path = candidate
+    path = found[1]
     shards = _expert_shards(model)
     layout = {"train": {"ep": 1, "pp": 1, "expert_placement": "{}"}}  # older checkpoints recorded none of these
     dcp.load(layout, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))

@@ -194,8 +194,8 @@ def _record_job(cfg: TrainJob, plan: Plan, rank: int) -> None:
         return
     folder = Path(cfg.checkpoint_dir)
     here = dataclasses.replace(cfg, plan=plan.to_dict())
-    saved = checkpoint.checkpoints(folder)
-    if saved and cfg.steps <= saved[-1][0]:
+    saved, _ = checkpoint.newest(folder)
+    if saved and cfg.steps <= saved[0]:
         return  # nothing left to train (an export resumes to write): the record stays the training run's
     if saved and (folder / JOB_FILE).is_file():
         conflicts = here.resume_conflicts(TrainJob.load(folder / JOB_FILE))

@@ -131,6 +131,10 @@ def test_a_resumed_run_keeps_the_options_that_decided_its_steps(factory, tmp_pat
     for change in ({"lr": 1e-3}, {"seed": 3}, {"clip": 0.5}):
         with pytest.raises(ValueError, match=f"holds checkpoints of a job with {next(iter(change))} "):
             train(factory, _plan(), TrainJob(steps=2, progress=False, checkpoint_dir=str(ck), **{"lr": 1e-2, **change}))
+    (ck / "step-00000009").mkdir()  # an emptied newer step folder: there are steps left to train, and checked
+    with pytest.raises(ValueError, match="holds checkpoints of a job with lr "):
+        train(factory, _plan(), TrainJob(steps=2, lr=1e-3, progress=False, checkpoint_dir=str(ck)))
+    (ck / "step-00000009").rmdir()
     again = train(factory, _plan(), TrainJob(steps=2, lr=1e-2, progress=False, checkpoint_dir=str(ck),
                                              checkpoint_every=1, runlog=str(tmp_path / "run.jsonl")))
     assert again.resumed_from == 1 and Job.load(ck / "job.json").steps == 2
