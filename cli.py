@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from onboard.train_request import TrainRequest
+from onboard.train.request import TrainRequest
 from runtime.train.job import TrainJob, whole_number
 
 
@@ -43,9 +43,9 @@ def cmd_inspect(args) -> int:
     if args.online:
         os.environ["HF_HUB_OFFLINE"] = "0"
     source = resolve(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
-    from onboard.accounting import costs  # after the model is found: these import torch and transformers
-    from onboard.inspection import inspect_source
-    from onboard.report import summary
+    from onboard.inspect.accounting import costs  # after the model is found: these import torch and transformers
+    from onboard.inspect.inspection import inspect_source
+    from onboard.inspect.summary import summary
 
     spec, timings = inspect_source(source)
     if args.json:
@@ -99,7 +99,7 @@ def _write_bundle(args, agent_options: dict | None) -> int:
     out = Path(args.out) if args.out else Path("bundles") / source.name.replace("/", "--")
     notes: list[str] = []
     if agent_options is None:
-        from onboard.bundle import adapt
+        from onboard.bundle.make import adapt
 
         spec, verification = adapt(source, out, force=args.force, notes=notes)
         agent = None
@@ -121,7 +121,7 @@ RUNS_ADAPTER = "runs the bundle's adapter.py (generated Python: review it, as an
 
 
 def cmd_verify(args) -> int:
-    from onboard.bundle import verify_bundle
+    from onboard.review.reverify import verify_bundle
 
     print(f"running {os.path.join(args.bundle, 'adapter.py')}: the bundle's generated code", flush=True)
     spec, verification = verify_bundle(args.bundle, trust_remote_code=args.trust_remote_code)
@@ -133,7 +133,7 @@ def cmd_review(args) -> int:
 
     from onboard.errors import OnboardError
     from onboard.outputs import output_file
-    from onboard.review import review
+    from onboard.review.changes import review
 
     if len(args.bundles) > 2:
         raise OnboardError("review takes OLD NEW, or NEW alone")
@@ -153,8 +153,8 @@ def cmd_review(args) -> int:
 def cmd_check(args) -> int:
     from pathlib import Path
 
-    from onboard.check import check_bundle, committed_bundles
     from onboard.errors import OnboardError
+    from onboard.review.check import check_bundle, committed_bundles
 
     bundles = [Path(b) for b in args.bundles] or committed_bundles()
     if not bundles:
@@ -174,14 +174,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from onboard.train import run
+    from onboard.train.launch import run
 
     print(f"running {os.path.join(args.bundle, 'adapter.py')}: the bundle's generated code", flush=True)
     return run(TrainRequest.from_args(args), TrainJob.from_args(args))
 
 
 def cmd_export(args) -> int:
-    from onboard.train import export
+    from onboard.train.export import export
 
     code = export(args.checkpoint, args.format, args.out, bundle=args.bundle, weights=args.weights,
                   trust_remote_code=args.trust_remote_code)
@@ -209,7 +209,7 @@ def cmd_catalogue(args) -> int:
 
 
 def cmd_families(args) -> int:
-    from onboard.families import discover, markdown, support_row
+    from onboard.review.families import discover, markdown, support_row
 
     import tempfile
 
@@ -414,7 +414,7 @@ def _positive_number(text: str) -> float:
 
 
 def cmd_report(args) -> int:
-    from onboard.run_report import report
+    from onboard.report.page import report
 
     return report(args.runlogs, args.out, follow=args.follow, interval=args.interval, idle_exit=args.idle_exit,
                   hot=args.hot, cold=args.cold)
@@ -424,35 +424,21 @@ PREDICTOR_HELP = ("trained predictor file or directory (default: the bundled new
                   "pickles, and loading one runs code: name only files you trust")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="onboard", description="Onboard MoE models onto the training runtime.",
-                                     epilog="Exit codes: 0 ok, 1 bad input (one line on stderr), 2 bad arguments, "
-                                            "3 verification failed, 4 no plan fits, 5 stale bundle (onboard check), 70 internal error.")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an internal error (also ONBOARD_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def verb(name, help):  # the verb's help is also its description under `onboard VERB --help`
-        return sub.add_parser(name, help=help, description=help)
-
-    p = verb("inspect", help="what a model is made of, at full scale")
+def _inspect_options(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="print the ModelSpec as JSON")
     p.add_argument("--seq-len", type=POSITIVE, default=4096, help="sequence length for FLOP counts (default 4096)")
-    p.set_defaults(func=cmd_inspect)
 
-    p = verb("adapt", help="generate, verify and write the adapter bundle")
+
+def _adapt_options(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.add_argument("--agent", metavar="POLICY",
                    help="let the onboarding agent take on what no pattern matches (rules; as `onboard agent`)")
-    p.set_defaults(func=cmd_adapt)
 
-    p = verb("agent", help="adapt, then take on what no pattern matches: generated code, probed and verified, "
-                           "or left as HuggingFace code with what was tried. Generated code runs only in a sandboxed "
-                           "process of its own (no environment, network, files or processes; 60 s a round), never "
-                           "in this one")
+
+def _agent_options(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
@@ -468,48 +454,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-env", default="OPENAI_API_KEY",
                    help="llm policy: the environment variable holding the endpoint's key (default OPENAI_API_KEY)")
     p.add_argument("--calls", type=POSITIVE, help="llm policy: model calls per leftover module (default 12)")
-    p.set_defaults(func=cmd_agent)
 
-    p = verb("verify", help=f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}")
+
+def _verify_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle directory written by onboard adapt")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own modeling code (a bundle never switches it on by itself)")
-    p.set_defaults(func=cmd_verify)
 
-    p = verb("review", help="what changed between two bundles of a model (OLD NEW), or a fresh bundle in full "
-                            "(NEW), for the person approving the pull request; needs-human-eyes list first")
+
+def _review_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="OLD NEW, or NEW alone")
     p.add_argument("--out", help="write the review to this file (default: print it)")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("--format", default="markdown", choices=("markdown", "github"),
                    help="markdown (default) or github (diffs folded in <details>, for a pull-request comment)")
-    p.set_defaults(func=cmd_review)
 
-    p = verb("check", help="make each committed bundle again from its recorded source, verify it and compare: exit 5 "
-                           "when one is stale (what changed, one line each), 3 when what onboard makes no longer "
-                           "verifies. A committed bundle's own code is never run; an agent's bundle is made again by "
-                           "replaying its agent.jsonl, whose candidates run only in the agent's sandbox")
+
+def _check_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundles", nargs="*", metavar="BUNDLE", help="bundle directories (default: every one in bundles/)")
     p.add_argument("--fix", action="store_true", help="replace stale or failing bundles with the ones made now")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the models' own modeling code (a bundle never switches it on by itself)")
-    p.set_defaults(func=cmd_check)
 
-    p = verb("families", help="inspect every MoE / hybrid family the installed transformers ships")
+
+def _families_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="print README's support table")
     p.add_argument("--adapt", action="store_true", help="also adapt and verify each family, the agent's rules policy taking on what no "
                         "pattern matches (bundles in a temp dir)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_families)
 
-    p = verb("train", help="train a bundle's adapted model (torchrun for plans over several processes); "
-                                     + RUNS_ADAPTER)
+
+def _train_options(p: argparse.ArgumentParser) -> None:
     TrainRequest.add_arguments(p)  # the bundle, the model, text data: onboard's own
     TrainJob.add_arguments(p, skip=("keep_checkpoints", "offload_dir", "progress"))  # the run's: runtime.train's
-    p.set_defaults(func=cmd_train)
 
-    p = verb("export", help="export the newest checkpoint of a run on released weights (onboard train --weights) "
-                            "as a PEFT adapter or a HuggingFace checkpoint, with the run's own plan")
+
+def _export_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="the run's checkpoint folder (default of onboard train: BUNDLE/checkpoints)")
     p.add_argument("--format", required=True, choices=("peft", "hf"),
                    help="peft: the LoRA adapters as a PEFT adapter; hf: the model, LoRA merged, as a HF checkpoint")
@@ -521,13 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "required with --trust-remote-code)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own modeling code (never read from the checkpoint's launch.json)")
-    p.set_defaults(func=cmd_export)
 
-    p = verb("catalogue", help="list the bundled model configs")
+
+def _catalogue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_catalogue)
 
-    p = verb("plan", help="rank parallel plans by predicted throughput; writes plan.json")
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--devices", type=POSITIVE, required=True, help="number of accelerators")
     p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
@@ -545,17 +525,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--imbalance", type=float, metavar="X",
                    help="assume the busiest EP rank gets X times the mean tokens (default: perfect balance)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_plan)
 
-    p = verb("predict", help="predicted step time, tokens/s and memory of one plan")
+
+def _predict_options(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--plan", required=True, help="plan.json")
     p.add_argument("--hardware", required=True, help="hardware name (e.g. H100, Ascend-910C) or a YAML spec")
     p.add_argument("--predictor", help=PREDICTOR_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_predict)
 
-    p = verb("predictor", help="train, evaluate or list the learned throughput predictor's versions")
+
+def _predictor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=("train", "eval", "list"),
                    help="train a new version, evaluate one on runs of what it was not trained on, or list the versions")
     p.add_argument("--hold-out", default="both", choices=("model", "source", "both"),
@@ -567,11 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-default", action="store_true",
                    help="train: make the new version the default even where it prices the shipped runs worse")
     p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites; list: the directory")
-    p.set_defaults(func=cmd_predictor)
 
-    p = verb("report", help="figures and one self-contained HTML page of training runs from their run logs (loss, "
-                            "throughput, communication, memory, tokens per expert, EP-rank load, hot and cold "
-                            "experts), runs compared, and a summary on the terminal")
+
+def _report_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("runlogs", nargs="+", metavar="RUNLOG",
                    help="run-log files (JSON lines) or folders of *.jsonl; several runs are compared")
     p.add_argument("--out", default="onboard-report", metavar="DIR",
@@ -589,7 +567,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold", type=_positive_number, default=0.5,
                    help="an expert stayed cold when it got less than this many times its uniform share in most "
                         "steps (default 0.5)")
-    p.set_defaults(func=cmd_report)
+
+
+# each verb: (name, help line, the function adding its options, the function it runs)
+def _verbs() -> list[tuple]:
+    return [
+        ("inspect", "what a model is made of, at full scale",
+         _inspect_options, cmd_inspect),
+        ("adapt", "generate, verify and write the adapter bundle",
+         _adapt_options, cmd_adapt),
+        ("agent", "adapt, then take on what no pattern matches: generated code, probed and verified, "
+            "or left as HuggingFace code with what was tried. Generated code runs only in a sandboxed "
+            "process of its own (no environment, network, files or processes; 60 s a round), never "
+            "in this one",
+         _agent_options, cmd_agent),
+        ("verify", f"re-run a bundle's numerical verification against HuggingFace; {RUNS_ADAPTER}",
+         _verify_options, cmd_verify),
+        ("review", "what changed between two bundles of a model (OLD NEW), or a fresh bundle in full "
+            "(NEW), for the person approving the pull request; needs-human-eyes list first",
+         _review_options, cmd_review),
+        ("check", "make each committed bundle again from its recorded source, verify it and compare: exit 5 "
+            "when one is stale (what changed, one line each), 3 when what onboard makes no longer "
+            "verifies. A committed bundle's own code is never run; an agent's bundle is made again by "
+            "replaying its agent.jsonl, whose candidates run only in the agent's sandbox",
+         _check_options, cmd_check),
+        ("families", "inspect every MoE / hybrid family the installed transformers ships",
+         _families_options, cmd_families),
+        ("train", "train a bundle's adapted model (torchrun for plans over several processes); "
+            + RUNS_ADAPTER,
+         _train_options, cmd_train),
+        ("export", "export the newest checkpoint of a run on released weights (onboard train --weights) "
+            "as a PEFT adapter or a HuggingFace checkpoint, with the run's own plan",
+         _export_options, cmd_export),
+        ("catalogue", "list the bundled model configs",
+         _catalogue_options, cmd_catalogue),
+        ("plan", "rank parallel plans by predicted throughput; writes plan.json",
+         _plan_options, cmd_plan),
+        ("predict", "predicted step time, tokens/s and memory of one plan",
+         _predict_options, cmd_predict),
+        ("predictor", "train, evaluate or list the learned throughput predictor's versions",
+         _predictor_options, cmd_predictor),
+        ("report", "figures and one self-contained HTML page of training runs from their run logs (loss, "
+            "throughput, communication, memory, tokens per expert, EP-rank load, hot and cold "
+            "experts), runs compared, and a summary on the terminal",
+         _report_options, cmd_report),
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="onboard", description="Onboard MoE models onto the training runtime.",
+                     epilog="Exit codes: 0 ok, 1 bad input (one line on stderr), 2 bad arguments, 3 verification "
+                            "failed, 4 no plan fits, 5 stale bundle (onboard check), 70 internal error.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an internal error (also ONBOARD_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    for name, help, options, func in _verbs():  # the verb's help is also its description under `onboard VERB --help`
+        p = sub.add_parser(name, help=help, description=help)
+        options(p)
+        p.set_defaults(func=func)
     return parser
 
 

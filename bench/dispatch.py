@@ -36,7 +36,7 @@ TOKENS = 16
 def build(kind: str, layers: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from onboard.bundle_files import load_adapter
+    from onboard.bundle.files import load_adapter
 
     bundle, model_type, size = ARCHS[kind]
     config = AutoConfig.for_model(model_type, num_hidden_layers=layers, vocab_size=128, attn_implementation="sdpa",

@@ -30,7 +30,7 @@ SESSIONS = ("axk2", "longcat_flash", "zaya")  # the llm policy: the rules first,
 
 def default_bundles(scratch: Path) -> list[Path]:
     from onboard.agent.loop import run
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import resolve
 
     bundles = []
@@ -45,7 +45,7 @@ def default_bundles(scratch: Path) -> list[Path]:
 def bench_bundle(bundle: Path, width: int, tokens: int, repeats: int) -> list[dict]:
     from onboard.agent.sandbox.judge import Judge
     from onboard.agent.sandbox.session import Limits, Sandbox
-    from onboard.bundle_files import read_bundle, read_decision
+    from onboard.bundle.files import read_bundle, read_decision
 
     bundle, spec, origin = read_bundle(bundle)
     rows = []
@@ -73,7 +73,7 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-generated-") as scratch:
         common.scratch_kernel_store(Path(scratch) / "kernels")
-        from onboard.bundle_files import read_bundle
+        from onboard.bundle.files import read_bundle
         from onboard.errors import OnboardError
 
         try:  # a bundle named on the command line that is none: one line, before anything is built

@@ -34,7 +34,7 @@ def worker(folder: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from onboard.train import build_model
+    from onboard.train.model import build_model
     from runtime.parallel import build_mesh, parallelize
     from runtime.plan import Plan
 
@@ -69,7 +69,7 @@ def prepare(folder: Path, hidden: int, layers: int) -> int:
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
     from onboard.source import resolve
 
     config = MixtralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -38,7 +38,7 @@ def _rss_bytes() -> int:
 
 def child(args) -> None:
     import torch
-    from onboard.train import build_model
+    from onboard.train.model import build_model
     from runtime.memory import ActivationOffload, apply_recompute
 
     torch.set_num_threads(args.threads)
@@ -82,7 +82,7 @@ def main() -> None:
         return
     scratch = tempfile.TemporaryDirectory(prefix="bench-offload-")
     if not args.bundle:
-        from onboard.bundle import adapt
+        from onboard.bundle.make import adapt
         from onboard.source import resolve
 
         args.bundle = str(Path(scratch.name) / "mixtral")

@@ -75,7 +75,7 @@ def world_of(plan: dict) -> int:
 
 def run_one(entry: dict, bundles: dict, configs: dict, out: Path, steps: int) -> None:
     """One configuration through runtime.train (every rank calls it)."""
-    from onboard.train import build_model
+    from onboard.train.model import build_model
     from runtime.plan import Plan
     from runtime.train import TrainJob, train
 
@@ -122,9 +122,9 @@ def main() -> None:
         return
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave RSS (per-run peaks)
     import torch
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
     from onboard.source import resolve
-    from onboard.train import train_config
+    from onboard.train.model import train_config
 
     entries = configurations()
     if args.only_world:

@@ -70,7 +70,7 @@ def run_variant(arch: str, variant: str, bundle: str | None, tokens: int, batch:
     params = sum(p.numel() for p in model.parameters())
     if variant == "adapted":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from onboard.bundle_files import load_adapter
+        from onboard.bundle.files import load_adapter
 
         load_adapter(Path(bundle)).adapt(model)
     model.train()
@@ -114,7 +114,7 @@ def main():
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
     from onboard.source import resolve
 
     _, catalogue_name, _ = ARCHS[args.arch]

@@ -21,13 +21,19 @@ def output_file(path, *, force: bool, what: str) -> Path:
     parent = path.parent
     if parent.exists() and not parent.is_dir():
         raise OnboardError(f"cannot write the {what} to {path}: {parent} is a file")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OnboardError(f"cannot create {parent} for the {what}: {exc.strerror or exc}") from None
-    if not os.access(parent, os.W_OK):
-        raise OnboardError(f"cannot write the {what} to {parent}: permission denied")
+    writable_folder(parent, what)
     return path
+
+
+def writable_folder(folder: Path, what: str) -> Path:
+    """`folder`, created where missing, as a place this process may write `what` into; one line where not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OnboardError(f"cannot create {folder} for the {what}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK):
+        raise OnboardError(f"cannot write the {what} to {folder}: permission denied")
+    return folder
 
 
 def write_atomically(path: Path, text: str) -> Path:

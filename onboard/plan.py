@@ -10,11 +10,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from onboard.accounting import dims_of
 from onboard.errors import OnboardError
+from onboard.inspect.accounting import dims_of
+from onboard.inspect.spec import ModelSpec
 from onboard.outputs import write_atomically
 from onboard.source import resolve
-from onboard.spec import ModelSpec
 from predictors import learned
 from predictors.errors import PredictorError
 from predictors.features import features
@@ -38,7 +38,7 @@ def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False
         except (ValueError, RecursionError) as e:
             raise OnboardError(f"{path} is not a ModelSpec JSON: {' '.join(str(e).split())}") from None
     source = resolve(ref, trust_remote_code=trust_remote_code, online=online)  # a wrong name fails in a second
-    from onboard.inspection import inspect_source  # the twin's imports (torch, transformers) take several
+    from onboard.inspect.inspection import inspect_source  # the twin's imports (torch, transformers) take several
 
     return inspect_source(source)[0]
 

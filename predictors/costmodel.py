@@ -179,19 +179,65 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     if imbalance < 1:
         raise ValueError(f"expert load imbalance is the busiest rank over the mean: at least 1, got {imbalance}")
     skew = imbalance if plan.ep > 1 and d.moe_layers else 1.0
-    world = plan.world_size
-    s, b, m = plan.seq_len, plan.micro_batch, plan.grad_accum
-    tokens_step = plan.tokens_per_step
-    # the stage with the most layers holds the most activations; the slowest one sets the pace
-    layers_stage = max(plan.pp_layers) if plan.pp_layers else math.ceil(d.layers / plan.pp)
-    stage_share = pipeline.share(d, plan)
-    lora = plan.lora is not None
-    n_lora, n_lora_active = lora_params(d, plan)
+    shape = _Layout.of(d, plan)
+    compute_s, recompute_s, imbalance_s = _compute(d, plan, hw, precision, skew, shape)
+    busy = compute_s + recompute_s + imbalance_s
+    memory, local, per, host = _memory(d, plan, shape)
+    tp_s, cp_s, pp_s, dp_s, ep_s = _communication(d, plan, hw, skew, shape)
+    tokens_mb = plan.micro_batch * plan.seq_len / (plan.cp * plan.tp)
+    offload_s = 2 * tokens_mb * host * shape.layers_stage * plan.grad_accum / (hw.host_gbs * 1e9)
 
-    # -- compute ------------------------------------------------------------------------------
+    traffic = plan.tokens_per_step / plan.world_size * per["layer"] * shape.layers_stage * ELEMENTWISE_PASSES
+    trained_local = shape.n_lora / (plan.tp * shape.fsdp * plan.pp) if shape.lora else local
+    traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
+    memory_s = traffic / (hw.memory_bw_gbs * 1e9)
+    overhead_s = dispatch_s(busy + memory_s, host_dispatch_s(d, plan, hw, shape.layers_stage), hw)
+
+    # -- overlap ------------------------------------------------------------------------------
+    # Communication hides behind the passes as long as they take, dispatch included: when the host is the slower
+    # side, a busier device only narrows the idle gaps, and the window stays the same.
+    window = busy + overhead_s
+    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - (DP_OVERLAP if gradient_overlap else 0.0) * window)
+               + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
+    offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * window)
+    # a stage stalls for its whole work, dispatch included, while the pipeline fills and drains
+    bubble_s = window * (plan.pp - 1) / plan.grad_accum if plan.pp > 1 else 0.0
+    step = busy + bubble_s + exposed + offload_exposed + memory_s + overhead_s
+    return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
+                    overhead_s=overhead_s,
+                    tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
+                    exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=plan.tokens_per_step,
+                    memory=memory, imbalance_s=imbalance_s, imbalance=skew)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What every part of a step's price reads of the plan's layout."""
+
+    layers_stage: int  # the stage with the most layers holds the most activations; the slowest one sets the pace
+    stage_share: float
+    lora: bool
+    n_lora: int
+    n_lora_active: int
+    fsdp: int  # FSDP2 shards over dp_shard x cp (torchtitan); with dp_shard = 1 context parallel shards nothing
+    folded: _Folded | None
+    dense_params: int
+
+    @classmethod
+    def of(cls, d: Dims, plan: Plan) -> _Layout:
+        n_lora, n_lora_active = lora_params(d, plan)
+        return cls(layers_stage=max(plan.pp_layers) if plan.pp_layers else math.ceil(d.layers / plan.pp),
+                   stage_share=pipeline.share(d, plan), lora=plan.lora is not None, n_lora=n_lora,
+                   n_lora_active=n_lora_active, fsdp=plan.dp_shard * plan.cp if plan.dp_shard > 1 else 1,
+                   folded=_folded(plan) if plan.folded else None, dense_params=d.params_total - d.expert_params)
+
+
+def _compute(d: Dims, plan: Plan, hw: Hardware, precision: str, skew: float, shape: _Layout):
+    """(compute, recompute, the busiest EP rank's extra routed-expert compute) in seconds."""
+    s, world, tokens_step = plan.seq_len, plan.world_size, plan.tokens_per_step
     fwd = d.forward_flops_per_token(s)
     # frozen base weights need no weight gradients: backward costs one forward instead of two
-    train = (2 if lora else 3) * fwd + 6 * n_lora_active
+    train = (2 if shape.lora else 3) * fwd + 6 * shape.n_lora_active
     extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)
     peak = hw.peak_flops(precision) * MATMUL_EFFICIENCY
     mixing = d.mixing_flops(s)
@@ -205,25 +251,25 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
         extra_eff = fwd * (1 + mix_share * (slow - 1)) if plan.recompute == "full" else extra * slow
     else:
         train_eff, extra_eff = train, extra
-    compute_s = tokens_step * train_eff / world / peak * stage_share
-    recompute_s = tokens_step * extra_eff / world / peak * stage_share
-    # routed experts' share of that compute (forward 2 * 3 * hidden * expert_ffn per chosen expert), of which the
-    # busiest EP rank does `skew` times the balanced part
-    routed_flops = 2 * d.moe_layers * d.top_k * 3 * d.hidden * d.expert_ffn if d.moe_layers else 0.0
-    routed_train = (2 if lora else 3) * routed_flops + (routed_flops if plan.recompute == "full" else 0.0)
-    imbalance_s = tokens_step * routed_train / world / peak * stage_share * (skew - 1)
-    busy = compute_s + recompute_s + imbalance_s
+    compute_s = tokens_step * train_eff / world / peak * shape.stage_share
+    recompute_s = tokens_step * extra_eff / world / peak * shape.stage_share
+    # routed experts' share of that compute, of which the busiest EP rank does `skew` times the balanced part
+    routed_flops = d.routed_flops_per_token()
+    routed_train = (2 if shape.lora else 3) * routed_flops + (routed_flops if plan.recompute == "full" else 0.0)
+    imbalance_s = tokens_step * routed_train / world / peak * shape.stage_share * (skew - 1)
+    return compute_s, recompute_s, imbalance_s
 
-    # -- memory per device --------------------------------------------------------------------
-    # FSDP2 shards over dp_shard x cp (torchtitan); with dp_shard = 1 context parallel shards nothing (Megatron)
-    fsdp = plan.dp_shard * plan.cp if plan.dp_shard > 1 else 1
-    folded = _folded(plan) if plan.folded else None
+
+def _memory(d: Dims, plan: Plan, shape: _Layout) -> tuple[dict, float, dict, float]:
+    """(memory per device by part, the parameters each device keeps, activation bytes per token by kind, activation
+    bytes per token and layer kept on the host)."""
+    fsdp, folded, dense_params = shape.fsdp, shape.folded, shape.dense_params
+    b, s = plan.micro_batch, plan.seq_len
     expert_shard = folded.shard if folded else plan.tp * max(plan.ep, fsdp)
-    dense_params = d.params_total - d.expert_params
-    local = (dense_params / (plan.tp * fsdp) + d.expert_params / expert_shard) * stage_share / plan.pp
-    if lora:
+    local = (dense_params / (plan.tp * fsdp) + d.expert_params / expert_shard) * shape.stage_share / plan.pp
+    if shape.lora:
         weights = local * BF16
-        states = n_lora * TRAINED_BYTES / (plan.tp * fsdp * plan.pp)
+        states = shape.n_lora * TRAINED_BYTES / (plan.tp * fsdp * plan.pp)
         grads = 0.0
     else:
         weights = local * (FP32 if plan.dp_shard > 1 else BF16)
@@ -236,31 +282,36 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     per = activation_bytes_per_token(d, plan)
     kept, host = _resident_activation(per, plan)
     tokens_mb = b * s / (plan.cp * plan.tp)
-    in_flight = min(plan.pp, m)
-    activations = tokens_mb * (kept * layers_stage * in_flight + per["layer"])  # + one layer being worked on
+    in_flight = min(plan.pp, plan.grad_accum)
+    activations = tokens_mb * (kept * shape.layers_stage * in_flight + per["layer"])  # + one layer being worked on
     logit_tokens = min(plan.loss_chunk, b * s / plan.cp) if plan.loss_chunk else b * s / plan.cp
     logits = logit_tokens * d.vocab / plan.tp * (BF16 + FP32 + FP32)  # logits, fp32 softmax, fp32 grad
     memory = {"weights": weights, "gradients": grads, "optimizer": states, "gathered": gathered,
               "activations": activations, "logits": logits, "reserved": RESERVED_BYTES}
     memory["total"] = sum(memory.values())
+    return memory, local, per, host
 
-    # -- communication ------------------------------------------------------------------------
+
+def _communication(d: Dims, plan: Plan, hw: Hardware, skew: float, shape: _Layout) -> tuple[float, ...]:
+    """Seconds of tensor-, context-, pipeline-, data- and expert-parallel traffic a step."""
+    b, s, m, world = plan.micro_batch, plan.seq_len, plan.grad_accum, plan.world_size
+    fsdp, folded, lora, n_lora = shape.fsdp, shape.folded, shape.lora, shape.n_lora
     act_mb = b * s / plan.cp * d.hidden * BF16  # one micro-batch's hidden states on a TP group
     # all-reduces per layer and micro-step (Megatron-LM, no sequence parallelism): two forward (after attention and
     # after the MLP), two backward, and with full recompute two more, the recomputed forward's (Korthikanti et al.
     # 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 5); selective recompute reruns the
     # attention core only, inside the tp group, with no all-reduce. Before, the recompute's two were not charged.
     n_ar = 4 + (2 if plan.recompute == "full" else 0)
-    tp_s = layers_stage * m * n_ar * 2 * _ring(plan.tp) * act_mb / (hw.link_gbs(plan.tp) * 1e9)
+    tp_s = shape.layers_stage * m * n_ar * 2 * _ring(plan.tp) * act_mb / (hw.link_gbs(plan.tp) * 1e9)
     softmax_layers = d.layers - d.linear_layers
     kv_local = b * s / plan.cp * 2 * d.kv_heads * d.head_dim * BF16 / plan.tp
-    cp_s = (softmax_layers * stage_share / plan.pp * m * 3 * (plan.cp - 1) * kv_local
+    cp_s = (softmax_layers * shape.stage_share / plan.pp * m * 3 * (plan.cp - 1) * kv_local
             / (hw.link_gbs(plan.cp * plan.tp) * 1e9))
     pp_s = 2 * m * act_mb / plan.tp / (hw.link_gbs(world) * 1e9) if plan.pp > 1 else 0.0
 
     span_shard = fsdp * plan.tp
-    dense_local_bf16 = dense_params / plan.tp * stage_share / plan.pp * BF16
-    expert_local_bf16 = d.expert_params / (plan.expert_tp * plan.ep) * stage_share / plan.pp * BF16
+    dense_local_bf16 = shape.dense_params / plan.tp * shape.stage_share / plan.pp * BF16
+    expert_local_bf16 = d.expert_params / (plan.expert_tp * plan.ep) * shape.stage_share / plan.pp * BF16
     expert_fsdp = folded.edp if folded else max(1, fsdp // plan.ep)
     grad_bytes = FP32 if not lora else 0
     if fsdp > 1:
@@ -288,32 +339,9 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     if plan.ep > 1 and d.moe_layers:
         routed = b * s / (plan.cp * plan.tp) * d.top_k * d.hidden * BF16
         passes = 4 + (2 if plan.recompute == "full" else 0)  # dispatch + combine, forward and backward
-        ep_s = (d.moe_layers * stage_share / plan.pp * m * passes * _ring(plan.ep) * routed * skew
+        ep_s = (d.moe_layers * shape.stage_share / plan.pp * m * passes * _ring(plan.ep) * routed * skew
                 / (hw.link_gbs(folded.ep_span if folded else plan.ep * plan.tp) * 1e9))
-
-    offload_s = 2 * tokens_mb * host * layers_stage * m / (hw.host_gbs * 1e9)
-
-    traffic = tokens_step / world * per["layer"] * layers_stage * ELEMENTWISE_PASSES
-    trained_local = n_lora / (plan.tp * fsdp * plan.pp) if lora else local
-    traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
-    memory_s = traffic / (hw.memory_bw_gbs * 1e9)
-    overhead_s = dispatch_s(busy + memory_s, host_dispatch_s(d, plan, hw, layers_stage), hw)
-
-    # -- overlap ------------------------------------------------------------------------------
-    # Communication hides behind the passes as long as they take, dispatch included: when the host is the slower
-    # side, a busier device only narrows the idle gaps, and the window stays the same.
-    window = busy + overhead_s
-    exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - (DP_OVERLAP if gradient_overlap else 0.0) * window)
-               + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
-    offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * window)
-    # a stage stalls for its whole work, dispatch included, while the pipeline fills and drains
-    bubble_s = window * (plan.pp - 1) / m if plan.pp > 1 else 0.0
-    step = busy + bubble_s + exposed + offload_exposed + memory_s + overhead_s
-    return Estimate(compute_s=compute_s, recompute_s=recompute_s, bubble_s=bubble_s, memory_s=memory_s,
-                    overhead_s=overhead_s,
-                    tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
-                    exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=tokens_step,
-                    memory=memory, imbalance_s=imbalance_s, imbalance=skew)
+    return tp_s, cp_s, pp_s, dp_s, ep_s
 
 
 def fits(est: Estimate, hw: Hardware) -> bool:

@@ -207,6 +207,11 @@ class Dims:
         return [2 * self.attention_params_per_layer + self.mixers[i].flops(seq_len) / self.mixers[i].layers
                 + (moe if is_moe else dense) for i, is_moe in self.stack]
 
+    def routed_flops_per_token(self) -> float:
+        """Forward FLOPs of the routed experts per token: 2 x 3 x hidden x expert_ffn (gate, up and down
+        projections) for each of the top-k experts chosen, in every MoE layer."""
+        return 2 * self.moe_layers * self.top_k * 3 * self.hidden * self.expert_ffn if self.moe_layers else 0.0
+
     def head_flops(self) -> float:
         """Forward FLOPs per token of the LM head (the last pipeline stage's)."""
         return 2 * self.vocab * self.hidden

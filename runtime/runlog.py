@@ -43,7 +43,7 @@ STEP_NUMBERS = ("step_time_s", "tokens_per_s", "peak_memory_bytes", "loss", "com
 
 
 def model_record(spec: dict) -> dict:
-    """Key dimensions of a model from its ModelSpec JSON (onboard/spec.py field names), plus a digest."""
+    """Key dimensions of a model from its ModelSpec JSON (onboard/inspect/spec.py field names), plus a digest."""
     layers = spec.get("layers") or []
     moe = [layer["mlp"] for layer in layers if layer.get("mlp", {}).get("kind") == "moe"]
     dense = [layer["mlp"] for layer in layers if layer.get("mlp", {}).get("kind") == "dense"]

@@ -1,1 +1,1 @@
-"""Jinja2 templates rendered by `onboard.codegen` (shipped as the package `onboard.templates`)."""
+"""Jinja2 templates rendered by `onboard.adapt.codegen` (shipped as the package `onboard.templates`)."""

@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 @pytest.fixture(scope="session")
 def inspected():
     """Inspect each catalogue model once per session (several test files read the same specs)."""
-    from onboard.inspection import inspect_model
+    from onboard.inspect.inspection import inspect_model
 
     cache: dict = {}
 
@@ -36,7 +36,7 @@ def inspected():
 @pytest.fixture(scope="session")
 def mixtral_bundle(tmp_path_factory):
     """An adapted Mixtral bundle, written once per session (training and memory tests read it)."""
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
     from onboard.source import resolve
 
     out = tmp_path_factory.mktemp("bundle") / "mixtral"
@@ -50,18 +50,18 @@ def twin_adapter():
     HF `ref` or of a transformers `family` at its default config, adapted as `onboard adapt` does it: spec,
     decision and rendered adapter written to `directory`, and the adapter loaded back from there (no kernels, no
     verification)."""
-    from onboard.bundle_files import load_adapter
-    from onboard.capture import capture
-    from onboard.codegen import render_adapter
-    from onboard.decision import decide
-    from onboard.families import default_config
-    from onboard.inspection import build_spec
+    from onboard.adapt.codegen import render_adapter
+    from onboard.adapt.decision import decide
+    from onboard.bundle.files import load_adapter
+    from onboard.inspect.capture import capture
+    from onboard.inspect.inspection import build_spec
+    from onboard.review.families import default_config
     from onboard.source import from_config, resolve
-    from onboard.twin import build_twin
+    from onboard.twin import Twin
 
     def adapter(directory, ref=None, family=None):
         source = resolve(ref) if ref else from_config(default_config(family), family)
-        twin = build_twin(source)
+        twin = Twin.build(source)
         spec = build_spec(source, twin, capture(twin))
         decision = decide(spec, twin)
         (directory / "spec.json").write_text(spec.to_json())

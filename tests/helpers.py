@@ -39,8 +39,8 @@ def swap_all_sparse(model: torch.nn.Module) -> Swaps:
 
 
 def stored_kernel(template: str, **params) -> str:
-    """Render a kernel template (`onboard.codegen.render_kernel`) into the session's kernel store; its key."""
-    from onboard.codegen import render_kernel
+    """Render a kernel template (`onboard.adapt.codegen.render_kernel`) into the session's kernel store; its key."""
+    from onboard.adapt.codegen import render_kernel
     from runtime.kernels import store
 
     kernel = render_kernel(template, **params)
@@ -65,15 +65,15 @@ def released_model(family: str, folder: Path, **config) -> tuple[Path, Path]:
     `save_pretrained` in several safetensors shards, and adapted into a bundle beside it."""
     from transformers import AutoModelForCausalLM
 
-    from onboard.bundle import adapt
-    from onboard.families import default_config
+    from onboard.bundle.make import adapt
+    from onboard.review.families import default_config
     from onboard.source import from_config, resolve
-    from onboard.twin import build_twin
+    from onboard.twin import Twin
 
     base = default_config(family)
     for key, value in config.items():
         setattr(base, key, value)
-    config = build_twin(from_config(base, family)).config
+    config = Twin.build(from_config(base, family)).config
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

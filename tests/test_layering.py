@@ -126,7 +126,71 @@ def test_the_checks_see_a_planted_violation(tmp_path):
     """The reader finds what the rules forbid: a cycle, an upward import and an underscore import."""
     planted = tmp_path / "runtime"
     planted.mkdir()
-    (planted / "a.py").write_text("def f():\n    from onboard.spec import _private\n    from . import b\n")
-    assert _imports(planted / "a.py", tmp_path) == [("onboard.spec", ["_private"], 2), ("runtime", ["b"], 3)]
+    (planted / "a.py").write_text("def f():\n    from onboard.inspect.spec import _private\n    from . import b\n")
+    assert _imports(planted / "a.py", tmp_path) == [("onboard.inspect.spec", ["_private"], 2), ("runtime", ["b"], 3)]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The stages of onboard/ in data-flow order (onboard/__init__.py): each imports only stages before it, and the
+# stages at the end (review, plan, train, report) do not import one another. The agent's sandbox builds the
+# reference twin and checks candidates with the agent's guard, so it is a stage of its own before the bundle.
+STAGES = [("shared", ("onboard", "onboard.errors", "onboard.outputs")),
+          ("source", ("onboard.source", "onboard.catalogue")),  # the catalogue: model configs and code, as data
+          ("twin", ("onboard.twin",)), ("inspect", ("onboard.inspect",)), ("adapt", ("onboard.adapt",)),
+          ("sandbox", ("onboard.agent.sandbox", "onboard.agent.guard", "onboard.agent.capabilities")),
+          ("bundle", ("onboard.bundle",)), ("agent", ("onboard.agent",)),
+          ("review", ("onboard.review",)), ("plan", ("onboard.plan",)), ("train", ("onboard.train",)),
+          ("report", ("onboard.report",))]
+LAST = ("review", "plan", "train", "report")  # side by side: none imports another
+
+
+def stage_of(module: str) -> str | None:
+    """The stage a module belongs to: the longest prefix that names it (the agent's sandbox before the agent)."""
+    best = None
+    for stage, prefixes in STAGES:
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".") and prefix != "onboard") and (
+                    best is None or len(prefix) > len(best[1])):
+                best = (stage, prefix)
+    return best[0] if best else None
+
+
+def stage_violations(imports: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """'module:line imports module' for each import of a later stage, or of a side-by-side last stage."""
+    order = {stage: i for i, (stage, _) in enumerate(STAGES)}
+    bad = []
+    for name, found in imports.items():
+        mine = stage_of(name)
+        for module, line in found:
+            theirs = stage_of(module)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            if order[theirs] > order[mine] or (mine in LAST and theirs in LAST):
+                bad.append(f"{name}:{line} ({mine}) imports {module} ({theirs})")
+    return bad
+
+
+def test_every_onboard_module_belongs_to_a_stage():
+    assert [name for name in PROJECT if name.split(".")[0] == "onboard" and stage_of(name) is None] == []
+
+
+def test_stages_import_only_earlier_stages():
+    def named(module, names):  # `from onboard.agent import capabilities` imports onboard.agent.capabilities
+        return [f"{module}.{n}" if f"{module}.{n}" in PROJECT else module for n in names] or [module]
+
+    imports = {name: [(target, line) for module, names, line in _imports(path) if module.startswith("onboard")
+                      for target in named(module, names)]
+               for name, path in PROJECT.items() if name.startswith("onboard")}
+    assert stage_violations(imports) == []
+
+
+def test_the_stage_rule_sees_a_planted_violation():
+    """An upward import, a sideways one between the last stages, and what is allowed."""
+    planted = {"onboard.twin.build": [("onboard.inspect.spec", 3), ("onboard.source", 4)],
+               "onboard.train.launch": [("onboard.report.page", 7), ("onboard.bundle.files", 8)],
+               "onboard.agent.sandbox.remote": [("onboard.agent.guard", 2), ("onboard.agent.loop", 9)]}
+    assert stage_violations(planted) == [
+        "onboard.twin.build:3 (twin) imports onboard.inspect.spec (inspect)",
+        "onboard.train.launch:7 (train) imports onboard.report.page (report)",
+        "onboard.agent.sandbox.remote:9 (sandbox) imports onboard.agent.loop (agent)"]

@@ -124,7 +124,7 @@ def spec_dict(inspected):
 @SETTINGS
 @given(data=st.data())
 def test_model_specs(spec_dict, data):
-    from onboard.spec import ModelSpec
+    from onboard.inspect.spec import ModelSpec
 
     document = data.draw(st.one_of(mutated(spec_dict), json_values))
     try:
@@ -136,7 +136,7 @@ def test_model_specs(spec_dict, data):
 @SETTINGS
 @given(st.one_of(mutated({"ref": "qwen3-8b", "kind": "catalogue", "trust_remote_code": False}), json_values))
 def test_bundle_source_records(document):
-    from onboard.bundle_files import read_bundle
+    from onboard.bundle.files import read_bundle
 
     with tempfile.TemporaryDirectory() as folder:
         for name in ("spec.json", "adapter.py"):

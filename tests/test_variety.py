@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from onboard.families import UNSUPPORTED, discover
+from onboard.review.families import UNSUPPORTED, discover
 from tests.variety.check import check
 from tests.variety.draw import draw
 from tests.variety.structure import LayerExpect, disagreements

@@ -16,4 +16,8 @@ Policies: `rules` (`onboard.agent.rules`: readings rendered from templates/gener
 deterministic); `llm` (`onboard.agent.llm`: the rules first, then a LangChain agent with tools on any
 OpenAI-compatible endpoint); a recorded session (`onboard.agent.record.ReplayPolicy`, `--replay`). A candidate
 that passes the probe is also timed against the module (`probe.speed`) and left out when clearly slower.
+
+Stage: after bundle (the loop runs `onboard.bundle.make.adapt` with itself); may import source, twin, inspect, adapt,
+bundle. Its sandbox (`sandbox/`) imports, besides the agent's own guard, only source and twin (it builds the
+reference twin).
 """

@@ -23,9 +23,9 @@ import os
 
 from torch import nn
 
+from onboard.adapt.codegen import environment
 from onboard.agent.candidate import Candidate
 from onboard.agent.tasks import Task
-from onboard.codegen import environment
 from onboard.errors import OnboardError
 from runtime.generated import settings
 

@@ -1,7 +1,7 @@
 """The agent's loop over the leftovers of one adapt (see the package docstring).
 
     agent = Agent(policy, source, rounds=3)
-    onboard.bundle.adapt(source, out, agent=agent)    # take_on() as decided and once verified, then finish()
+    onboard.bundle.make.adapt(source, out, agent=agent)    # take_on() as decided and once verified, then finish()
 
 `take_on` turns each task into a `GeneratedEntry` of the decision: the first candidate that passes the guard
 and the probe (its file written to the bundle's generated/), or, when the budget of rounds runs out, an entry
@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from onboard.adapt.decision import Decision, GeneratedEntry
 from onboard.agent import guard
 from onboard.agent.candidate import Candidate
 from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
@@ -26,10 +27,9 @@ from onboard.agent.sandbox.process import Stopped
 from onboard.agent.sandbox.remote import Host
 from onboard.agent.sandbox.session import Limits, Sandbox
 from onboard.agent.tasks import Task, leftovers
-from onboard.decision import Decision, GeneratedEntry
 from onboard.errors import OnboardError
+from onboard.inspect.spec import ModelSpec
 from onboard.source import ModelSource
-from onboard.spec import ModelSpec
 from onboard.twin import Twin
 from runtime.generated import ModuleState
 
@@ -269,7 +269,7 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
     llm_model, key_env, calls for the llm policy). A replay proposes what the record proposed, with the
     record's own budget. Returns (spec, verification, agent)."""
     from onboard.agent.record import ReplayPolicy, read_record
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
 
     if replay is not None:
         chosen = ReplayPolicy(read_record(replay))

@@ -28,9 +28,9 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from onboard.adapt.codegen import environment
 from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.tasks import Task
-from onboard.codegen import environment
 from runtime.generated import settings
 
 POLICY = "rules"

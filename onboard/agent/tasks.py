@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from onboard.decision import EXPERTS, Decision
-from onboard.spec import ModelSpec
+from onboard.adapt.decision import EXPERTS, Decision
+from onboard.inspect.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class TokenFile:
 class PackedCorpus:
     """Consecutive windows of a tokenized corpus of documents: token ids one document after another, where each
     document starts, and, for instruction data, a loss mask (1 where a token is trained on, 0 on prompts). On disk
-    (`open`; `onboard.data` writes it) a folder of `tokens.npy`, `starts.npy` and `loss_mask.npy`.
+    (`open`; `onboard.train.data` writes it) a folder of `tokens.npy`, `starts.npy` and `loss_mask.npy`.
 
     A window may hold the end of one document and the start of others; `sequence(i)` says where each begins so
     that the model keeps them apart (`model_inputs`): positions restart at every document (and at the window's

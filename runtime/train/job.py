@@ -10,7 +10,7 @@ math of the steps already taken are the same. Every command-line option is gener
 
 Fields marked `internal` (the model factory's keyword arguments, the run log's extra header fields) are set by
 the program that launches a run, not typed by a user. `Options` does the same for any other dataclass of
-options (`onboard.train.TrainRequest`: what onboard needs to build the model and prepare the data).
+options (`onboard.train.launch.TrainRequest`: what onboard needs to build the model and prepare the data).
 """
 
 from __future__ import annotations

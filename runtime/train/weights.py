@@ -3,7 +3,7 @@
     layout = HFLayout.of(model)          # on the model as transformers built it (meta device), before any swap
     ... adapt(model); names = layout.names(model)         # adapted key -> transformers' key, by tensor identity
     ... parallelize(model, plan, mesh); model.to_empty(device=...)
-    load_weights(model, Checkpoint(directory), layout, names)
+    load_weights(model, ReleasedWeights(directory), layout, names)
 
 The checkpoint is a model directory's `*.safetensors` shards, with `model.safetensors.index.json` or without.
 Keys are converted as `from_pretrained` converts them for the installed transformers
@@ -31,7 +31,7 @@ from torch import nn
 INDEX = "model.safetensors.index.json"
 
 
-class Checkpoint:
+class ReleasedWeights:
     """The tensors of a model directory's safetensors shards, read lazily, by key."""
 
     def __init__(self, directory: str | Path):
@@ -145,8 +145,8 @@ class _Group:
     sources: list[tuple[str | None, str]] = field(default_factory=list)  # (converter source pattern, checkpoint key)
 
 
-def _groups(checkpoint: Checkpoint, layout: HFLayout) -> tuple[list[_Group], list[str]]:
-    """Checkpoint keys grouped by the model tensor they make (as `from_pretrained` groups them), and the keys
+def _groups(checkpoint: ReleasedWeights, layout: HFLayout) -> tuple[list[_Group], list[str]]:
+    """Shard keys grouped by the model tensor they make (as `from_pretrained` groups them), and the keys
     that make none."""
     import copy
 
@@ -168,7 +168,7 @@ def _groups(checkpoint: Checkpoint, layout: HFLayout) -> tuple[list[_Group], lis
     return list(groups.values()), unexpected
 
 
-def _convert(group: _Group, checkpoint: Checkpoint, model: nn.Module,
+def _convert(group: _Group, checkpoint: ReleasedWeights, model: nn.Module,
              experts: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """The model tensors a group makes; `experts` (first, count): of per-expert sources merged into a stack, only
     those experts are read (the stack made holds them alone)."""
@@ -185,7 +185,7 @@ def _convert(group: _Group, checkpoint: Checkpoint, model: nn.Module,
     return {k: (v[0] if isinstance(v, list) else v) for k, v in made.items()}
 
 
-def load_weights(model: nn.Module, checkpoint: Checkpoint, layout: HFLayout, names: dict[str, str],
+def load_weights(model: nn.Module, checkpoint: ReleasedWeights, layout: HFLayout, names: dict[str, str],
                  dtype: torch.dtype | None = None, groups: list[_Group] | None = None) -> dict:
     """Copy the checkpoint into `model` (adapted, parallelised, its tensors allocated), this rank's part of
     each tensor only (module docstring). `dtype` casts floating tensors (default: the model's own). Collective
@@ -254,7 +254,7 @@ def _local_experts(group: _Group, by_hf: dict[str, list[str]], copier) -> tuple[
     return slices.pop()
 
 
-def fitted_groups(checkpoint: Checkpoint, layout: HFLayout) -> list[_Group]:
+def fitted_groups(checkpoint: ReleasedWeights, layout: HFLayout) -> list[_Group]:
     """The checkpoint's groups, once it is known to fit the model: every model tensor made, every checkpoint
     tensor used, and the shapes of tensors taken as they are equal (from the headers; converted tensors are
     checked as they are made). ValueError naming the first few misfits otherwise."""
@@ -303,7 +303,7 @@ def reinitialise_derived_buffers(model: nn.Module) -> list[str]:
 class Pretrained:
     """What a model factory hands the training loop for a model it built on the meta device: where its weights
     are and how its keys map to them. The loop parallelises the model first, allocates it, then calls `load`."""
-    checkpoint: Checkpoint
+    checkpoint: ReleasedWeights
     layout: HFLayout
     names: dict[str, str]
     dtype: torch.dtype | None = None
@@ -313,7 +313,7 @@ class Pretrained:
     def prepare(cls, model: nn.Module, directory: str | Path, adapt, dtype: torch.dtype | None = None) -> Pretrained:
         """Read `model`'s layout (built, not yet adapted), check the checkpoint fits it, then `adapt(model)`."""
         layout = HFLayout.of(model)
-        checkpoint = Checkpoint(directory)
+        checkpoint = ReleasedWeights(directory)
         groups = fitted_groups(checkpoint, layout)
         adapt(model)
         return cls(checkpoint, layout, layout.names(model), dtype, groups)

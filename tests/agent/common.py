@@ -7,16 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from onboard.adapt.decision import decide
 from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.loop import Agent, SpeedCheck
 from onboard.agent.sandbox.session import Limits
 from onboard.agent.tasks import leftovers
-from onboard.capture import capture
-from onboard.decision import decide
-from onboard.families import default_config
-from onboard.inspection import build_spec
+from onboard.inspect.capture import capture
+from onboard.inspect.inspection import build_spec
+from onboard.review.families import default_config
 from onboard.source import resolve
-from onboard.twin import build_twin
+from onboard.twin import Twin
 
 RIGHT_ZAYA = '''from runtime.generated import Generated
 from runtime.residual import affine_sum
@@ -110,7 +110,7 @@ def family_twin(family: str, folder: Path):
     """The family's default config saved in `folder`: (source, twin, spec)."""
     default_config(family).save_pretrained(folder)
     source = resolve(str(folder))
-    twin = build_twin(source)
+    twin = Twin.build(source)
     spec = build_spec(source, twin, capture(twin))
     return source, twin, spec
 

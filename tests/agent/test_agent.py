@@ -11,15 +11,15 @@ import sys
 
 import pytest
 
+from onboard.adapt.decision import decide
 from onboard.agent.loop import RECORD, SpeedCheck, run
 from onboard.agent.record import ReplayPolicy
-from onboard.agent.sandbox.session import Limits
-from onboard.errors import OnboardError
-from onboard.families import default_config
-from onboard.source import from_config, resolve
 from onboard.agent.rules import RulesPolicy
+from onboard.agent.sandbox.session import Limits
 from onboard.agent.tasks import leftovers
-from onboard.decision import decide
+from onboard.errors import OnboardError
+from onboard.review.families import default_config
+from onboard.source import from_config, resolve
 from tests.agent.common import (
     CHATTY_ZAYA,
     EVAL_ONLY_PHIMOE_ROUTER,

@@ -221,7 +221,7 @@ def test_the_judge_is_not_in_the_candidates_process(sandbox):
     """Its tolerances, seeds and verdict live in onboard's process: the modules are not even there to find."""
     result = unguarded(sandbox, candidate(
         "import sys\nraise ValueError(str([m for m in sys.modules if m.startswith(('onboard.agent.sandbox.judge', "
-        "'onboard.verify', 'transformers', 'onboard.agent.loop'))]))"))
+        "'onboard.adapt.verify', 'transformers', 'onboard.agent.loop'))]))"))
     assert result["note"].endswith("ValueError: []"), result["note"]
 
 
@@ -255,7 +255,7 @@ def test_a_candidate_that_hangs_only_in_whole_twin_verification_does_not_hang_th
 
 def _run_scripted(zaya, code: str, tmp_path: Path):
     from onboard.agent.loop import Agent
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
 
     agent = Agent(Scripted(code), zaya[0], rounds=1, limits=Limits(call_seconds=5), speed=None)
     try:
@@ -388,9 +388,9 @@ def test_verification_counts_a_call_of_the_replaced_class_on_any_object(zaya, tm
 
     from transformers.models.zaya.modeling_zaya import ZayaResidualScaling
 
+    from onboard.adapt.verify import verify
     from onboard.agent.loop import run
-    from onboard.bundle_files import load_adapter, read_decision
-    from onboard.verify import verify
+    from onboard.bundle.files import load_adapter, read_decision
     from runtime.generated import Generated, load_generated
 
     run(zaya[0], tmp_path / "bundle", keep_slower=True)

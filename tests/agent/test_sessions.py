@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from onboard.agent.loop import run
-from onboard.families import default_config
+from onboard.review.families import default_config
 from onboard.source import resolve
 from tests.agent.common import bundle_files_are_verified
 

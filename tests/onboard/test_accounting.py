@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from onboard.accounting import costs, dims_of, memory_bytes
-from onboard.spec import MLP, Attention, Layer, ModelSpec
+from onboard.inspect.accounting import costs, dims_of, memory_bytes
+from onboard.inspect.spec import MLP, Attention, Layer, ModelSpec
 from runtime.dims import Dims, Mixer, avg_context, mixers_of
 from runtime.plan import Plan
 from runtime.runlog import RunLogWriter, model_record, read_runs

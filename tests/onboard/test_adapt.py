@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from onboard.bundle import adapt
-from onboard.bundle_files import FILES, load_adapter, read_decision
-from onboard.capture import capture
-from onboard.decision import decide
-from onboard.inspection import build_spec
+from onboard.adapt.decision import decide
+from onboard.adapt.verify import verify
+from onboard.bundle.files import FILES, load_adapter, read_decision
+from onboard.bundle.make import adapt
+from onboard.inspect.capture import capture
+from onboard.inspect.inspection import build_spec
 from onboard.source import resolve
-from onboard.twin import build_twin
-from onboard.verify import verify
+from onboard.twin import Twin
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_adapter_imports_only_runtime_torch_transformers(tmp_path):
 def test_parameters_are_reused_not_copied(tmp_path):
     adapt(resolve("qwen3-30b-a3b"), tmp_path / "b")
     module = load_adapter(tmp_path / "b")
-    twin = build_twin(resolve("qwen3-30b-a3b"))
+    twin = Twin.build(resolve("qwen3-30b-a3b"))
     before = {name: p for name, p in twin.model.named_parameters()}
     swaps = module.adapt(twin.model)
     after = {id(p) for p in twin.model.parameters()}
@@ -67,14 +67,14 @@ def test_regeneration_is_byte_identical(tmp_path):
 @pytest.fixture(scope="module")
 def deepseek():
     source = resolve("deepseek-v3")
-    twin = build_twin(source)
+    twin = Twin.build(source)
     spec = build_spec(source, twin, capture(twin))
     return spec, twin, decide(spec, twin)
 
 
 def _verify_rendered(deepseek, tmp_path):
     """Render DeepSeek-V3's adapter and verify it with whatever runtime is in place now."""
-    from onboard.codegen import render_adapter
+    from onboard.adapt.codegen import render_adapter
 
     spec, twin, decision = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
@@ -196,7 +196,7 @@ def test_cli_adapt_then_verify(tmp_path):
 
 def test_zero_experts_are_identity_slots(tmp_path):
     """LongCat-Flash routes over real and zero (identity) experts: the runtime takes the reading and verifies."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     source = from_config(default_config("longcat_flash"), "longcat_flash")
@@ -210,7 +210,7 @@ def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
     """Inkling's router also scores its shared experts: read as identity experts it fails verification,
     so the bundle keeps those blocks and their routing as HuggingFace code, says why, and takes over only
     the experts."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     spec, result = adapt(from_config(default_config("inkling_text"), "inkling_text"), tmp_path / "b")
@@ -230,7 +230,7 @@ def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
 
 
 def spec_config(spec, name):
-    from onboard.families import default_config
+    from onboard.review.families import default_config
 
     return getattr(default_config(spec.model_type), name)
 
@@ -238,7 +238,7 @@ def spec_config(spec, name):
 @pytest.mark.parametrize("family", ["phimoe", "zaya"])
 def test_routers_the_runtime_cannot_reproduce_keep_routing_and_swap_experts(family, tmp_path):
     """PhiMoE's sparse mixer and ZAYA's router network stay HuggingFace code; their experts run in the runtime."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     spec, result = adapt(from_config(default_config(family), family), tmp_path / "b")
@@ -252,7 +252,7 @@ def test_routers_the_runtime_cannot_reproduce_keep_routing_and_swap_experts(fami
 
 def test_hash_routed_layers_are_reproduced(tmp_path):
     """DeepSeek-V4's first MoE layers pick experts from a token-id table: read from the graph, reproduced."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     spec, result = adapt(from_config(default_config("deepseek_v4"), "deepseek_v4"), tmp_path / "b")
@@ -266,7 +266,7 @@ def test_hash_routed_layers_are_reproduced(tmp_path):
 def test_router_auxiliary_loss_is_kept(family, tmp_path):
     """With router logits requested, the adapted model's auxiliary loss equals HuggingFace's: the model's own
     router module still runs (under its own name) when something records it."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     source = from_config(default_config(family), family)
@@ -274,13 +274,13 @@ def test_router_auxiliary_loss_is_kept(family, tmp_path):
     assert result.passed and result.aux_loss and result.aux_loss["passed"]
     assert result.aux_loss["hf"] == pytest.approx(result.aux_loss["adapted"], rel=1e-5)
     # ... and only then: a forward that records nothing does not run it (the recorders are attached at adapt)
-    model = build_twin(source).model
+    model = Twin.build(source).model
     load_adapter(tmp_path / "b").adapt(model)
     routers = [getattr(block, block.router_name) for block in model.modules() if getattr(block, "router_name", None)]
     ran = []
     for router in routers:
         router.register_forward_pre_hook(lambda *_: ran.append(1))
-    batch = {k: v for k, v in build_twin(source).example_batch(0).items() if k != "labels"}
+    batch = {k: v for k, v in Twin.build(source).example_batch(0).items() if k != "labels"}
     model(**batch, use_cache=False)
     assert routers and not ran
     model(**batch, use_cache=False, output_router_logits=True)
@@ -290,11 +290,11 @@ def test_router_auxiliary_loss_is_kept(family, tmp_path):
 def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():
     """Inkling2's model forward reads `decoder_layer.attention_type`, a class attribute: the stand-in layers of the
     head capture carry it, so the head, its soft cap and the loss are found and the loss can be swapped."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     source = from_config(default_config("inkling2_text"), "inkling2_text")
-    twin = build_twin(source)
+    twin = Twin.build(source)
     spec = build_spec(source, twin, capture(twin))
     assert spec.head["captured"] and spec.head["loss"] == "cross_entropy"
     assert spec.head["logit_softcap"] == pytest.approx(default_config("inkling2_text").final_logit_softcapping)
@@ -313,7 +313,7 @@ def test_missing_parent_folders_of_out_are_created(tmp_path):
 def test_a_swap_that_never_runs_fails_verification(deepseek, tmp_path):
     """Verification reads the handles: a swap the adapter reports but that never runs (undone behind its back,
     so the HuggingFace block runs instead) fails, and the note names it."""
-    from onboard.codegen import render_adapter
+    from onboard.adapt.codegen import render_adapter
 
     spec, twin, decision = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
@@ -332,7 +332,7 @@ def test_a_swap_that_never_runs_fails_verification(deepseek, tmp_path):
 
 def _deepseek_v2_greedy():
     """DeepSeek-V2 as it was released: group-limited greedy routing (a group scored by its best expert)."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import from_config
 
     config = default_config("deepseek_v2")
@@ -355,7 +355,7 @@ def test_a_reading_that_does_not_verify_falls_back_to_what_does(tmp_path, monkey
     """With the group score planted wrong (the sum of the best two, DeepSeek-V3's), the whole-block reading fails
     verification: adapt gives the block back, keeps the model's router, runs the experts alone, verifies, and
     records why; the loss, which was not at fault, stays in the runtime."""
-    import onboard.patterns.moe as moe_patterns
+    import onboard.inspect.patterns.moe as moe_patterns
 
     real = moe_patterns.Router
 

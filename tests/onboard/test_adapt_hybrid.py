@@ -4,7 +4,7 @@ bugs planted in the runtime's attention: a wrong gate, an off-by-one chunk bound
 import pytest
 import torch
 
-from onboard.verify import verify
+from onboard.adapt.verify import verify
 from runtime.attention import dsa
 from runtime.attention.gated_delta import chunk_core
 from runtime.kernels import registry

@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from onboard.verify import verify
+from onboard.adapt.verify import verify
 
 # the modules (the package exports functions of the same names)
 linear_core, lightning, selective_scan, ssd = (importlib.import_module(f"runtime.attention.{name}")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from onboard.bundle import adapt
-from onboard.families import UNSUPPORTED, default_config, discover
-from onboard.inspection import inspect_source
+from onboard.bundle.make import adapt
+from onboard.inspect.inspection import inspect_source
+from onboard.review.families import UNSUPPORTED, default_config, discover
 from onboard.source import resolve
 from tests.variety.structure import disagreements, expected
 

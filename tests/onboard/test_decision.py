@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from onboard.adapt.decision import SCHEMA_VERSION, Decision, decide
 import runtime.attention as attention
-from onboard.decision import SCHEMA_VERSION, Decision, decide
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_expected_swaps_follow_the_twin_depth(qwen3_next):
 def test_suspects_come_in_the_order_to_give_them_back_and_refusals_can_be_taken_back(twin_adapter, tmp_path):
     """Readings only verification can confirm first (identity experts, then the loss), then whole blocks; a
     refusal taken back restores the part exactly."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
 
     config = default_config("longcat_flash")
     _, _, decision, _ = twin_adapter(tmp_path, family="longcat_flash")

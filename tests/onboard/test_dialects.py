@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from onboard import dialect
-from onboard import twin as twin_module
-from onboard.bundle import adapt
-from onboard.bundle_files import read_decision
+from onboard.bundle.files import read_decision
+from onboard.bundle.make import adapt
 from onboard.errors import OnboardError
-from onboard.inspection import inspect_source
+from onboard.inspect.inspection import inspect_source
 from onboard.source import resolve
-from onboard.train import build_model, train_config
-from onboard.shrink import Shrink
-from onboard.twin import build_twin
-from onboard.twin_config import TwinConfig, as_is
+from onboard.train.model import build_model, train_config
+from onboard.twin import Twin
+from onboard.twin import behaviour as dialect
+from onboard.twin import build as twin_module
+from onboard.twin.config import TwinConfig, as_is
+from onboard.twin.shrink import Shrink
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 QUORUM, BRAID = FIXTURES / "dialect_moe", FIXTURES / "dialect_hybrid"
@@ -98,7 +98,7 @@ def test_fields_are_read_by_what_they_drive():
 
 
 def test_quorum_twin_is_shrunk_by_behaviour():
-    twin = build_twin(resolve(str(QUORUM), trust_remote_code=True))
+    twin = Twin.build(resolve(str(QUORUM), trust_remote_code=True))
     assert "input embedding" in twin.why_probed
     assert {p: twin.fields[p] for p in ("lexicon_size", "breadth", "strata", "specialists", "consulted", "horizon")} \
         == {"lexicon_size": "vocab", "breadth": "hidden", "strata": "layers", "specialists": "experts",
@@ -174,7 +174,7 @@ def test_lying_hints_are_overruled(tmp_path):
     assert (moe.num_experts, moe.top_k) == (64, 6) and not moe.router.config_fields
     assert verification.passed, verification.note
     assert read_decision(tmp_path / "bundle").moe[0].routing.top_k == "6"
-    twin = build_twin(resolve(ref, trust_remote_code=True))
+    twin = Twin.build(resolve(ref, trust_remote_code=True))
     assert {twin.fields[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts")} == {"inert"}
     assert {s.path for s in twin.shrinks} >= {"lexicon_size", "breadth", "specialists", "strata"}
     assert not {"vocab_size", "hidden_size", "num_hidden_layers", "num_experts"} & {s.path for s in twin.shrinks}
@@ -194,7 +194,7 @@ def test_a_head_count_that_sizes_nothing_still_divides_the_twin(tmp_path):
             text = text.replace(old, new)
         path.write_text(text)
     ref = _variant(tmp_path / "sized", out, girth=3072, mouths=24)
-    twin = build_twin(resolve(ref, trust_remote_code=True))
+    twin = Twin.build(resolve(ref, trust_remote_code=True))
     assert twin.fields["mouths"] == "inert" and twin.hidden_size == 96
     spec, _ = inspect_source(resolve(ref, trust_remote_code=True))
     attn = spec.layers[0].attention
@@ -205,7 +205,7 @@ def test_a_head_count_that_sizes_nothing_still_divides_the_twin(tmp_path):
 
 
 def test_braid_is_its_own_twin():
-    twin = build_twin(resolve(str(BRAID), trust_remote_code=True))
+    twin = Twin.build(resolve(str(BRAID), trust_remote_code=True))
     assert twin.why_probed and twin.shrinks == []
     # breadth = voices x voice_width is checked by the config: none of the three can change alone
     assert {twin.fields[k] for k in ("breadth", "voices", "voice_width")} == {"tied"}
@@ -248,7 +248,7 @@ def test_a_large_model_nothing_can_shrink_is_refused(tmp_path):
     """Tied widths and a 400M-parameter layer: no safe twin, and too big to be its own."""
     ref = _variant(tmp_path, BRAID, breadth=6 * 2048, voice_width=2048)
     with pytest.raises(OnboardError, match="no config field could be shrunk safely"):
-        build_twin(resolve(ref, trust_remote_code=True))
+        Twin.build(resolve(ref, trust_remote_code=True))
 
 
 def test_a_shrunk_twin_that_does_not_run_gives_way_to_the_model_as_it_is(monkeypatch):
@@ -257,7 +257,7 @@ def test_a_shrunk_twin_that_does_not_run_gives_way_to_the_model_as_it_is(monkeyp
     broken = TwinConfig({**source.config.to_dict(), "specialists": 1}, [Shrink("specialists", "experts", 8, 1)],
                         "strata", {"specialists": "experts"}, "planted")
     monkeypatch.setattr(twin_module, "twin_config", lambda _: broken)
-    twin = build_twin(source)
+    twin = Twin.build(source)
     assert twin.shrinks == [] and twin.full_width and "did not run" in twin.why_probed
     assert twin.config.specialists == 8
     # a model too large to be its own twin has no such way out
@@ -266,5 +266,5 @@ def test_a_shrunk_twin_that_does_not_run_gives_way_to_the_model_as_it_is(monkeyp
 
 
 def test_named_families_are_shrunk_by_names_alone():
-    twin = build_twin(resolve("mixtral-8x7b"))
+    twin = Twin.build(resolve("mixtral-8x7b"))
     assert twin.why_probed is None and twin.fields == {}

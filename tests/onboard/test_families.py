@@ -1,6 +1,6 @@
 """Every MoE or hybrid causal-LM family that the pinned transformers ships is inspected through its tiny twin.
 
-Families are discovered from transformers itself (`onboard.families.discover`: its causal-LM registry and each
+Families are discovered from transformers itself (`onboard.review.families.discover`: its causal-LM registry and each
 family's default config), never from a hand-picked list. The expectations below come from what each *config* says (expert count,
 top-k, shared experts, scoring function, per-layer types) and from the full-size module tree on the meta
 device (which layers hold expert weights); none of it reuses the matchers under test.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onboard.families import UNSUPPORTED, default_config, discover, layer_types
-from onboard.inspection import inspect_source
+from onboard.inspect.inspection import inspect_source
+from onboard.review.families import UNSUPPORTED, default_config, discover, layer_types
 from onboard.source import from_config
 
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -135,8 +135,8 @@ def test_family_spec_agrees_with_config(family):
 def test_family_adapts_and_verifies(family, tmp_path):
     """Every family's bundle verifies: swapped MoE blocks match HuggingFace, or nothing is swapped and the
     bundle says why."""
-    from onboard.bundle import adapt
-    from onboard.bundle_files import read_decision
+    from onboard.bundle.files import read_decision
+    from onboard.bundle.make import adapt
 
     source = from_config(default_config(family), family)
     spec, result = adapt(source, tmp_path / "bundle")

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onboard.bundle_files import MARKER
-from onboard.placement import is_bundle
+from onboard.bundle.files import MARKER
+from onboard.bundle.target import is_bundle
 from runtime.plan import UNFOLDED_VERSION
 from tests.helpers import HANG, ROOT, TESTS
 
@@ -43,7 +43,7 @@ def refused(result: subprocess.CompletedProcess, *words: str) -> bool:
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     """One adapted bundle (a dense catalogue model: its loss runs in the runtime) the cases copy."""
-    from onboard.bundle import adapt
+    from onboard.bundle.make import adapt
     from onboard.source import resolve
 
     out = tmp_path_factory.mktemp("hostile") / "bundle"
@@ -149,7 +149,7 @@ def test_force_keeps_what_is_not_onboards_and_says_so(copy_of):
 
 
 def test_check_fix_keeps_what_is_not_onboards_and_a_trained_bundle_is_not_stale(copy_of):
-    from onboard.check import check_bundle
+    from onboard.review.check import check_bundle
 
     b = copy_of()
     planted = _plant_users_files(b)
@@ -165,7 +165,7 @@ def test_check_fix_keeps_what_is_not_onboards_and_a_trained_bundle_is_not_stale(
 def test_a_replacement_killed_halfway_keeps_the_users_files(copy_of, tmp_path):
     """Killed after the new bundle moved into place, before the user's files followed it: the next run moves
     them over (the old bundle is kept aside until then)."""
-    from onboard.placement import tidy
+    from onboard.bundle.target import tidy
 
     b = copy_of()
     planted = _plant_users_files(b)
@@ -205,21 +205,21 @@ def test_review_and_check_read_a_bundles_own_regular_files_only(verb, plant, cop
 
 def test_a_directory_created_at_out_while_adapt_runs_is_kept(tmp_path, monkeypatch):
     """The target is checked again, under a lock, right before the new bundle moves into place."""
-    import onboard.bundle
+    import onboard.bundle.make
     from onboard.errors import OnboardError
     from onboard.source import resolve
 
     out = tmp_path / "b"
-    real = onboard.bundle.write_launcher
+    real = onboard.bundle.make.write_launcher
 
     def meanwhile(directory, plan=None):
         real(directory, plan)
         out.mkdir()
         (out / "made-meanwhile.txt").write_text("keep me")
 
-    monkeypatch.setattr(onboard.bundle, "write_launcher", meanwhile)
+    monkeypatch.setattr(onboard.bundle.make, "write_launcher", meanwhile)
     with pytest.raises(OnboardError, match="already holds files"):
-        onboard.bundle.adapt(resolve("qwen3-8b"), out)
+        onboard.bundle.make.adapt(resolve("qwen3-8b"), out)
     assert (out / "made-meanwhile.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no staging folder left behind
 
@@ -268,7 +268,7 @@ def test_a_bundle_moved_aside_by_a_killed_run_is_moved_back(bundle, tmp_path):
 
 
 def test_a_staging_folder_of_a_running_adapt_is_left_alone(tmp_path):
-    from onboard.placement import staging_for, tidy
+    from onboard.bundle.target import staging_for, tidy
 
     out = tmp_path / "b"
     mine = staging_for(out)  # written by this (running) process

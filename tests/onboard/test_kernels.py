@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from onboard.codegen import (
+from onboard.adapt.codegen import (
     DEFAULT_KERNELS,
     kernel_key,
     render_kernel,
@@ -63,7 +63,7 @@ def test_kernel_keys_follow_template_text_and_parameters(monkeypatch):
     assert key == kernel_key(template, dict(reversed(list(params.items()))))  # order does not matter
     assert key.startswith("loss_triton-") and len(key.split("-")[1]) == 12
     assert kernel_key(template, {**params, "vocab": params["vocab"] + 1}) != key
-    import onboard.codegen as codegen
+    import onboard.adapt.codegen as codegen
 
     monkeypatch.setattr(codegen, "template_text", lambda name: template_text(name) + "\n# edited\n")
     assert kernel_key(template, params) != key
@@ -100,7 +100,7 @@ def test_a_committed_bundles_kernels_render_again_into_an_empty_store(tmp_path, 
     """The store is not committed: each kernel of kernels.json renders again, to the recorded key and sha256."""
     import hashlib
 
-    from onboard.kernel_restore import restore_kernels
+    from onboard.bundle.kernels import restore_kernels
     from runtime.kernels import store
 
     monkeypatch.setenv("ONBOARD_KERNEL_STORE", str(tmp_path / "store"))
@@ -124,8 +124,8 @@ def test_a_committed_bundles_kernels_render_again_into_an_empty_store(tmp_path, 
         "no sha256"])
 def test_a_tampered_kernel_record_is_refused_and_nothing_is_stored(change, words, tmp_path, monkeypatch):
     """kernels.json arrives in a pull request, and its parameters are rendered into code."""
+    from onboard.bundle.kernels import restore_kernels
     from onboard.errors import OnboardError
-    from onboard.kernel_restore import restore_kernels
 
     monkeypatch.setenv("ONBOARD_KERNEL_STORE", str(tmp_path / "store"))
     with pytest.raises(OnboardError, match=words):
@@ -138,7 +138,7 @@ def test_a_committed_bundle_runs_its_kernels_from_an_emptied_store(tmp_path):
     """A fresh clone: an empty store, Triton's interpreter, a committed bundle's adapter loaded as `onboard train`
     and `verify` load it (its kernels render again), then its loss kernel checked against the reference."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "ONBOARD_KERNEL_STORE": str(tmp_path)}
-    script = ("from onboard.bundle_files import load_adapter; import sys; "
+    script = ("from onboard.bundle.files import load_adapter; import sys; "
               f"m = load_adapter({str(ROOT / 'bundles' / 'deepseek-v3')!r}); print(' '.join(m.KERNELS))")
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
                             cwd=ROOT)
@@ -220,7 +220,7 @@ def test_hybrid_models_get_attention_and_loss_kernels_at_their_full_scale_shapes
 def test_scalar_decay_models_get_its_kernel_with_keys_of_state_or_head_size(family, twin_adapter, tmp_path):
     """Mamba2's SSD scan runs on the scalar-decay core with B (the state) as keys; lightning attention with its
     heads' keys: the bundle's kernel is rendered at those full-scale sizes."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
 
     config = default_config(family)
     spec, _, decision, _ = twin_adapter(tmp_path, family=family)

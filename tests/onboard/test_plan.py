@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from cli import main
-from onboard.accounting import dims_of
 from onboard.errors import OnboardError
+from onboard.inspect.accounting import dims_of
 from onboard.plan import plan_model, predict_plan
 from predictors.published import DATA_DIR
 from runtime.plan import Plan

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from cli import main
-from onboard import codegen
-from onboard.bundle import adapt
-from onboard.check import check_bundle, masked
-from onboard.families import default_config
-from onboard.review import review
+from onboard.adapt import codegen
+from onboard.bundle.make import adapt
+from onboard.review.changes import review
+from onboard.review.check import check_bundle, masked
+from onboard.review.families import default_config
 from onboard.source import resolve
 
 pytestmark = pytest.mark.slow  # adapts and checks OLMoE twins: about a minute
@@ -206,7 +206,7 @@ def test_a_runtime_module_moved_without_change_leaves_every_bundle_up_to_date(tm
     """runtime.subnormals (which every bundle imports) moved to a new file, its importers rewritten, the move
     recorded: each committed bundle's record of runtime modules is the one it holds. The same move with the
     file changed, or not recorded, is a change."""
-    from onboard import provenance
+    from onboard.bundle import provenance
 
     bundles = sorted(p.parent for p in (ROOT / "bundles").glob("*/provenance.json"))
     moved = _moved(tmp_path / "a", "runtime.subnormals", "runtime.exp_floor")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import cli
-from onboard import run_report
-from onboard.run_data import log_files, pick_curves, read_logs
-from onboard.run_figures import Figure
+from onboard.report import page as run_report
+from onboard.report.figures import Figure
+from onboard.report.runs import log_files, pick_curves, read_logs
 from runtime.moe.placement import Placement, imbalance, rank_loads
 from tests.helpers import ROOT
 

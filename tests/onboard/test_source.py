@@ -132,7 +132,7 @@ def test_configs_written_by_save_pretrained_read_back_as_transformers_reads_them
     the float, as transformers' own loading does, and the model resolves."""
     import math
 
-    from onboard.families import default_config
+    from onboard.review.families import default_config
     from onboard.source import resolve
 
     default_config("nemotron_h").save_pretrained(tmp_path)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from onboard.spec import SCHEMA_VERSION, ModelSpec
+from onboard.inspect.spec import SCHEMA_VERSION, ModelSpec
 
 
 def test_json_round_trip_is_exact(inspected):

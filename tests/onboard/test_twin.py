@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from onboard.errors import OnboardError
-from onboard.shrink import meaning_of, shrink_config_dict
 from onboard.source import resolve
-from onboard.twin import TEST_SEQ_LEN, build_twin, check_runs
+from onboard.twin import TEST_SEQ_LEN, Twin, check_runs
+from onboard.twin.meanings import meaning_of
+from onboard.twin.shrink import shrink_config_dict
 
 
 def test_meanings_by_field_name():
@@ -20,7 +21,7 @@ def test_meanings_by_field_name():
 
 
 def test_deepseek_v3_twin_keeps_features():
-    twin = build_twin(resolve("deepseek-v3"))
+    twin = Twin.build(resolve("deepseek-v3"))
     cfg = twin.config
     assert cfg.hidden_size == 64 and cfg.num_attention_heads == 4
     # dense-first layers and MoE layers are both present, in the original order
@@ -37,24 +38,24 @@ def test_deepseek_v3_twin_keeps_features():
 
 
 def test_windows_and_index_topk_are_below_the_test_sequence():
-    twin = build_twin(resolve("deepseek-v3.2"))
+    twin = Twin.build(resolve("deepseek-v3.2"))
     assert twin.config.index_topk < TEST_SEQ_LEN
-    twin = build_twin(resolve("gpt-oss-120b"))
+    twin = Twin.build(resolve("gpt-oss-120b"))
     assert twin.config.sliding_window < TEST_SEQ_LEN
     assert twin.config.layer_types[:2] == ["sliding_attention", "full_attention"]
 
 
 def test_hybrid_twin_keeps_one_period_of_layer_kinds():
-    twin = build_twin(resolve("qwen3-next-80b-a3b"))
+    twin = Twin.build(resolve("qwen3-next-80b-a3b"))
     assert twin.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    twin = build_twin(resolve("onboard-flagship-2.8t"))
+    twin = Twin.build(resolve("onboard-flagship-2.8t"))
     assert twin.config.layer_types == ["linear_attention"] * 3 + ["sparse_attention"]
 
 
 def test_twin_trains_a_step():
     """A small random twin predicts about uniformly: its first loss is near ln(vocabulary); a twin whose
     forward yields nan is refused in one line."""
-    twin = build_twin(resolve("qwen3-30b-a3b"))
+    twin = Twin.build(resolve("qwen3-30b-a3b"))
     n_params = sum(p.numel() for p in twin.model.parameters())
     assert n_params < 2_000_000
     loss = check_runs(twin)
@@ -75,3 +76,30 @@ def test_shrink_records_every_change():
     changed = {s.path: (s.full, s.twin) for s in shrinks}
     assert changed["hidden_size"] == (4096, 64) and changed["sliding_window"] == (4096, 8)
     assert "rope_theta" not in changed and "num_experts_per_tok" not in changed
+
+
+def test_the_twin_records_every_field_it_changed_and_why():
+    """One entry point: the twin, and a model a user trains at a size of their own, each with the record of every
+    config field changed, from what, to what and why; the model is built at exactly that config."""
+    source = resolve("deepseek-v3")
+    twin = Twin.build(source)
+    why = {s.path: s.why for s in twin.changes}
+    assert why["hidden_size"] == "its name" and why["n_routed_experts"] == "its name"
+    assert why["num_hidden_layers"] == "the shortest prefix showing every layer kind"
+    full = source.config.to_dict()
+    for change in twin.changes:  # every change is from the released config's value to the twin's
+        assert full[change.path] == change.full != change.twin == getattr(twin.config, change.path)
+
+    wider = Twin.build(source, layers=5, width=2, check=False)
+    assert wider.config.num_hidden_layers == 5 == len(wider.layer_signatures)
+    assert wider.config.hidden_size == 2 * twin.config.hidden_size
+    assert wider.config.num_attention_heads == 2 * twin.config.num_attention_heads
+    assert wider.config.qk_rope_head_dim == twin.config.qk_rope_head_dim  # heads grow, head sizes stay
+    scaled = {s.path: (s.full, s.twin) for s in wider.changes if s.why.startswith("--")}
+    assert scaled["num_hidden_layers"] == (61, 5) and scaled["hidden_size"] == (64, 128)
+    assert {s.why for s in wider.changes if s.path == "hidden_size"} == {"its name", "--width 2"}
+    assert wider.model.get_input_embeddings().weight.shape[-1] == 128
+    with pytest.raises(OnboardError, match="may not exceed"):
+        Twin.build(source, layers=62)
+    with pytest.raises(OnboardError, match="at least 1"):
+        Twin.build(source, width=0)

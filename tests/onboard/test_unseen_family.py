@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from onboard.inspection import inspect_model
+from onboard.inspect.inspection import inspect_model
 
 NOVEL = str(Path(__file__).resolve().parents[1] / "fixtures" / "novel_moe")
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from onboard.bundle import adapt
-from onboard.bundle_files import load_adapter, read_decision
+from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, verify
+from onboard.bundle.files import load_adapter, read_decision
+from onboard.bundle.make import adapt
+from onboard.inspect.spec import ModelSpec
 from onboard.source import resolve
-from onboard.spec import ModelSpec
-from onboard.twin import build_twin
-from onboard.verify import ERR_FACTOR, ERR_FLOOR, verify
+from onboard.twin import Twin
 
 pytestmark = pytest.mark.slow  # five adapt-and-verify runs against fp64: about a minute
 
@@ -100,7 +100,7 @@ def test_a_cancelling_decay_gradient_fails_against_fp64_but_passes_the_fp32_rule
     source, bundle = qwen3_next_bundle
     spec = ModelSpec.from_json((bundle / "spec.json").read_text())
     decision = read_decision(bundle)
-    twin = build_twin(source)
+    twin = Twin.build(source)
     adapter = load_adapter(bundle).adapt
     planted = _rows_minus_columns(pairs.decay_pairs_backward)
     monkeypatch.setattr(pairs, "decay_pairs_backward", planted)

@@ -36,24 +36,18 @@ _PRISTINE: dict = {}
 
 def load_model(folder: str):
     """The adapted twin a bundle folder describes: the catalogue model's twin with the saved weights, put
-    through the bundle's adapter.py (as `onboard.bundle_files.load_adapter` loads it). A fresh copy per call."""
+    through the bundle's adapter.py (as `onboard.bundle.files.load_adapter` loads it). A fresh copy per call."""
     if folder not in _PRISTINE:
-        from onboard.bundle_files import load_adapter
+        from onboard.bundle.files import load_adapter
         from onboard.source import resolve
-        from onboard.train import declare_tensor_parallel
-        from onboard.twin import build_twin
+        from onboard.train.model import declare_tensor_parallel
+        from onboard.twin import Twin
 
         name = (Path(folder) / "model.txt").read_text().strip()
         source = resolve(name)
         deeper = Path(folder) / "layers.txt"  # the twin's first N layers (pipeline stages need several)
-        if deeper.exists():
-            from onboard.train import scaled_config
-
-            cfg = scaled_config(source, layers=int(deeper.read_text()))
-            torch.manual_seed(0)
-            model = source.build(type(source.config).from_dict(cfg), experts_implementation="grouped_mm")
-        else:
-            model = build_twin(source, run_check=False).model
+        layers = int(deeper.read_text()) if deeper.exists() else None
+        model = Twin.build(source, layers=layers, check=False).model
         model.load_state_dict(torch.load(Path(folder) / "weights.pt"))
         load_adapter(Path(folder)).adapt(model)
         spec = json.loads((Path(folder) / "spec.json").read_text())

@@ -14,7 +14,7 @@ import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 from transformers.models.zaya.modeling_zaya import ZayaResidualScaling
 
-from onboard.families import default_config
+from onboard.review.families import default_config
 from runtime.generated import Generated, load_generated, settings
 from runtime.hyper_connection import hyper_connection_weights
 from runtime.residual import affine_sum

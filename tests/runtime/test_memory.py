@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from onboard.train import build_model
+from onboard.train.model import build_model
 from runtime.memory import ActivationOffload, apply_recompute
 from runtime.memory.offload import FileStore, selected
 

@@ -63,16 +63,16 @@ def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
     """A catalogue model's tiny twin (or its first `layers` layers at twin width), its rendered adapter (runtime
     MoE blocks around HuggingFace's own parameters) and its weights, as tests/parallel/worker.py `load_model`
     reads them."""
-    from onboard.capture import capture
-    from onboard.codegen import render_adapter
-    from onboard.decision import decide
-    from onboard.inspection import build_spec
+    from onboard.adapt.codegen import render_adapter
+    from onboard.adapt.decision import decide
+    from onboard.inspect.capture import capture
+    from onboard.inspect.inspection import build_spec
     from onboard.source import resolve
-    from onboard.twin import build_twin
+    from onboard.twin import Twin
 
     source = resolve(name)
     torch.manual_seed(0)
-    twin = build_twin(source)
+    twin = Twin.build(source)
     spec = build_spec(source, twin, capture(twin))
     folder.mkdir(parents=True)
     (folder / "spec.json").write_text(spec.to_json())
@@ -80,12 +80,8 @@ def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
     (folder / "model.txt").write_text(name)
     model = twin.model
     if layers is not None:
-        from onboard.train import scaled_config
-
         (folder / "layers.txt").write_text(str(layers))
-        torch.manual_seed(0)
-        model = source.build(type(source.config).from_dict(scaled_config(source, layers=layers)),
-                             experts_implementation="grouped_mm")
+        model = Twin.build(source, layers=layers, check=False).model
     torch.save(model.state_dict(), folder / "weights.pt")
     return folder
 

@@ -11,12 +11,12 @@ from transformers import AutoModelForCausalLM, DeepseekV32Config, GlmMoeDsaConfi
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
 
-import runtime.attention.indexer as indexer_mod
-import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import swap_sparse_attention
 from runtime.attention.indexer import LightningIndexer
+import runtime.attention.indexer as indexer_mod
 from runtime.attention.sparse import sparse_attention
+import runtime.attention.sparse_chunks as chunks_mod
 from tests.helpers import rel, run_kernel_check, stored_kernel, swap_all_sparse
 
 HERE = Path(__file__).parent
@@ -330,7 +330,7 @@ def test_undo_gives_the_module_back_and_other_models_never_run_the_runtime():
 @pytest.mark.interpreter
 def test_rendered_triton_kernel_matches_reference_under_interpreter():
     pytest.importorskip("triton")
-    from onboard.codegen import render_kernel
+    from onboard.adapt.codegen import render_kernel
 
     params = dict(name="tiny", qk_head_dim=24, v_head_dim=12, top_k=8, dtype="fp32")
     source = render_kernel("kernels/sparse_attention_triton.py.j2", **params).text

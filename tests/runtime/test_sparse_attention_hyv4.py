@@ -15,12 +15,12 @@ from transformers.models.hy_v4.modeling_hy_v4 import (
     eager_attention_forward,
 )
 
-import runtime.attention.indexer as indexer_mod
-import runtime.attention.sparse_chunks as chunks_mod
 from runtime.attention import dsa
 from runtime.attention.dsa import dsa_attention, swap_sparse_attention
 from runtime.attention.indexer import ROPE_AT, ROTARY, SCALE_AT, LightningIndexer
+import runtime.attention.indexer as indexer_mod
 from runtime.attention.sparse import sparse_attention
+import runtime.attention.sparse_chunks as chunks_mod
 from tests.helpers import rel, swap_all_sparse
 from tests.runtime import test_sparse_attention as base
 from tests.runtime.test_sparse_attention import (  # noqa: F401 (one_thread: autouse)
@@ -178,7 +178,7 @@ def bundle(tmp_path_factory, twin_adapter):
 
 
 def _verify(bundle):
-    from onboard.verify import verify
+    from onboard.adapt.verify import verify
 
     spec, twin, decision, adapt = bundle
     return verify(spec, twin, adapt, decision, seeds=(0,))

@@ -1,4 +1,4 @@
-"""Real text into training (`onboard train --data corpus.jsonl`, `onboard.data`, `runtime.train.data`), issue 16.
+"""Real text into training (`onboard train --data corpus.jsonl`, `onboard.train.data`, `runtime.train.data`), issue 16.
 
 A word-level tokenizer the test builds (with the `tokenizers` library, saved as a transformers fast tokenizer
 with a chat template) sits in each released model's directory, as a real model's does. Text in .txt, .jsonl and
@@ -23,8 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from cli import main
-from onboard.data import prepare_text
 from onboard.errors import OnboardError
+from onboard.train.data import prepare_text
 from runtime.train.data import PackedCorpus, model_inputs
 from tests.helpers import released_model
 
@@ -214,7 +214,7 @@ def test_a_record_over_the_cap_is_refused_before_it_is_read_whole(name, tmp_path
     is lowered here so the test writes 3 MiB, not a gigabyte.)"""
     import tracemalloc
 
-    import onboard.data as data
+    import onboard.train.data as data
 
     monkeypatch.setattr(data, "RECORD_CAP", 2**20)
     path = tmp_path / name

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cli import main
-from onboard.train import build_model, train_config, trained_record
+from onboard.train.model import build_model, train_config
+from onboard.train.record import trained_record
 from runtime.plan import Plan
 from runtime.runlog import read_runs
 from runtime.train import TrainJob, train
@@ -382,7 +383,7 @@ def test_train_sh_runs_on_several_nodes_and_train_slurm_starts_it_there(tmp_path
     """A plan of 16 processes: train.sh alone runs them on this node; with NNODES=2 (as train.slurm exports it
     from Slurm's variables) it hands torchrun a c10d rendezvous at MASTER_ADDR and 8 processes per node. The
     torchrun on PATH here is a stand-in that prints its arguments (no cluster is reachable from this machine)."""
-    from onboard.train import write_launcher
+    from onboard.bundle.launcher import write_launcher
 
     write_launcher(tmp_path, Plan(dp_shard=16))
     fake = tmp_path / "bin"
@@ -408,8 +409,8 @@ def test_train_sh_runs_on_several_nodes_and_train_slurm_starts_it_there(tmp_path
 
 EXTEND_JOB = """
 import dataclasses, json, os
-import runtime.train.job as job
 from runtime.train import loop
+import runtime.train.job as job
 
 Wider = dataclasses.make_dataclass("TrainJob", [("warmup_steps", int, job.option(
     0, "steps of learning-rate warm-up (a field this test adds)", kind="non_negative"))], bases=(job.TrainJob,))

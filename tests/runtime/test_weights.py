@@ -25,12 +25,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli import main
-from onboard.train import build_model
+from onboard.train.model import build_model
 from runtime.plan import LoRA, Plan
+from runtime.runlog import read_runs
 from runtime.train import TrainJob, train
 from runtime.train import data as token_data
-from runtime.train.weights import Checkpoint, HFLayout, Pretrained, load_weights
-from runtime.runlog import read_runs
+from runtime.train.weights import ReleasedWeights, HFLayout, Pretrained, load_weights
 from tests.helpers import ROOT, released_model
 
 FAMILIES = ("mixtral", "qwen3_next", "deepseek_v3")
@@ -89,7 +89,7 @@ def test_released_experts_are_merged_into_the_runtime_stacks(released):
     same tensors as transformers' `gate_up_proj` / `down_proj`): every expert's rows land where transformers
     puts them."""
     model_dir, bundle = released["mixtral"]
-    checkpoint = Checkpoint(model_dir)
+    checkpoint = ReleasedWeights(model_dir)
     assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in checkpoint.keys()
     model, _, pretrained = build_model(bundle, weights=str(model_dir))
     model.to_empty(device="cpu")
@@ -116,12 +116,12 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_before_reading(released, tmp
     gone = _copy_model(model_dir, tmp_path / "gone")
     (gone / first_file).unlink()
     with pytest.raises(ValueError, match=f"{first_file}: missing"):
-        Checkpoint(gone)
+        ReleasedWeights(gone)
 
     corrupt = _copy_model(model_dir, tmp_path / "corrupt")
     (corrupt / first_file).write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        Checkpoint(corrupt)
+        ReleasedWeights(corrupt)
 
     other_dir, _ = released["deepseek_v3"]
     model = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
@@ -133,7 +133,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_before_reading(released, tmp
     for f in emptied.glob("*.safetensors"):
         f.unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors weights"):
-        Checkpoint(emptied)
+        ReleasedWeights(emptied)
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(released, tmp_path):
@@ -144,7 +144,7 @@ def test_a_tensor_of_the_wrong_shape_is_named(released, tmp_path):
     layout = HFLayout.of(bigger)
     with pytest.raises(ValueError, match=r"2 shape\(s\) differ \(first: lm_head.weight \(\d+, \d+\) in the "
                                          r"checkpoint, \(\d+, \d+\) in the model; model.embed_tokens.weight"):
-        load_weights(bigger, Checkpoint(model_dir), layout, layout.names(bigger))
+        load_weights(bigger, ReleasedWeights(model_dir), layout, layout.names(bigger))
 
 
 def test_cli_refuses_weights_of_another_model_and_twin_options(released, capsys, tmp_path):

@@ -50,11 +50,11 @@ def onboard_draw(d: Draw, folder: Path, *, adapt: bool = True) -> list[str]:
     d.config.save_pretrained(folder / "model")
     source = resolve(str(folder / "model"))
     if adapt:
-        from onboard.bundle import adapt as adapt_source
+        from onboard.bundle.make import adapt as adapt_source
 
         spec, verification = adapt_source(source, folder / "bundle", force=True)
     else:
-        from onboard.inspection import inspect_source
+        from onboard.inspect.inspection import inspect_source
 
         spec, verification = inspect_source(source)[0], None
     problems = disagreements(spec, expected(source.config, source.build(device="meta")))

@@ -20,8 +20,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from onboard.config_dict import walk
 from onboard.errors import one_line
+from onboard.twin.fields import walk
 
 ATTEMPTS = 4  # draws per seed before the seed counts as refused (each refused one is counted)
 
@@ -87,7 +87,7 @@ def draw(family: str, seed: int) -> Draw:
 
 def build_config(family: str, changes: dict):
     """The family's config class from its default (with onboard's completions) plus `changes`."""
-    from onboard.families import COMPLETIONS, default_config
+    from onboard.review.families import COMPLETIONS, default_config
 
     base = default_config(family)
     kwargs: dict = {}
@@ -138,7 +138,7 @@ def check_runs(config):
 
 def propose(family: str, rng: random.Random) -> dict:
     """Field changes for one attempt: every size the default config has, drawn small."""
-    from onboard.families import default_config
+    from onboard.review.families import default_config
 
     cfg = default_config(family).to_dict()
     have = {path: value for path, _, value in walk(cfg)}

@@ -7,7 +7,7 @@ import argparse
 import os
 import tempfile
 
-from onboard.families import UNSUPPORTED, discover
+from onboard.review.families import UNSUPPORTED, discover
 from tests.variety.check import check
 
 

@@ -1,7 +1,7 @@
 """What a model is made of, per decoder layer, read from the instantiated model's module tree and its config.
 
 This is the yardstick a spec is checked against, so it must not share a reading with what it checks: it never
-imports the matchers (onboard.patterns), inspection or the twin, and it uses what they never use: class names of
+imports the matchers (onboard.inspect.patterns), inspection or the twin, and it uses what they never use: class names of
 the model's own modules and the config's own fields. Per layer it says:
 
 - the token mixer's class: "linear" (linear attention, state-space, recurrent or short-convolution mixers),

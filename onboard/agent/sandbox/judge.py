@@ -40,7 +40,7 @@ from onboard.agent.sandbox import wire
 from onboard.agent.sandbox.process import Stopped, Worker
 
 TOLERANCE = 1e-4  # fp32, relative to the tensor's largest value: a reading of the wrong thing is off by O(1)
-TWIN_SEQ = 160  # the longest sequence the twin is verified at (onboard.verify.WIDE_SEQ)
+TWIN_SEQ = 160  # the longest sequence the twin is verified at (onboard.adapt.verify.WIDE_SEQ)
 KEY_ENV = "ONBOARD_JUDGE_KEY"  # a file holding the judge's key (default: ~/.cache/onboard/judge.key)
 MODES = ("eval", "train")
 SAMPLE_SECONDS = 0.05  # CPU time per timing sample (the kernel counts it in nanoseconds)

@@ -89,11 +89,11 @@ def transform(args, case: dict, gen):
 
 def _twin(model: str, trust: bool):
     from onboard.source import resolve
-    from onboard.twin import build_twin
+    from onboard.twin import Twin
 
     key = (model, trust)
     if key not in _TWINS:
-        _TWINS[key] = build_twin(resolve(model, trust_remote_code=trust))
+        _TWINS[key] = Twin.build(resolve(model, trust_remote_code=trust))
     return _TWINS[key]
 
 
@@ -153,12 +153,12 @@ def speed(request: dict, wire) -> tuple[dict, dict]:
 
     from onboard.agent.sandbox.calls import Call, cotangents_for
     from onboard.source import resolve
-    from onboard.train import scaled_config
+    from onboard.twin import Twin
 
     key = (request["model"], bool(request.get("trust_remote_code")), request["layer"], request.get("width", 8))
     if key not in _SPEED:
         source = resolve(request["model"], trust_remote_code=key[1])
-        cfg = scaled_config(source, layers=request["layer"] + 1, width=request.get("width", 8))
+        cfg = Twin.build(source, layers=request["layer"] + 1, width=request.get("width", 8), check=False).config.to_dict()
         _SPEED[key] = (source.build(type(source.config).from_dict(cfg)).eval(), cfg)
     model, cfg = _SPEED[key]
     module = model.get_submodule(f"{request['layers_path']}.{request['layer']}.{request['path']}")
@@ -193,9 +193,9 @@ def main(argv: list[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM  # noqa: F401 - imported before the first request needs it
 
-    import onboard.source  # noqa: F401
-    import onboard.twin  # noqa: F401
     from onboard.agent.sandbox import wire
+    import onboard.source  # noqa: F401
+    import onboard.twin.build  # noqa: F401
 
     torch.set_num_threads(1)
     reader, writer = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")

@@ -1,0 +1,475 @@
+"""Prove an adapter computes what HuggingFace computes: the tiny twin through both, several seeds, fp32.
+
+For each seed the twin's weights are redrawn (router biases included, so bias correction is exercised; in the
+last two the vectors of linear-attention and state-space modules, their decay rates among them, are drawn
+across the weak and then the strong half of a wide range, DECAY_DRAWS), the same batch goes through the HuggingFace model
+in fp32, through an adapted fp32 deep copy, and through the HuggingFace model in fp64, the truth. The logits
+and every parameter's gradient are judged against the truth: the adapted model's error may be at most
+ERR_FACTOR times HuggingFace's own fp32 error plus ERR_FLOOR, tensor by tensor (relative to the tensor's
+largest true value). A gradient that is wrong where HuggingFace's is right fails, however small it is, which
+a tolerance relative to each tensor's own maximum would let through. Where the model does not run in fp64 the
+adapted model is compared with the fp32 HuggingFace model instead (GRAD_RTOL, GRAD_ATOL; said in the note).
+The run also proves the adapter did what the adapt
+decision says, from the handles `adapt(model)` returns (`runtime.swap.Swaps`): as many swaps of each kind
+as the decision expects in the twin, every one of them run (its own call count), and none of the
+HuggingFace blocks they replaced run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from onboard.adapt.decision import Decision
+from onboard.errors import one_line
+from onboard.inspect.spec import ModelSpec
+from onboard.twin import TEST_SEQ_LEN, Twin
+from runtime.model_tree import tensor_at
+from runtime.swap import EXPERTS, GENERATED, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION, Swaps
+
+SEEDS = (0, 1, 2)
+# fp32 with a different summation order (grouped GEMM vs per-expert loops): agreement to ~1e-6 relative
+LOGITS_RTOL = 1e-4
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+GRAD_ATOL = 1e-7
+CHECK_CHUNK = 8  # linear-attention chunk length under verification: the 32-token twin crosses 3 boundaries
+# against the fp64 truth: the adapted fp32 error within this multiple of HuggingFace's own fp32 error, plus a
+# floor for tensors HuggingFace gets (nearly) exact, where summation order alone moves the last digits
+ERR_FACTOR = 10.0
+ERR_FLOOR = 1e-5
+GRAD_SCALE_FLOOR = 1e-6  # errors of tensors with (nearly) no true gradient are measured against this
+# The vectors of linear-attention / state-space modules (A_log, dt_bias, ...) in the last two seeds, uniform over
+# a range: weak decays (A = e^-4..1: the state carries across many chunks), then strong ones (A = 1..e^4 and
+# softplus(dt) up to 4: log decays down to about -200 a token, where a decay gradient summed the wrong way loses
+# its digits). Those seeds run WIDE_SEQ tokens at the runtime's own chunk length.
+DECAY_DRAWS = {SEEDS[1]: ("weak", (-4.0, 0.0)), SEEDS[2]: ("strong", (0.0, 4.0))}
+WIDE_SEQ = 160  # over two of the runtime's 64-token chunks, and a part
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    logits_max_abs: float
+    logits_max_rel: float
+    loss_ref: float
+    loss_adapted: float
+    kl: float
+    grads_checked: int
+    grad_worst_rel: float
+    grad_worst_param: str
+    grad_failures: list[str] = field(default_factory=list)
+    runtime_calls: int = 0
+    original_calls: int = 0
+    runtime_loss_calls: int = 0  # forward passes whose loss the runtime computed (0 when the loss stays HF)
+    runtime_attention_calls: int = 0  # runtime linear-attention cores and sparse attentions run
+    # against the fp64 truth ("" when the model does not run in fp64): relative errors of the logits, and of
+    # the gradient where the adapted error is furthest past HuggingFace's own
+    truth: str = ""
+    logits_err_hf: float = 0.0
+    logits_err_adapted: float = 0.0
+    grad_err_hf: float = 0.0
+    grad_err_adapted: float = 0.0
+    grad_err_param: str = ""
+    decays: str = ""  # "weak" / "strong": this seed drew the linear-attention / state-space vectors so
+    passed: bool = False
+
+
+@dataclass
+class Verification:
+    passed: bool
+    replaced: int
+    expected: int
+    seeds: list[SeedResult]
+    tolerances: dict
+    note: str = ""
+    backends: dict = field(default_factory=dict)  # runtime op -> backend that ran it (cpu, triton, npu)
+    aux_loss: dict = field(default_factory=dict)  # the model's router auxiliary loss, HF vs adapted (if any)
+    swaps: dict = field(default_factory=dict)  # handle kind -> {"expected": n, "made": n} in the twin
+    packed: dict = field(default_factory=dict)  # whether the adapted model keeps packed documents apart
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _redraw(model: nn.Module, spec: ModelSpec, layers_path: str, seed: int, decays: tuple | None = None) -> bool:
+    """New random weights: matrices N(0, 0.05); vectors 1 + N(0, 0.05) (norm gains stay near one). With
+    `decays` (low, high) the vectors of linear-attention and state-space modules are uniform over that range
+    instead: their decay rates (A_log, dt_bias) weak or strong. Returns whether the model has such vectors."""
+    gen = torch.Generator().manual_seed(seed)
+    stack = model.get_submodule(layers_path)
+    wide = set()
+    if decays:
+        for layer in spec.layers:
+            if layer.index < len(stack) and layer.attention.kind.startswith(("linear:", "ssm:")):
+                module = stack[layer.index].get_submodule(layer.attention.path) if layer.attention.path else None
+                wide |= {id(p) for p in (module.parameters() if module is not None else ()) if p.dim() == 1}
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
+            if id(p) in wide:
+                low, high = decays
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * (high - low) + low)
+            else:
+                p.copy_(noise if p.dim() >= 2 else 1.0 + noise)
+        for layer in spec.layers:
+            bias = layer.mlp.router.bias if layer.mlp.router else None
+            if bias and layer.index < len(stack):
+                t = tensor_at(stack[layer.index], bias)
+                t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.05)
+    return bool(wide)
+
+
+@contextlib.contextmanager
+def class_calls(model: nn.Module, classes: list[type]):
+    """Count calls of each class's `forward` on any object that is not one of `model`'s own modules of that
+    class: the replaced code reached through its class (on the replacement itself, or on a copy) rather than
+    through an instance the model still runs. Yields a one-item list, the count."""
+    count = [0]
+    patched = []
+    for cls in dict.fromkeys(classes):
+        original = cls.forward
+        own = {id(m) for m in model.modules() if type(m) is cls}  # instances the adapted model still runs
+
+        def counted(self, *args, __original=original, __own=own, **kwargs):
+            if id(self) not in __own:
+                count[0] += 1
+            return __original(self, *args, **kwargs)
+
+        patched.append((cls, "forward" in vars(cls), original))
+        cls.forward = counted
+    try:
+        yield count
+    finally:
+        for cls, had, original in reversed(patched):
+            if had:
+                cls.forward = original
+            else:
+                del cls.forward
+
+
+def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
+    counter = [0]
+
+    def hook(*_):
+        counter[0] += 1
+
+    return [m.register_forward_hook(hook) for m in modules], counter
+
+
+MOE_KINDS = (MOE_BLOCK, EXPERTS)
+
+
+def verify(spec: ModelSpec, twin: Twin, adapt, decision: Decision, seeds=SEEDS, against_fp64: bool = True,
+           decay_draws: dict | None = None) -> Verification:
+    """Run the twin through HuggingFace and through `adapt`; compare everything, and check the handles `adapt`
+    returns against `decision`. Never raises: an adapter that crashes is a failed verification, with the error
+    in the note. Where the decision takes the loss, the adapter computes it without full logits; the logits are
+    then compared from a forward pass without labels. `against_fp64=False` judges every tensor against the
+    fp32 HuggingFace run alone (GRAD_RTOL, GRAD_ATOL); `decay_draws` replaces DECAY_DRAWS (seed -> (name,
+    range)); with both `False` and `{}` the rule is the one before the fp64 truth."""
+    depth = len(twin.model.get_submodule(twin.layers_path))
+    wanted = decision.expected(depth)
+    expected = sum(wanted[k] for k in MOE_KINDS)
+    tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL,
+                  "err_factor": ERR_FACTOR, "err_floor": ERR_FLOOR}
+    try:
+        draws = DECAY_DRAWS if decay_draws is None else decay_draws
+        return _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, draws)
+    except Exception as exc:  # generated code under test: report, do not crash
+        return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
+
+
+def _attention_calls(swaps: Swaps) -> int:
+    """Calls of the runtime's attention: sequence cores of linear-attention / state-space swaps (the causal conv
+    beside them does not count: a mixer whose conv ran in the runtime but whose scan did not has not been
+    swapped) and sparse attentions over picked keys."""
+    linear = sum(n for s in swaps.of(LINEAR_CORE) for kind, n in s.calls.items() if kind != "causal_conv1d")
+    return linear + sum(s.calls["sparse"] for s in swaps.of(SPARSE_ATTENTION))
+
+
+def _ran(swap) -> bool:
+    """Whether the runtime code behind a swap ran (a linear-attention swap whose conv alone ran did not, nor a
+    sparse-attention swap whose indexer alone ran)."""
+    return sum(n for kind, n in swap.calls.items() if kind not in ("causal_conv1d", "indexer")) > 0
+
+
+def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_draws) -> Verification:
+    results = []
+    made: dict[str, int] = {}
+    idle: set[str] = set()  # swaps made whose runtime code never ran
+    truthless: set[str] = set()  # why the model did not run in fp64 (then the fp32 comparison decides)
+    for seed in seeds:
+        ref = copy.deepcopy(twin.model)
+        decays, decay_range = decay_draws.get(seed, ("", None))
+        wide = _redraw(ref, spec, twin.layers_path, seed, decay_range)  # a model with decays to draw
+        ref.eval()
+        truth = copy.deepcopy(ref).double() if against_fp64 else None
+        adapted = copy.deepcopy(ref)
+        names = dict(adapted.named_parameters())
+        # the decay seeds run the runtime's own chunk length over several chunks: that is where a decay
+        # gradient summed the wrong way loses its digits; the first crosses many short chunks
+        swaps = _adapt_for_checking(adapt, adapted, None if wide else CHECK_CHUNK)
+        made = {kind: len(swaps.of(kind)) for kind in wanted}
+        # the modules swapped out must not run: MoE blocks and experts, and what the agent's code replaced; the
+        # classes the agent's code replaced not on any object the adapted model does not run as HuggingFace code
+        original_hooks, original_calls = _count_calls([s.replaced for s in swaps.of(*MOE_KINDS, GENERATED)])
+        batch = twin.example_batch(seed, WIDE_SEQ if wide else TEST_SEQ_LEN)
+        out_ref = ref(**batch, use_cache=False)
+        out_ref.loss.backward()
+        out_truth, why_no_truth = _truth(truth, batch) if against_fp64 else (None, "not asked for")
+        with class_calls(adapted, [type(s.replaced) for s in swaps.of(GENERATED)]) as stray:
+            out_ad = adapted(**batch, use_cache=False)
+            out_ad.loss.backward()
+        original_calls[0] += stray[0]
+        for h in original_hooks:
+            h.remove()
+        runtime_calls = sum(swaps.calls(kind) for kind in MOE_KINDS)
+        loss_calls, attention_calls = swaps.calls(LOSS), _attention_calls(swaps)
+        logits_ad = out_ad.logits
+        if logits_ad is None or logits_ad.numel() == 0:  # the runtime loss never made logits: ask for them
+            with torch.no_grad():
+                logits_ad = adapted(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        result = _compare(seed, ref, out_ref, out_ad.loss, logits_ad, names, runtime_calls, original_calls[0],
+                          truth if out_truth is not None else None, out_truth)
+        result.decays = decays if wide else ""
+        if why_no_truth:
+            truthless.add(why_no_truth)
+        result.runtime_loss_calls = loss_calls
+        result.runtime_attention_calls = attention_calls
+        never = {s.path or s.kind for s in swaps if not _ran(s)}
+        idle |= never
+        if never or (wanted[LOSS] and not loss_calls) or (wanted[LINEAR_CORE] + wanted[SPARSE_ATTENTION]
+                                                        and not attention_calls):
+            result.passed = False
+        results.append(result)
+    replaced, expected = sum(made.get(k, 0) for k in MOE_KINDS), sum(wanted[k] for k in MOE_KINDS)
+    aux = _aux_losses(twin, spec, adapt) if replaced or wanted[LOSS] else {}
+    counts_match = made == wanted
+    passed = bool(results) and all(r.passed for r in results) and counts_match and aux.get("passed", True)
+    notes = [f"adapter made {made.get(kind, 0)} {kind} swaps, expected {n}" for kind, n in wanted.items()
+             if made.get(kind, 0) != n]
+    if truthless:
+        notes.append(f"judged against HuggingFace fp32 (no fp64 run: {sorted(truthless)[0]})")
+    if idle:
+        notes.append(f"swapped but never run: {', '.join(sorted(idle)[:5])}{' ...' if len(idle) > 5 else ''}")
+    if not expected and not notes:
+        notes.append("no MoE block the runtime can take over" + ("" if wanted[LOSS] else
+                                                                  ": the adapter leaves the model as it is"))
+    if wanted[LINEAR_CORE] + wanted[SPARSE_ATTENTION] and results and not all(r.runtime_attention_calls
+                                                                             for r in results):
+        notes.append("the runtime attention did not run")
+    if wanted[LOSS] and results and not all(r.runtime_loss_calls for r in results):
+        notes.append("the runtime loss did not run")
+    if not aux.get("passed", True):
+        notes.append("the router auxiliary loss differs")
+    return Verification(passed, replaced, expected, results, tolerances, "; ".join(notes),
+                        _backends() if replaced else {}, aux,
+                        swaps={kind: {"expected": n, "made": made.get(kind, 0)} for kind, n in wanted.items() if n},
+                        packed=packed_documents(twin, spec, adapt))
+
+
+PACKED_RTOL = 1e-4  # a document that sees its neighbour is off by O(1e-2) or more
+
+
+def packed_documents(twin: Twin, spec: ModelSpec, adapt) -> dict:
+    """Whether the adapted twin keeps packed documents apart, as training on packed text needs: two documents
+    laid end to end in one row (`runtime.train.data.model_inputs`: positions restart, the cores get the
+    boundaries), the second one's logits against the same document alone. Not a condition of `passed`:
+    `onboard train` refuses packed data where this says no."""
+    import numpy as np
+
+    from runtime.train.data import PackedCorpus, model_inputs
+
+    try:
+        model = copy.deepcopy(twin.model)
+        _redraw(model, spec, twin.layers_path, 0)
+        model.eval()
+        _adapt_for_checking(adapt, model)
+        first, second = 5, TEST_SEQ_LEN - 5
+        tokens = twin.example_batch(0)["input_ids"][0, :first + second].numpy()
+        corpus = PackedCorpus(tokens, np.array([0, first]), first + second)
+        inputs = model_inputs(corpus, 0, 0, 0, grad_accum=1, dp=1, micro_batch=1)
+        inputs.pop("labels")
+        with torch.no_grad():
+            packed = model(**inputs, use_cache=False).logits[0, first:]
+            alone = model(input_ids=inputs["input_ids"][:, first:], use_cache=False).logits[0]
+    except Exception as exc:  # noqa: BLE001 - model code that refuses packed inputs; never fails verification
+        return {"kept_apart": False, "why": f"the adapted model refused packed inputs: {one_line(exc, 160)}"}
+    error = float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-30))
+    out = {"kept_apart": error <= PACKED_RTOL, "max_rel_error": error}
+    if not out["kept_apart"]:
+        out["why"] = (f"a packed document's logits differ from the document's alone by {error:.1e} (relative): a "
+                      f"layer carries state or attention across the boundary")
+    return out
+
+
+def _truth(model: nn.Module, batch: dict):
+    """The fp64 run (forward and backward) of the HuggingFace model: (output, None), or (None, why not). Its
+    experts run as transformers' plain loop (grouped GEMMs take no fp64), and its chunked sequence scans with
+    chunks of one token: transformers' chunked scans split exp(G_i - G_j) into exp(G_i) exp(-G_j) over a
+    chunk, which under strong decay is inexact in fp64 too, so only the token-by-token recurrence they compute
+    at chunk 1 is the truth."""
+    try:
+        model.set_experts_implementation("eager")
+    except (AttributeError, ValueError, RuntimeError):
+        pass  # a model without a choice of experts implementation runs as it is
+    _token_by_token(model)
+    try:
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+    except Exception as exc:  # noqa: BLE001 - model code we do not own may not take fp64
+        return None, one_line(exc, 120)
+    return out, None
+
+
+def _token_by_token(model: nn.Module) -> None:
+    """Make the chunked scans a model's own forwards call (found by signature) run with chunks of one token,
+    and lightning blocks with blocks of one token (in place: `model` is verification's fp64 copy)."""
+    import functools
+
+    from runtime.attention import find_linear_cores
+    from runtime.swap import Swap, forward_with_globals
+
+    for module in model.modules():
+        namespace = vars(sys.modules[type(module).__module__])
+        scans = [name for name in find_linear_cores(module) if _takes_chunks(namespace.get(name))]
+        if scans:
+            Swap("truth").set_forward(module, forward_with_globals(type(module), {
+                name: functools.partial(_one_token_chunks, namespace[name]) for name in scans}))
+        elif isinstance(getattr(module, "block_size", None), int) and hasattr(module, "slope_rate"):
+            module.block_size = 1
+
+
+def _takes_chunks(fn) -> bool:
+    """Whether `fn` is a chunked scan (a chunk_size parameter); a sequential scan is token by token already."""
+    try:
+        return callable(fn) and "chunk_size" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _one_token_chunks(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with its chunk_size argument (given by position or by name) set to one."""
+    names = list(inspect.signature(fn).parameters)
+    at = names.index("chunk_size")
+    if at < len(args):
+        args = (*args[:at], 1, *args[at + 1:])
+    else:
+        kwargs["chunk_size"] = 1
+    return fn(*args, **kwargs)
+
+
+def _error(x: torch.Tensor, truth: torch.Tensor) -> float:
+    """max |x - truth| / max |truth|, in fp64; a tensor whose true values are all below GRAD_SCALE_FLOOR (a
+    gradient that decays underflowed to nothing, exactly zero in fp64) is measured against that floor."""
+    x, truth = x.detach().double(), truth.detach().double()
+    return float((x - truth).abs().max() / truth.abs().max().clamp_min(GRAD_SCALE_FLOOR))
+
+
+def _excess(err_adapted: float, err_hf: float) -> float:
+    """How far the adapted error lies past what the rule allows it (ERR_FACTOR x HuggingFace's + ERR_FLOOR)."""
+    return err_adapted - (ERR_FACTOR * err_hf + ERR_FLOOR)
+
+
+def _adapt_for_checking(adapt, model: nn.Module, chunk: int | None = CHECK_CHUNK) -> Swaps:
+    """Adapt `model`, with linear-attention chunks short enough that the twin's sequence spans several:
+    chunk boundaries are where a chunked recurrence goes wrong. The handles it returns, as Swaps."""
+    takes_chunk = chunk is not None and "chunk_size" in inspect.signature(adapt).parameters
+    swaps = adapt(model, chunk_size=chunk) if takes_chunk else adapt(model)
+    if not isinstance(swaps, list):
+        raise TypeError(f"adapt() returned {type(swaps).__name__}, not the handles of its swaps (runtime.swap.Swaps)")
+    return Swaps(swaps)
+
+
+def _aux_losses(twin: Twin, spec: ModelSpec, adapt) -> dict:
+    """With router logits requested, the model's auxiliary load-balancing loss must not change."""
+    ref = copy.deepcopy(twin.model)
+    _redraw(ref, spec, twin.layers_path, 0)
+    ref.eval()
+    adapted = copy.deepcopy(ref)
+    _adapt_for_checking(adapt, adapted)
+    batch = twin.example_batch(0)
+    try:
+        with torch.no_grad():
+            a = ref(**batch, use_cache=False, output_router_logits=True)
+    except Exception:  # the model itself cannot produce router logits: nothing to keep equal
+        return {}
+    a_aux = getattr(a, "aux_loss", None)
+    if a_aux is None:
+        return {}
+    try:
+        with torch.no_grad():
+            b = adapted(**batch, use_cache=False, output_router_logits=True)
+    except Exception as exc:  # noqa: BLE001 - generated code under test
+        return {"passed": False, "error": one_line(exc)}
+    b_aux = getattr(b, "aux_loss", None)
+    a_aux, b_aux = float(a_aux), float(b_aux) if b_aux is not None else float("nan")
+    # the training loss with the auxiliary term added in
+    a_loss, b_loss = float(a.loss), float(b.loss) if b.loss is not None else float("nan")
+    close = [abs(x - y) <= LOSS_RTOL * max(1.0, abs(x)) for x, y in ((a_aux, b_aux), (a_loss, b_loss))]
+    return {"hf": a_aux, "adapted": b_aux, "hf_loss": a_loss, "adapted_loss": b_loss, "passed": all(close)}
+
+
+def _backends() -> dict:
+    from runtime.kernels import registry
+    from runtime.moe.dispatch import permute, unpermute
+    from runtime.moe.grouped import grouped_mm
+
+    return {op: registry.backend_of(op, ref) for op, ref in
+            (("moe.grouped_mm", grouped_mm), ("moe.permute", permute), ("moe.unpermute", unpermute))}
+
+
+def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, runtime_calls,
+             original_calls, truth=None, out_truth=None) -> SeedResult:
+    a, b = out_ref.logits.detach().double(), logits_adapted.detach().double()
+    scale = max(1.0, float(a.abs().max()))
+    max_abs = float((a - b).abs().max())
+    kl = float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                          reduction="batchmean") / a.shape[1])
+    loss_ref, loss_ad = float(out_ref.loss.detach()), float(loss_adapted.detach())
+    true_params = dict(truth.named_parameters()) if truth is not None else {}
+    failures, worst, worst_name, checked = [], 0.0, "", 0
+    worst_margin, err_hf, err_ad, err_name = -math.inf, 0.0, 0.0, ""
+    for name, p in ref.named_parameters():
+        q = adapted_params[name]
+        if p.grad is None and q.grad is None:
+            continue
+        checked += 1
+        if (p.grad is None) != (q.grad is None):
+            failures.append(f"{name}: gradient only on one side")
+            continue
+        g, h = p.grad.double(), q.grad.double()
+        ref_max = float(g.abs().max())
+        diff = float((g - h).abs().max())
+        rel = diff / (ref_max + 1e-6)  # tensors with (nearly) no gradient do not dominate the report
+        if rel > worst:
+            worst, worst_name = rel, name
+        t = true_params.get(name)
+        if t is not None and t.grad is not None:
+            e_hf, e_ad = _error(g, t.grad), _error(h, t.grad)
+            margin = _excess(e_ad, e_hf)
+            if margin > worst_margin:
+                worst_margin, err_hf, err_ad, err_name = margin, e_hf, e_ad, name
+            if margin > 0:
+                failures.append(f"{name}: error {e_ad:.2g} against fp64, HuggingFace's own fp32 error {e_hf:.2g}")
+        elif diff > GRAD_RTOL * ref_max + GRAD_ATOL:
+            failures.append(f"{name}: max |dgrad| {diff:.3g} vs max |grad| {ref_max:.3g}")
+    logits_ok = max_abs <= LOGITS_RTOL * scale
+    logits_err_hf = logits_err_ad = 0.0
+    if truth is not None:
+        logits_err_hf, logits_err_ad = _error(a, out_truth.logits), _error(b, out_truth.logits)
+        logits_ok = _excess(logits_err_ad, logits_err_hf) <= 0
+    passed = (logits_ok and abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
+              and not failures and original_calls == 0 and math.isfinite(loss_ad))
+    return SeedResult(seed, max_abs, max_abs / scale, loss_ref, loss_ad, kl, checked, worst, worst_name,
+                      failures[:20], runtime_calls, original_calls, truth="fp64" if truth is not None else "",
+                      logits_err_hf=logits_err_hf, logits_err_adapted=logits_err_ad, grad_err_hf=err_hf,
+                      grad_err_adapted=err_ad, grad_err_param=err_name, passed=passed)
