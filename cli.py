@@ -430,18 +430,21 @@ def _inspect_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=POSITIVE, default=4096, help="sequence length for FLOP counts (default 4096)")
 
 
-def _adapt_options(p: argparse.ArgumentParser) -> None:
+def _bundle_target_options(p: argparse.ArgumentParser) -> None:
+    """MODEL and where its bundle goes: what `adapt` and `agent` share."""
     _add_model_args(p)
     p.add_argument("--out", help="bundle directory (default bundles/<model>)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
+
+
+def _adapt_options(p: argparse.ArgumentParser) -> None:
+    _bundle_target_options(p)
     p.add_argument("--agent", metavar="POLICY",
                    help="let the onboarding agent take on what no pattern matches (rules; as `onboard agent`)")
 
 
 def _agent_options(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
-    p.add_argument("--out", help="bundle directory (default bundles/<model>)")
-    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    _bundle_target_options(p)
     p.add_argument("--policy", default="rules",
                    help="what proposes the code: rules (default; offline, deterministic) or llm (a model endpoint)")
     p.add_argument("--rounds", type=POSITIVE, default=3, help="candidates tried per leftover module (default 3)")
