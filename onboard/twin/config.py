@@ -24,7 +24,7 @@ from torch import nn
 
 from onboard.errors import OnboardError, one_line
 from onboard.source import ModelSource
-from onboard.twin import behaviour as dialect
+from onboard.twin import behaviour
 from onboard.twin.fields import get, layers_key, put, walk
 from onboard.twin.meanings import meaning_of
 from onboard.twin.shrink import SIZES, Shrink, fit_token_ids, shrink_config_dict
@@ -35,7 +35,7 @@ LAYER_BUDGET = 1_000_000
 # a model this small at full size can be its own twin (the largest family twins hold about 30M)
 AS_IS_BUDGET = 50_000_000
 # meanings a field's name must show by behaviour once behaviour decides (the facts the pipeline reads)
-CHECKED = (dialect.VOCAB, dialect.HIDDEN, dialect.EXPERTS)
+CHECKED = (behaviour.VOCAB, behaviour.HIDDEN, behaviour.EXPERTS)
 
 
 @dataclass
@@ -110,16 +110,16 @@ def _by_behaviour(source: ModelSource, full: dict, why: str) -> TwinConfig:
     """Probe the fields (`onboard.twin.behaviour`), shrink by what they drive, keep what the model builds with."""
     named = {path: meaning_of(key) for path, key, _ in walk(full)}
     count = layers_key(full)
-    paths = [p for p in dialect.candidates(full) if named.get(p) in (None, *CHECKED) or p == count]
-    found = dialect.probe_fields(lambda cfg: build_meta(source, cfg), full, paths)
+    paths = [p for p in behaviour.candidates(full) if named.get(p) in (None, *CHECKED) or p == count]
+    found = behaviour.probe_fields(lambda cfg: build_meta(source, cfg), full, paths)
     hints = {}
     for path, what in found.items():
-        if what in (*CHECKED, dialect.WIDTH):
+        if what in (*CHECKED, behaviour.WIDTH):
             hints[path] = what
         elif named.get(path) in CHECKED:
             hints[path] = ""  # its name claims a size its effect on the model does not show: a hint that lied
-    layers = next((p for p, what in found.items() if what == dialect.LAYERS), None)
-    if layers is None and found.get(count) == dialect.TIED:
+    layers = next((p for p, what in found.items() if what == behaviour.LAYERS), None)
+    if layers is None and found.get(count) == behaviour.TIED:
         layers = count  # named, and bound to other fields: the twin's layer prefix is checked anyway
     cfg, shrinks = _buildable(source, full, *shrink_config_dict(full, hints))
     if not shrinks:
