@@ -49,7 +49,7 @@ def bench_bundle(bundle: Path, width: int, tokens: int, repeats: int) -> list[di
 
     bundle, spec, origin = read_bundle(bundle)
     rows = []
-    with Sandbox(origin["ref"], limits=Limits(wall_seconds=1800, call_seconds=600, cpu_seconds=1800)) as sandbox:
+    with Sandbox(origin.ref, limits=Limits(wall_seconds=1800, call_seconds=600, cpu_seconds=1800)) as sandbox:
         judge = Judge(sandbox)
         for entry in read_decision(bundle).generated:
             if not entry.takes:

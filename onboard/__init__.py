@@ -13,7 +13,7 @@ The packages are the stages of the data flow (ARCHITECTURE.md), each importing o
     train/     `onboard train` and `onboard export`: the bundle's model trained by runtime.train
     report/    `onboard report`: what training runs did, from their run logs
 
-errors.py and outputs.py serve every stage.
+errors.py, outputs.py and contract.py (typed readers of the JSON files a bundle holds) serve every stage.
 """
 
 __version__ = "0.1.0"

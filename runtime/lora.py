@@ -4,6 +4,8 @@ The base weights stay the same Parameter objects under the same names, frozen; a
 named `lora_*` beside them, so a checkpoint of the adapters alone is `lora_state_dict(model)`. Expert
 adapters are stacks with one row per expert, so expert parallelism splits them exactly like the experts.
 Apply LoRA before `runtime.parallel.parallelize` shards anything (it does so itself when `plan.lora` is set).
+Applying it is one swap (`runtime.swap`, kind LORA): its handle's `undo()` gives back the base model (modules,
+classes, parameters and which of them train), before anything sharded it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from runtime.moe.block import GroupedExperts, ModuleExperts
 from runtime.moe.grouped import grouped_mm
 from runtime.plan import LoRA
+from runtime.swap import LORA, Swap
 
 PREFIX = "lora_"
 
@@ -41,8 +44,8 @@ class LoRALinear(nn.Module):
 class LoRAGroupedExperts(GroupedExperts):
     """GroupedExperts whose stacks each get a per-expert low-rank update, computed as two grouped matmuls.
 
-    An existing GroupedExperts becomes one in place (its class is changed, as FSDP2 does), so its
-    parameters keep their names and identities."""
+    An existing GroupedExperts becomes one in place (its class is changed, as FSDP2 does, through the swap's
+    handle), so its parameters keep their names and identities."""
 
     STACKS = ("gate_up", "up", "down")
 
@@ -56,9 +59,11 @@ class LoRAGroupedExperts(GroupedExperts):
         return y
 
     @classmethod
-    def convert(cls, experts: GroupedExperts, rank: int, alpha: float) -> None:
-        experts.__class__ = cls
-        experts.lora_scaling = alpha / rank
+    def convert(cls, experts: GroupedExperts, rank: int, alpha: float, swap: Swap | None = None) -> Swap:
+        """Make `experts` one, adapters added; the handle that undoes it (`swap`'s, when given)."""
+        swap = swap if swap is not None else Swap(LORA)
+        swap.set_class(experts, cls)
+        swap.set(experts, "lora_scaling", alpha / rank)
         e = experts.experts
         for name in cls.STACKS:
             w = getattr(experts, name)
@@ -68,16 +73,19 @@ class LoRAGroupedExperts(GroupedExperts):
             a = nn.Parameter(w.new_empty(e, rank, in_dim))
             for row in a.data:  # each expert's A initialised as an nn.Linear's weight
                 nn.init.kaiming_uniform_(row, a=math.sqrt(5))
-            setattr(experts, f"{PREFIX}{name}_a", a)
-            setattr(experts, f"{PREFIX}{name}_b", nn.Parameter(w.new_zeros(e, out_dim, rank)))
+            swap.set(experts, f"{PREFIX}{name}_a", a)
+            swap.set(experts, f"{PREFIX}{name}_b", nn.Parameter(w.new_zeros(e, out_dim, rank)))
+        return swap
 
 
 def _is_attention(name: str) -> bool:
     return any("attn" in part or "attention" in part for part in name.split("."))
 
 
-def apply_lora(model: nn.Module, lora: LoRA) -> list[str]:
-    """Add adapters to the targets of `lora` and freeze everything else; returns the adapted module names.
+def apply_lora(model: nn.Module, lora: LoRA) -> Swap:
+    """Add adapters to the targets of `lora` and freeze everything else; returns the handle (kind LORA) whose
+    `parts` are the adapted module names, each "linear" or "experts", and whose `calls` count each kind's
+    forward passes.
 
     Targets: "attention" (every nn.Linear under a module named *attn* / *attention*), "experts" (runtime
     expert stacks, and the nn.Linear layers of per-module experts), or fnmatch patterns of module names."""
@@ -86,11 +94,12 @@ def apply_lora(model: nn.Module, lora: LoRA) -> list[str]:
     known = {"attention", "experts"}
     patterns = [t for t in lora.targets if t not in known]
     expert_roots = [name for name, m in model.named_modules() if isinstance(m, (GroupedExperts, ModuleExperts))]
-    adapted = []
+    swap = Swap(LORA)
     for name, module in list(model.named_modules()):
         if isinstance(module, GroupedExperts) and "experts" in lora.targets:
-            LoRAGroupedExperts.convert(module, lora.rank, lora.alpha)
-            adapted.append(name)
+            LoRAGroupedExperts.convert(module, lora.rank, lora.alpha, swap)
+            swap.count_calls(module, "experts")
+            swap.parts[name] = "experts"
             continue
         if not isinstance(module, nn.Linear):
             continue
@@ -99,14 +108,20 @@ def apply_lora(model: nn.Module, lora: LoRA) -> list[str]:
                   or ("experts" in lora.targets and in_experts)
                   or any(fnmatch.fnmatch(name, p) for p in patterns))
         if wanted:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner) if owner else model, attr, LoRALinear(module, lora.rank, lora.alpha))
-            adapted.append(name)
-    if not adapted:
+            swap.replace(model, name, LoRALinear(module, lora.rank, lora.alpha), "linear")
+            swap.parts[name] = "linear"
+    if not swap.parts:  # nothing changed
         raise ValueError(f"LoRA targets {lora.targets} match no module of {type(model).__name__}")
+    trained = {p: p.requires_grad for p in model.parameters()}
+
+    def unfreeze():
+        for p, flag in trained.items():
+            p.requires_grad_(flag)
+
+    swap.on_undo(unfreeze)
     for pname, p in model.named_parameters():
         p.requires_grad_(is_lora_name(pname))
-    return adapted
+    return swap
 
 
 def is_lora_name(name: str) -> bool:

@@ -2,26 +2,35 @@
 
     handle = replace_module(root, "model.layers.3.mlp", block, kind=MOE_BLOCK)
     handle = Swap(LINEAR_CORE, path); handle.set_forward(module, forward)   # this module's own forward
-    handle.set(module, "config", config_copy)                                 # any attribute of one object
+    handle.wrap_forward(module, wrap)           # its forward becomes wrap(the forward it runs now)
+    handle.set_class(module, subclass)          # this one object becomes an instance of a subclass
+    handle.replace(root, path, new, "linear")   # a child module put in place, its calls counted as "linear"
+    handle.set(module, "config", config_copy)   # any attribute of one object
     handle.calls        # Counter: how often the runtime code behind this swap ran, by what ran
     handle.replaced     # what replace_module took out (None for other swaps)
     handle.undo()       # everything it changed, back as it was
+    with handle: ...    # undone on leaving the block
     swaps = Swaps([...])            # what one adapter did
     swaps.of("moe_block")           # its handles of one kind
     swaps.calls("sparse")           # calls counted under one name, summed over its handles
+    applied(model)                  # the handles in effect on a model, in the order they were made
 
-Every swap sets attributes on objects of the target (a module's child, a module's own `forward` or `config`)
-and remembers what each held, so undoing is exact and nothing outside the target changes: no module
-globals, no classes, no process-wide registries that another model would read. Two models in one process
-never see each other's swaps.
+Every swap sets attributes on objects of the target (a module's child, a module's own `forward`, `config` or
+`__class__`) and remembers what each held, so undoing is exact and nothing outside the target changes: no
+module globals, no class attributes, no process-wide registries that another model would read. Two models in
+one process never see each other's swaps. Each module a swap changes lists the handle (`applied`) until it is
+undone. Swaps undo last first (`Swaps.undo`): one that changed what a later one changed again would put back
+what it found and drop the later change.
 
 A deep copy of a swapped model is swapped too (its modules carry the same attributes), but its calls are
-counted in the original's handles: adapt the copy itself when its counts matter.
+counted in the original's handles and `applied` lists none of them: adapt the copy itself when its counts
+matter.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import types
 from collections.abc import Callable
 
@@ -36,10 +45,28 @@ LINEAR_CORE = "linear_core"  # a linear-attention / state-space module on the ru
 SPARSE_ATTENTION = "sparse_attention"  # a DSA attention module on the runtime's indexer and sparse attention
 LOSS = "loss"  # the training loss from the last hidden state
 GENERATED = "generated"  # a module the onboarding agent wrote (a bundle's generated/, on runtime.generated.Generated)
-KINDS = (MOE_BLOCK, EXPERTS, LINEAR_CORE, SPARSE_ATTENTION, LOSS, GENERATED)
+# what training changes, whatever the adapter did: never expected by an adapt decision
+LORA = "lora"  # low-rank adapters (runtime.lora.apply_lora)
+RECOMPUTE = "recompute"  # modules that run again in backward (runtime.memory.recompute.apply_recompute)
+PIPELINE = "pipeline"  # a pipeline stage cut out of the model, and the schedule's entry (runtime.parallel.pipeline)
+ADAPTER_KINDS = (MOE_BLOCK, EXPERTS, LINEAR_CORE, SPARSE_ATTENTION, LOSS, GENERATED)
+KINDS = (*ADAPTER_KINDS, LORA, RECOMPUTE, PIPELINE)
 
 _ABSENT = object()
 _REGISTRIES = ("_modules", "_parameters", "_buffers")
+_APPLIED = "_onboard_swaps"  # a module's own list of the handles that changed it (`applied`)
+_ORDER = itertools.count()  # the order handles were made in, for `applied`
+
+
+class _Applied(list):
+    """The handles that changed one module. A copy of the module starts with none: the handles change the
+    original's objects, and undoing them through a copy would change the original."""
+
+    def __deepcopy__(self, memo):
+        return _Applied()
+
+    def __reduce__(self):
+        return _Applied, ()
 
 
 def _held(owner: object, name: str):
@@ -64,11 +91,23 @@ class Swap:
         self._changes: list[tuple[object, str, object]] = []  # (owner, name, what it held before)
         self._cleanups: list[Callable[[], None]] = []
         self.undone = False
+        self._order = next(_ORDER)
 
     def set(self, owner: object, name: str, value) -> None:
         """Set `owner.name = value`, remembering what it held for `undo`."""
         self._changes.append((owner, name, _held(owner, name)))
+        self._list_on(owner)
         setattr(owner, name, value)
+
+    def set_class(self, obj: object, cls: type) -> None:
+        """Make this one object an instance of `cls`, a subclass of its class that adds behaviour (as FSDP2
+        does); its attributes, parameters and their names stay. Undo makes it an instance of its class again."""
+        if not issubclass(cls, type(obj)):
+            raise ValueError(f"{cls.__name__} is not a subclass of {type(obj).__name__}: a swapped class only adds "
+                             f"behaviour to the object's own")
+        self._changes.append((obj, "__class__", type(obj)))
+        self._list_on(obj)
+        obj.__class__ = cls
 
     def set_forward(self, module: nn.Module, forward: Callable) -> None:
         """Make this one module run `forward(self, *args, **kwargs)` instead of its class's forward. One
@@ -78,8 +117,33 @@ class Swap:
                              f"undo that swap first")
         self.set(module, "forward", types.MethodType(forward, module))
 
+    def wrap_forward(self, module: nn.Module, wrap: Callable[[Callable], Callable]) -> None:
+        """Make this one module run `wrap(forward)`, `forward` being what it runs now (its class's forward bound
+        to it, or a forward of its own from an earlier swap, which stays underneath): a callable taking the
+        forward's arguments. Keep it copyable (a functools.partial, not a closure) where the model is deep-copied:
+        a copied partial calls the copy's forward."""
+        self.set(module, "forward", wrap(module.forward))
+
+    def replace(self, root: nn.Module, path: str, new: nn.Module, what: str | None = None) -> nn.Module:
+        """Put `new` where the module at `path` (below `root`) is; returns the module it replaced. The new
+        module's calls are counted under `what` (default: the kind), and whatever records the replaced module's
+        outputs records the new one's (`runtime.recorders`)."""
+        owner, _, name = path.rpartition(".")
+        parent = root.get_submodule(owner) if owner else root
+        recorders.install(root)
+        replaced = parent.get_submodule(name)
+        self.set(parent, name, new)
+        _carry_observers(self, replaced, new)
+        self.count_calls(new, what)
+        return replaced
+
     def count(self, what: str | None = None, n: int = 1) -> None:
         self.calls[what or self.kind] += n
+
+    def count_calls(self, module: nn.Module, what: str | None = None) -> None:
+        """Count each call of `module` under `what` (default: the kind) until undone."""
+        handle = module.register_forward_pre_hook(lambda *_: self.count(what))
+        self.on_undo(handle.remove)
 
     def on_undo(self, cleanup: Callable[[], None]) -> None:
         self._cleanups.append(cleanup)
@@ -95,7 +159,30 @@ class Swap:
                 delattr(owner, name)
             else:
                 setattr(owner, name, before)
+            self._unlist_from(owner)
         self.undone = True
+
+    def _list_on(self, owner: object) -> None:
+        if isinstance(owner, nn.Module):
+            listed = owner.__dict__.setdefault(_APPLIED, _Applied())
+            if self not in listed:
+                listed.append(self)
+
+    def _unlist_from(self, owner: object) -> None:
+        listed = owner.__dict__.get(_APPLIED) if isinstance(owner, nn.Module) else None
+        if listed is not None and self in listed:
+            listed.remove(self)
+            if not listed:
+                del owner.__dict__[_APPLIED]
+
+    def __enter__(self) -> Swap:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+    def __deepcopy__(self, memo) -> Swap:
+        return self  # a copied model's calls are counted here (see the module's docstring)
 
     def __repr__(self) -> str:
         return f"Swap({self.kind!r}, {self.path!r}, calls={dict(self.calls)})"
@@ -115,9 +202,10 @@ class Swaps(list):
             swap.undo()
 
 
-def _count_calls(swap: Swap, module: nn.Module, what: str) -> None:
-    handle = module.register_forward_pre_hook(lambda *_: swap.count(what))
-    swap.on_undo(handle.remove)
+def applied(root: nn.Module) -> Swaps:
+    """The handles in effect on `root` and its modules (not undone), in the order they were made."""
+    found = {id(s): s for module in root.modules() for s in module.__dict__.get(_APPLIED, ())}
+    return Swaps(sorted(found.values(), key=lambda s: s._order))
 
 
 def _carry_observers(swap: Swap, old: nn.Module, new: nn.Module) -> None:
@@ -131,14 +219,8 @@ def _carry_observers(swap: Swap, old: nn.Module, new: nn.Module) -> None:
 def replace_module(root: nn.Module, path: str, new: nn.Module, *, kind: str) -> Swap:
     """Put `new` where the module at `path` (below `root`) is; its forward calls are counted under `kind`, and
     whatever records the replaced module's outputs records the new one's (`runtime.recorders`)."""
-    owner, _, name = path.rpartition(".")
-    parent = root.get_submodule(owner) if owner else root
-    recorders.install(root)
     swap = Swap(kind, path)
-    swap.replaced = parent.get_submodule(name)
-    swap.set(parent, name, new)
-    _carry_observers(swap, swap.replaced, new)
-    _count_calls(swap, new, kind)
+    swap.replaced = swap.replace(root, path, new)
     return swap
 
 

@@ -22,11 +22,12 @@ import copy
 import inspect
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from onboard import contract
 from onboard.adapt.decision import Decision
 from onboard.errors import one_line
 from onboard.inspect.spec import ModelSpec
@@ -34,6 +35,8 @@ from onboard.twin import TEST_SEQ_LEN, Twin
 from runtime.model_tree import tensor_at
 from runtime.swap import EXPERTS, GENERATED, LINEAR_CORE, LOSS, MOE_BLOCK, SPARSE_ATTENTION, Swaps
 
+SCHEMA_VERSION = 1  # of verification.json; 0: the same fields, written without schema_version
+READABLE_VERSIONS = (0, 1)  # a base branch's bundles are reviewed against a pull request's
 SEEDS = (0, 1, 2)
 # fp32 with a different summation order (grouped GEMM vs per-expert loops): agreement to ~1e-6 relative
 LOGITS_RTOL = 1e-4
@@ -83,7 +86,7 @@ class SeedResult:
 
 
 @dataclass
-class Verification:
+class Verification(contract.Document):
     passed: bool
     replaced: int
     expected: int
@@ -94,9 +97,12 @@ class Verification:
     aux_loss: dict = field(default_factory=dict)  # the model's router auxiliary loss, HF vs adapted (if any)
     swaps: dict = field(default_factory=dict)  # handle kind -> {"expected": n, "made": n} in the twin
     packed: dict = field(default_factory=dict)  # whether the adapted model keeps packed documents apart
+    schema_version: int = SCHEMA_VERSION
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @classmethod
+    def from_dict(cls, data, where: str = "verification.json") -> Verification:
+        """A verification record read back; one line (OnboardError) naming `where` and the field that does not fit."""
+        return contract.read(cls, data, where, version=SCHEMA_VERSION, readable=READABLE_VERSIONS)
 
 
 def _redraw(model: nn.Module, spec: ModelSpec, layers_path: str, seed: int, decays: tuple | None = None) -> bool:

@@ -10,6 +10,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from onboard.bundle.source_record import FILE, SourceRecord
+from onboard.contract import load
 from onboard.errors import OnboardError, one_line
 
 MARKER = ".onboard-bundle"  # every bundle holds it: what `onboard adapt --force` may replace
@@ -47,7 +49,7 @@ def only_regular_files(bundle: Path) -> None:
                                    f"bundle's own regular files only")
 
 
-def read_bundle(bundle) -> tuple[Path, dict, dict]:
+def read_bundle(bundle) -> tuple[Path, dict, SourceRecord]:
     """The bundle directory, its spec and its source record; one-line errors for anything missing, and for a
     bundle that is not made of regular files (`only_regular_files`)."""
     bundle = Path(bundle)
@@ -67,17 +69,15 @@ def read_bundle(bundle) -> tuple[Path, dict, dict]:
         raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
     if not isinstance(spec, dict):
         raise OnboardError(f"{bundle}/spec.json must hold a JSON object")
-    if not isinstance(origin, dict) or not isinstance(origin.get("ref"), str) or not origin["ref"]:
-        raise OnboardError(f"{bundle}/source.json must hold an object with the model reference in 'ref'")
-    return bundle, spec, origin
+    return bundle, spec, SourceRecord.from_dict(origin, str(bundle / FILE))
 
 
-def bundle_source(origin: dict, trust_remote_code: bool):
+def bundle_source(origin: SourceRecord, trust_remote_code: bool):
     """The model a bundle was made from. Remote code runs only with consent given on this command line: the
     bundle's own record of it is never enough (a bundle may come from anyone's pull request)."""
     from onboard.source import resolve
 
-    return resolve(origin["ref"], trust_remote_code=trust_remote_code)
+    return resolve(origin.ref, trust_remote_code=trust_remote_code)
 
 
 def read_decision(bundle: Path):
@@ -91,6 +91,17 @@ def read_decision(bundle: Path):
         return Decision.from_json(path.read_text())
     except (ValueError, KeyError, TypeError) as exc:
         raise OnboardError(f"{path}: unreadable decision ({one_line(exc)})") from None
+
+
+def read_verification(bundle: Path):
+    """The bundle's verification record (verification.json), or None where it has none; one line naming the file
+    and field for anything else (it arrives in pull requests)."""
+    from onboard.adapt.verify import Verification
+
+    path = Path(bundle) / "verification.json"
+    if not path.is_file():
+        return None
+    return Verification.from_dict(load(path), str(path))
 
 
 def load_adapter(directory: Path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import shutil
 from pathlib import Path
 
@@ -22,7 +21,9 @@ from onboard.adapt.decision import Decision, decide
 from onboard.adapt.verify import Verification, verify
 from onboard.bundle import provenance
 from onboard.bundle.files import load_adapter
+from onboard.bundle.kernel_list import KernelList, KernelRecord
 from onboard.bundle.launcher import write_launcher
+from onboard.bundle.source_record import SourceRecord
 from onboard.bundle.target import check_target, move_into_place, staging_for, tidy
 from onboard.inspect.capture import capture
 from onboard.inspect.inspection import build_spec
@@ -50,9 +51,7 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
     staging = staging_for(out)
     try:
         (staging / "spec.json").write_text(spec.to_json())
-        (staging / "source.json").write_text(json.dumps(
-            {"ref": source.ref, "kind": source.kind, "trust_remote_code": source.trust_remote_code},
-            indent=2, sort_keys=True) + "\n")
+        (staging / "source.json").write_text(SourceRecord.of(source).to_json())
         loader = agent.loader if agent is not None else None  # generated code runs in the agent's sandbox
         if agent is not None:
             agent.take_on(spec, twin, decision, staging)
@@ -117,7 +116,7 @@ def _render_and_verify(staging: Path, spec: ModelSpec, twin: Twin, decision: Dec
     kernels = render_kernels(spec, decision)
     for kernel in kernels:
         store.put(kernel.key, kernel.text)
-    (staging / "kernels.json").write_text(json.dumps([k.record() for k in kernels], indent=2, sort_keys=True) + "\n")
+    (staging / "kernels.json").write_text(KernelList([KernelRecord(**k.record()) for k in kernels]).to_json())
     (staging / "adapter.py").write_text(render_adapter(spec, decision, [k.key for k in kernels]))
     return verify(spec, twin, sandboxed(load_adapter(staging).adapt, loader), decision)
 
@@ -134,7 +133,7 @@ def write_verification(directory: Path, spec: ModelSpec, twin: Twin, decision: D
                        verification: Verification) -> None:
     """decision.json (with what verification refused), verification.json and REVIEW.md."""
     (directory / "decision.json").write_text(decision.to_json())
-    (directory / "verification.json").write_text(json.dumps(verification.to_dict(), indent=2, sort_keys=True) + "\n")
+    (directory / "verification.json").write_text(verification.to_json())
     twin_size = {"hidden": twin.hidden_size, "layers": len(twin.layer_signatures), "fields": twin.fields,
                  "why": twin.why_probed, "full_width": twin.full_width}
     (directory / "REVIEW.md").write_text(render_review(spec, decision, verification, twin_size))

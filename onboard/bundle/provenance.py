@@ -63,10 +63,11 @@ def model_source(source: ModelSource) -> dict:
 def templates_used(bundle: Path) -> list[str]:
     """Every bundle's templates, its kernels' (kernels.json) and those its generated modules were rendered from
     (the rules policy's readings in decision.json)."""
+    from onboard.bundle.kernel_list import read_kernels
+
     used = set(TEMPLATES)
-    kernels = bundle / "kernels.json"
-    if kernels.is_file():
-        used |= {k["template"] for k in json.loads(kernels.read_text())}
+    kernels = read_kernels(bundle)
+    used |= {k.template for k in kernels.kernels} if kernels else set()
     decision = bundle / "decision.json"
     if decision.is_file():
         used |= {f"generated/{e['reading']}.py.j2" for e in json.loads(decision.read_text()).get("generated", [])

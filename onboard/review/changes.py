@@ -17,26 +17,31 @@ gradient's error against the fp64 truth where there was one (bound: err_factor x
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onboard.bundle import provenance
-from onboard.bundle.files import read_bundle
+from onboard.bundle.files import read_bundle, read_verification
+from onboard.bundle.kernel_list import read_kernels
+from onboard.contract import load
 from onboard.errors import OnboardError
 from onboard.inspect.summary import ranges
+
+if TYPE_CHECKING:
+    from onboard.adapt.verify import Verification
 
 MARGIN = 10.0  # a margin below this (error within 10x of its bound) needs human eyes
 FORMATS = ("markdown", "github")
 CODE = ("adapter.py", "kernels.json", "train.sh", "train.slurm")  # diffed, with generated/*.py
 
 
-# what the review reads of each JSON part: key -> type, or (type, item type), or a nested shape for a list of
-# objects; a part that does not fit is refused in one line naming the file and field (it arrives in a pull request)
+# what the review reads of each JSON part without a typed reader of its own (verification.json and kernels.json
+# have one): key -> type, or (type, item type), or a nested shape for a list of objects; a part that does not fit
+# is refused in one line naming the file and field (it arrives in a pull request)
 SHAPES = {
     "decision.json": {"moe": [{"layers": (list, int), "block": str}], "attention": [{"layers": (list, int)}],
                       "loss": dict, "generated": [{"layers": (list, int), "file": str, "rounds": (list, dict),
                                                    "probe": dict}]},
-    "verification.json": {"seeds": [{"seed": int}], "tolerances": dict, "note": str, "swaps": dict, "backends": dict},
     "plan.json": {},
     provenance.FILE: {"versions": dict, "files": dict, "source": dict, "onboard": dict},
 }
@@ -72,7 +77,8 @@ class Bundle:
     def __init__(self, folder: Path):
         self.folder, self.spec, self.source = read_bundle(folder)
         self.decision = self._json("decision.json")
-        self.verification = self._json("verification.json")
+        self.verification = read_verification(self.folder)
+        read_kernels(self.folder)  # diffed as text below, once it is known to be a kernel list
         self.plan = self._json("plan.json")
         self.provenance = self._json(provenance.FILE)
         self.code = self._code_files()
@@ -81,12 +87,7 @@ class Bundle:
         path = self.folder / name
         if not path.is_file():
             return None
-        try:
-            value = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError):
-            raise OnboardError(f"{path}: not JSON") from None
-        except RecursionError:
-            raise OnboardError(f"{path}: nested too deeply to be a bundle's") from None
+        value = load(path)
         _fits(value, SHAPES.get(name, {}), str(path))
         missing = [k for k in REQUIRED_KEYS.get(name, ()) if k not in value]
         if missing:
@@ -157,25 +158,23 @@ def placements(decision: dict | None) -> dict[str, str]:
     return out
 
 
-def margins(verification: dict | None) -> list[tuple[str, str, float]]:
+def margins(verification: Verification | None) -> list[tuple[str, str, float]]:
     """(what, which tensor, bound / error) for every seed's logits, loss and worst gradient."""
     if not verification:
         return []
-    tol = verification.get("tolerances", {})
+    tol = verification.tolerances
     factor, floor = tol.get("err_factor", 10), tol.get("err_floor", 0)
     out = []
-    for s in verification.get("seeds", []):
-        seed = f"seed {s.get('seed')}"
-        if s.get("truth") == "fp64":
-            checks = [("logits", "", s.get("logits_err_adapted"), factor * (s.get("logits_err_hf") or 0) + floor),
-                      ("gradient", s.get("grad_err_param"), s.get("grad_err_adapted"),
-                       factor * (s.get("grad_err_hf") or 0) + floor)]
+    for s in verification.seeds:
+        seed = f"seed {s.seed}"
+        if s.truth == "fp64":
+            checks = [("logits", "", s.logits_err_adapted, factor * s.logits_err_hf + floor),
+                      ("gradient", s.grad_err_param, s.grad_err_adapted, factor * s.grad_err_hf + floor)]
         else:
-            checks = [("logits", "", s.get("logits_max_rel"), tol.get("logits_rtol")),
-                      ("gradient", s.get("grad_worst_param"), s.get("grad_worst_rel"), tol.get("grad_rtol"))]
-        ref, adapted = s.get("loss_ref"), s.get("loss_adapted")
-        if isinstance(ref, int | float) and isinstance(adapted, int | float):
-            checks.append(("loss", "", abs(ref - adapted) / max(abs(ref), 1e-30), tol.get("loss_rtol")))
+            checks = [("logits", "", s.logits_max_rel, tol.get("logits_rtol")),
+                      ("gradient", s.grad_worst_param, s.grad_worst_rel, tol.get("grad_rtol"))]
+        loss_error = abs(s.loss_ref - s.loss_adapted) / max(abs(s.loss_ref), 1e-30)
+        checks.append(("loss", "", loss_error, tol.get("loss_rtol")))
         for what, tensor, error, bound in checks:
             if isinstance(error, int | float) and isinstance(bound, int | float) and bound > 0:
                 out.append((f"{seed} {what}", tensor or "", bound / error if error > 0 else float("inf")))
@@ -225,8 +224,8 @@ def needs_eyes(old: Bundle | None, new: Bundle) -> list[str]:
                        f"{' ...' if len(made_from) > 5 else ''}): {', '.join(sorted(code_changed))}")
         if "the model's config" in changed:
             out.append("the model's config changed: check the per-layer spec changes below")
-    if new.verification and not new.verification.get("passed"):
-        out.append(f"verification FAILED: {new.verification.get('note') or 'see the table below'}")
+    if new.verification and not new.verification.passed:
+        out.append(f"verification FAILED: {new.verification.note or 'see the table below'}")
     return out
 
 
@@ -273,16 +272,20 @@ def review(old_dir: Path | None, new_dir: Path, fmt: str = "markdown") -> str:
 
 
 def _identical(old: Bundle, new: Bundle) -> bool:
+    return (old.code == new.code and old.spec == new.spec and old.decision == new.decision
+            and _verdicts(old.verification) == _verdicts(new.verification) and old.plan == new.plan)
+
+
+def _verdicts(verification: Verification | None) -> dict | None:
     from onboard.review.check import verdicts
 
-    return (old.code == new.code and old.spec == new.spec and old.decision == new.decision
-            and verdicts(old.verification or {}) == verdicts(new.verification or {}) and old.plan == new.plan)
+    return verdicts(verification) if verification is not None else None
 
 
 def _provenance_section(old: Bundle | None, new: Bundle) -> list[str]:
     def row(b: Bundle | None) -> list[str]:
         p = (b.provenance or {}) if b else {}
-        src = p.get("source", b.source if b else {})
+        src = p.get("source", b.source.to_dict() if b else {})
         return [f"{p.get('onboard', {}).get('version', '-')} @ {(p.get('onboard', {}).get('commit') or '-')[:12]}",
                 p.get("versions", {}).get("transformers", "-"), p.get("versions", {}).get("torch", "-"),
                 f"{src.get('ref', '-')}" + (f" @ {src['revision']}" if src.get("revision") else ""),
@@ -364,11 +367,11 @@ def _code_section(old: Bundle | None, new: Bundle, fmt: str) -> list[str]:
 
 def _verification_section(old: Bundle | None, new: Bundle) -> list[str]:
     def seeds(b: Bundle | None) -> dict:
-        return {s.get("seed"): s for s in ((b.verification or {}).get("seeds", []) if b else [])}
+        return {s.seed: s for s in (b.verification.seeds if b and b.verification else [])}
 
-    verdict = (lambda b: "PASSED" if (b.verification or {}).get("passed") else "FAILED")
+    verdict = (lambda b: "PASSED" if b.verification and b.verification.passed else "FAILED")
     lines = ["## Verification", ""]
-    tol = (new.verification or {}).get("tolerances", {})
+    tol = new.verification.tolerances if new.verification else {}
     lines.append("Tolerances: " + ", ".join(f"{k} {v:g}" for k, v in sorted(tol.items())))
     lines.append("")
     lines.append(f"Verdict: {verdict(old) + ' -> ' if old else ''}{verdict(new)}")
@@ -380,9 +383,9 @@ def _verification_section(old: Bundle | None, new: Bundle) -> list[str]:
             if s is None or (old is None and label == "old"):
                 continue
             tag = f"{seed} ({label})" if old else f"{seed}"
-            lines.append(f"| {tag} | {s.get('truth', '-')} | {_number(s.get('logits_max_rel'))} | "
-                         f"{_number(s.get('loss_ref'))} / {_number(s.get('loss_adapted'))} | "
-                         f"{_number(s.get('grad_worst_rel'))} (`{s.get('grad_worst_param')}`) | {s.get('passed')} |")
+            lines.append(f"| {tag} | {s.truth} | {_number(s.logits_max_rel)} | "
+                         f"{_number(s.loss_ref)} / {_number(s.loss_adapted)} | "
+                         f"{_number(s.grad_worst_rel)} (`{s.grad_worst_param}`) | {s.passed} |")
     m_old = {what: m for what, _, m in margins(old.verification)} if old else {}
     m_new = margins(new.verification)
     if m_new:

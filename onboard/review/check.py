@@ -22,9 +22,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onboard.bundle import provenance
 from onboard.bundle.files import bundle_source, owned, read_bundle
+from onboard.errors import OnboardError
+
+if TYPE_CHECKING:  # onboard.adapt.verify loads torch: read only where a record is compared
+    from onboard.adapt.verify import Verification
 
 DERIVED = ("REVIEW.md",)  # rendered from compared files
 SEED_VERDICTS = ("seed", "passed", "truth", "decays", "runtime_calls", "original_calls", "runtime_loss_calls",
@@ -71,13 +76,14 @@ def _files(folder: Path) -> set[str]:
             if p.is_file() and "__pycache__" not in p.parts and owned(p.relative_to(folder).parts[0])}
 
 
-def verdicts(verification: dict) -> dict:
-    """What verification.json decided, without what it measured."""
-    out = {k: verification.get(k) for k in ("passed", "replaced", "expected", "swaps", "backends")}
-    out["note"] = masked(verification.get("note") or "")
-    out["aux_passed"] = (verification.get("aux_loss") or {}).get("passed")
-    out["kept_apart"] = (verification.get("packed") or {}).get("kept_apart")
-    out["seeds"] = [{k: s.get(k) for k in SEED_VERDICTS} for s in verification.get("seeds", [])]
+def verdicts(verification: Verification) -> dict:
+    """What a verification record decided, without what it measured."""
+    out = {k: getattr(verification, k) for k in ("schema_version", "passed", "replaced", "expected", "swaps",
+                                                  "backends")}
+    out["note"] = masked(verification.note)
+    out["aux_passed"] = verification.aux_loss.get("passed")
+    out["kept_apart"] = verification.packed.get("kept_apart")
+    out["seeds"] = [{k: getattr(s, k) for k in SEED_VERDICTS} for s in verification.seeds]
     return out
 
 
@@ -100,10 +106,13 @@ def _same(name: str, old: Path, new: Path) -> bool:
         if name == provenance.FILE:
             return provenance.comparable(json.loads(a)) == provenance.comparable(json.loads(b))
         if name == "verification.json":
-            return verdicts(json.loads(a)) == verdicts(json.loads(b))
+            from onboard.adapt.verify import Verification
+
+            return (verdicts(Verification.from_dict(json.loads(a), str(old)))
+                    == verdicts(Verification.from_dict(json.loads(b), str(new))))
         if name == "agent.jsonl":
             return _events(a.decode()) == _events(b.decode())
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError, OnboardError):
         return False
     return False
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from onboard.bundle.files import read_bundle
+from onboard.bundle.files import read_bundle, read_verification
 from onboard.bundle.launcher import FACTORY
 from onboard.errors import OnboardError
 from onboard.train.model import build_model, train_config, weights_source
@@ -146,7 +146,11 @@ def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_f
     if weights is None:
         raise OnboardError(f"{path}: text is tokenised with the model's own tokenizer: give --weights MODEL (the "
                            f"tiny twin's shrunken vocabulary fits no real tokenizer)")
-    packed = json.loads((bundle / "verification.json").read_text()).get("packed", {})
+    verification = read_verification(bundle)
+    if verification is None:
+        raise OnboardError(f"{bundle}: no verification.json, which says whether the adapted model keeps packed "
+                           f"documents apart: verify the bundle first (onboard verify {bundle})")
+    packed = verification.packed
     if packed and not packed.get("kept_apart"):
         raise OnboardError(f"{bundle}: training on packed text needs documents kept apart, and this adapted model "
                            f"lets them see each other ({packed.get('why', 'see verification.json')})")

@@ -22,7 +22,10 @@ rank cuts anything. Tied input and output embeddings sit on the first and the la
 
 The modules a stage does not run are replaced by parameter-free stand-ins (layers and the norm pass their input
 through; the embedding and the head refuse to run), so the optimizer, FSDP2 and checkpoints see the stage's
-parameters only, under the full model's names: the stages' checkpoints together are the whole model's. Each
+parameters only, under the full model's names: the stages' checkpoints together are the whole model's. Every
+change to the model is a swap (`runtime.swap`, kind PIPELINE): the stand-ins `cut` puts in (its handle is
+`Stage.swap`; undone before anything is sharded, the whole model is back), the forwards `check_stages` skips
+while it runs one stage, and the entry `Pipeline` gives the model for torch's schedule (`Pipeline.swap`). Each
 micro-batch's other inputs (labels, packed-document positions) reach every stage from the data, which every rank
 of a pipeline reads alike, rather than through the pipeline.
 """
@@ -31,8 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -40,6 +42,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from runtime.model_tree import Vacated, find_layer_stack
 from runtime.plan import Plan
+from runtime.swap import PIPELINE, Swap
 
 _STAGE = "pipeline_stage"  # the attribute `cut` sets on a model (read by `stage_of` only)
 
@@ -75,6 +78,7 @@ class Stage:
     num_stages: int
     layers: range
     parts: Parts
+    swap: Swap | None = field(default=None, repr=False, compare=False)  # what `cut` changed
 
     @property
     def first(self) -> bool:
@@ -123,9 +127,10 @@ def _path_of(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
 
 
-def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+def _stand_in(swap: Swap, model: nn.Module, path: str, module: nn.Module) -> None:
+    """`module` where the module at `path` was; stand-ins run no runtime code, so nothing counts their calls."""
     owner, _, name = path.rpartition(".")
-    setattr(model.get_submodule(owner) if owner else model, name, module)
+    swap.set(model.get_submodule(owner) if owner else model, name, module)
 
 
 def find_parts(model: nn.Module) -> Parts:
@@ -166,15 +171,12 @@ def run_stage(model: nn.Module, stage: Stage, x: torch.Tensor, inputs: dict) -> 
     return decoder(use_cache=False, **kwargs).last_hidden_state
 
 
-@contextmanager
-def _skipping(modules: list[nn.Module]):
+def _skipping(modules: list[nn.Module]) -> Swap:
+    """A swap (undone on leaving a `with` block) whose modules pass their input through."""
+    swap = Swap(PIPELINE)
     for m in modules:
-        m.forward = _passthrough
-    try:
-        yield
-    finally:
-        for m in modules:
-            del m.forward
+        swap.set(m, "forward", _passthrough)
+    return swap
 
 
 def check_stages(model: nn.Module, stages: list[range], parts: Parts | None = None) -> Parts:
@@ -215,19 +217,19 @@ def check_stages(model: nn.Module, stages: list[range], parts: Parts | None = No
 def cut(model: nn.Module, stages: list[range], index: int, parts: Parts) -> Stage:
     """Keep stage `index` of `model` (in place): other stages' layers, and the embedding, final norm and head where
     this stage does not run them, become parameter-free stand-ins."""
-    stage = Stage(index, len(stages), stages[index], parts)
+    stage = Stage(index, len(stages), stages[index], parts, Swap(PIPELINE, f"stage {index}"))
     stack = model.get_submodule(parts.layers)
     for j in range(len(stack)):
         if j not in stage.layers:
-            stack[j] = _PassThrough(stack[j])
+            stage.swap.set(stack, str(j), _PassThrough(stack[j]))
     if not stage.first:
-        _replace(model, _path_of(model, model.get_input_embeddings()), _Elsewhere("embedding"))
+        _stand_in(stage.swap, model, _path_of(model, model.get_input_embeddings()), _Elsewhere("embedding"))
     if not stage.last:
-        _replace(model, parts.norm, _PassThrough(model.get_submodule(parts.norm)))
+        _stand_in(stage.swap, model, parts.norm, _PassThrough(model.get_submodule(parts.norm)))
         head = model.get_output_embeddings()
         if head is not None:
-            _replace(model, _path_of(model, head), _Elsewhere("LM head"))
-    setattr(model, _STAGE, stage)
+            _stand_in(stage.swap, model, _path_of(model, head), _Elsewhere("LM head"))
+    stage.swap.set(model, _STAGE, stage)
     return stage
 
 
@@ -248,7 +250,8 @@ class Pipeline:
         self.expert_tokens: dict[str, torch.Tensor] = {}
         # the routing modules this stage runs, found once rather than per micro-batch
         self.routers = [(name, m) for name, m in model.named_modules() if hasattr(m, "tokens_per_expert")]
-        model.forward = self._forward  # PipelineStage calls the model: its FSDP2 hooks run, then this
+        self.swap = Swap(PIPELINE, "forward")  # PipelineStage calls the model: its FSDP2 hooks run, then this
+        self.swap.set(model, "forward", self._forward)
 
     def _schedule(self, ids_shape: torch.Size):
         """The schedule for micro-batches of `ids_shape` (rows of sequences, or a packed row of them end to end).
@@ -273,6 +276,7 @@ class Pipeline:
         return output  # the last stage's output is its micro-batch's loss already
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.swap.count("micro_batch")
         inputs = self.inputs.popleft()
         out = run_stage(self.model, self.stage, x, inputs)
         if torch.is_grad_enabled():  # a micro-batch's routing, counted once (recompute does not come through here)

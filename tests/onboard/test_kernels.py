@@ -87,12 +87,12 @@ def test_the_store_keeps_one_file_per_key_and_refuses_other_text(tmp_path, monke
 
 def _bundle_kernels(tmp_path, bundle="deepseek-v3", change=None) -> Path:
     """A copy of a committed bundle's kernels.json (with `change` applied to its first record)."""
-    entries = json.loads((ROOT / "bundles" / bundle / "kernels.json").read_text())
+    document = json.loads((ROOT / "bundles" / bundle / "kernels.json").read_text())
     if change:
-        change(entries[0])
+        change(document["kernels"][0])
     folder = tmp_path / "bundle"
     folder.mkdir()
-    (folder / "kernels.json").write_text(json.dumps(entries))
+    (folder / "kernels.json").write_text(json.dumps(document))
     return folder
 
 
@@ -105,7 +105,7 @@ def test_a_committed_bundles_kernels_render_again_into_an_empty_store(tmp_path, 
 
     monkeypatch.setenv("ONBOARD_KERNEL_STORE", str(tmp_path / "store"))
     folder = _bundle_kernels(tmp_path)
-    entries = json.loads((folder / "kernels.json").read_text())
+    entries = json.loads((folder / "kernels.json").read_text())["kernels"]
     assert restore_kernels(folder) == [e["key"] for e in entries]
     for e in entries:
         assert hashlib.sha256(store.path_of(e["key"]).read_bytes()).hexdigest() == e["sha256"]
@@ -119,9 +119,11 @@ def test_a_committed_bundles_kernels_render_again_into_an_empty_store(tmp_path, 
     (lambda e: e["params"].update(hidden=e["params"]["hidden"] + 1), "another version of"),
     (lambda e: e.update(sha256="0" * 64), "renders to other text"),
     (lambda e: e.update(key="../../x"), "not a kernel key"),
-    (lambda e: e.pop("sha256"), "needs a key and a sha256"),
+    (lambda e: e.pop("sha256"), r"\[0\]: no 'sha256'"),
+    (lambda e: e.update(key=7), r"'kernels'\[0\]: 'key' must be text, not a whole number"),
+    (lambda e: e.update(sha256="f" * 63), "'sha256' must be 64 hex digits"),
 ], ids=["template path", "code in a name", "list parameter", "edited parameter", "wrong sha256", "key a path",
-        "no sha256"])
+        "no sha256", "key a number", "short sha256"])
 def test_a_tampered_kernel_record_is_refused_and_nothing_is_stored(change, words, tmp_path, monkeypatch):
     """kernels.json arrives in a pull request, and its parameters are rendered into code."""
     from onboard.bundle.kernels import restore_kernels
@@ -189,7 +191,7 @@ def test_adapted_twin_verifies_with_triton_kernels(tmp_path):
     assert data["passed"] and set(data["backends"].values()) == {"triton"}
     from runtime.kernels import store
 
-    kernels = json.loads((tmp_path / "b" / "kernels.json").read_text())
+    kernels = json.loads((tmp_path / "b" / "kernels.json").read_text())["kernels"]
     assert [k["template"] for k in kernels] == ["kernels/moe_triton.py.j2", "kernels/loss_triton.py.j2"]
     for k in kernels:
         assert store.path_of(k["key"]).is_file() and k["key"] in (tmp_path / "b" / "adapter.py").read_text()

@@ -126,9 +126,9 @@ def test_recompute_and_offload_together(pristine):
 
 
 def test_recompute_wraps_what_the_policy_names(pristine):
-    assert apply_recompute(_model(pristine), "full") == 2
-    assert apply_recompute(_model(pristine), "selective") == 2  # two runtime MoE blocks
-    assert apply_recompute(_model(pristine), "none") == 0
+    assert len(apply_recompute(_model(pristine), "full").parts) == 2
+    assert len(apply_recompute(_model(pristine), "selective").parts) == 2  # two runtime MoE blocks
+    assert not apply_recompute(_model(pristine), "none").parts
     with pytest.raises(ValueError, match="recompute policy"):
         apply_recompute(_model(pristine), "everything")
     with pytest.raises(ValueError, match="offload policy"):

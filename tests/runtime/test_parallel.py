@@ -291,7 +291,7 @@ def test_lora_starts_as_the_base_model_and_trains_only_adapters(qwen3):
 
     model, base = qwen3(), qwen3()
     names = set(dict(model.named_parameters()))
-    adapted = apply_lora(model, LoRA(rank=4, alpha=8.0))
+    adapted = list(apply_lora(model, LoRA(rank=4, alpha=8.0)).parts)
     assert any("self_attn.q_proj" in n for n in adapted) and any(n.endswith("mlp.experts") for n in adapted)
     assert names <= set(dict(model.named_parameters()))  # base parameters keep their names
     ids = torch.randint(3, 512, (2, SEQ), generator=torch.Generator().manual_seed(0))
