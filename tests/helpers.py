@@ -59,8 +59,9 @@ def run_cli(*args, env: dict | None = None, cwd=None, timeout: float = HANG) -> 
     stderr, as the CompletedProcess of a run in a process of its own would have them, without a Python, torch
     and transformers start per command (a few seconds of CPU each). For cases that need no process of their own
     (a hang they guard against in C code, a signal, a kill, or code that must never run in the test's process
-    still take `subprocess`). `env` is set for the command's duration; `cwd` is its working directory; a command
-    not done in `timeout` seconds fails the test."""
+    still take `subprocess`). `env` is set for the command's duration, `cwd` is its working directory, and torch's
+    thread count is put back after it (`onboard train --threads N` sets it); a command not done in `timeout`
+    seconds fails the test."""
     import contextlib
     import io
     import os
@@ -71,7 +72,7 @@ def run_cli(*args, env: dict | None = None, cwd=None, timeout: float = HANG) -> 
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     saved_env = {k: os.environ.get(k) for k in (env or {})}
-    here = os.getcwd()
+    here, threads = os.getcwd(), torch.get_num_threads()
 
     def hang(signum, frame):
         raise _Hang(f"onboard {' '.join(argv)}: not done in {timeout} s")
@@ -96,6 +97,7 @@ def run_cli(*args, env: dict | None = None, cwd=None, timeout: float = HANG) -> 
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         os.chdir(here)
+        torch.set_num_threads(threads)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -26,7 +26,6 @@ from cli import main
 from onboard.data import prepare_text
 from onboard.errors import OnboardError
 from runtime.train.data import PackedCorpus, model_inputs
-from tests.helpers import released_model
 
 WORDS = "the a model expert router token layer attention learns routes packs every document sees only its own".split()
 SEQ = 32
@@ -71,10 +70,11 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models_with_tokenizers(tmp_path_factory):
+def models_with_tokenizers(released_models):
+    """The session's released models (tests/runtime/conftest.py), each with the word-level tokenizer beside it."""
     out = {}
     for family in ("mixtral", "qwen3_next", "deepseek_v3", "minimax", "jamba"):
-        model_dir, bundle = released_model(family, tmp_path_factory.mktemp(family))
+        model_dir, bundle = released_models(family)
         _tokenizer(model_dir)
         out[family] = (model_dir, bundle)
     return out
