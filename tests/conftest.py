@@ -51,6 +51,28 @@ def mixtral_bundle(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def family_bundle(tmp_path_factory):
+    """`family_bundle(family) -> (spec, verification, bundle)`: a transformers family at its default config adapted
+    as `onboard adapt` does it (twin, capture, decision, verification, bundle written), once per session for
+    every test that reads such a bundle (test_families, test_adapt). The bundle is read, never changed: a test
+    that edits one copies it first."""
+    from onboard.bundle import adapt
+    from onboard.families import default_config
+    from onboard.source import from_config
+
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            out = tmp_path_factory.mktemp(f"family-{family}") / "bundle"
+            spec, verification = adapt(from_config(default_config(family), family), out)
+            cache[family] = (spec, verification, out)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def twin_adapter():
     """`adapter(directory, ref=None, family=None) -> (spec, twin, decision, adapt)`: the tiny twin of a catalogue /
     HF `ref` or of a transformers `family` at its default config, adapted as `onboard adapt` does it: spec,
