@@ -73,6 +73,21 @@ def family_bundle(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zaya_agent_bundle(tmp_path_factory):
+    """ZAYA (transformers' default config, saved as a checkpoint folder) adapted by `onboard agent`'s rules policy,
+    timing verdicts included: its residual scalings are generated code. Made once per session for the tests that
+    read it (test_cheats, test_review_check); a test that edits it copies it first."""
+    from onboard.agent.loop import run
+    from onboard.families import default_config
+    from onboard.source import resolve
+
+    folder = tmp_path_factory.mktemp("zaya-agent")
+    default_config("zaya").save_pretrained(folder / "model")
+    run(resolve(str(folder / "model")), folder / "bundle")
+    return folder / "bundle"
+
+
+@pytest.fixture(scope="session")
 def twin_adapter():
     """`adapter(directory, ref=None, family=None) -> (spec, twin, decision, adapt)`: the tiny twin of a catalogue /
     HF `ref` or of a transformers `family` at its default config, adapted as `onboard adapt` does it: spec,
