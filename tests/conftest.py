@@ -1,5 +1,6 @@
-"""Test settings: offline, quiet, two threads at most (CI has 2 cores), and a kernel store of the session's own
-(rendered kernels never land in the checkout's runtime/kernels/store)."""
+"""Test settings: offline, quiet, two threads at most (CI has 2 cores) that sleep rather than spin while they wait
+for work, and a kernel store of the session's own (rendered kernels never land in the checkout's
+runtime/kernels/store)."""
 
 import os
 import tempfile
@@ -9,6 +10,11 @@ os.environ.setdefault("ONBOARD_KERNEL_STORE", tempfile.mkdtemp(prefix="onboard-k
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# OpenMP's threads otherwise spin after each parallel region: on a busy machine (other tests, other processes)
+# a thread spins while the one it waits for is off the CPU, and the same test costs up to twice the CPU time
+# (measured: 2.9 s of CPU passive, 3.8-8.6 s spinning, for one inspection). Set before torch loads OpenMP, and
+# inherited by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -42,6 +48,43 @@ def mixtral_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "mixtral"
     adapt(resolve("mixtral-8x7b"), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def family_bundle(tmp_path_factory):
+    """`family_bundle(family) -> (spec, verification, bundle)`: a transformers family at its default config adapted
+    as `onboard adapt` does it (twin, capture, decision, verification, bundle written), once per session for
+    every test that reads such a bundle (test_families, test_adapt). The bundle is read, never changed: a test
+    that edits one copies it first."""
+    from onboard.bundle.make import adapt
+    from onboard.review.families import default_config
+    from onboard.source import from_config
+
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            out = tmp_path_factory.mktemp(f"family-{family}") / "bundle"
+            spec, verification = adapt(from_config(default_config(family), family), out)
+            cache[family] = (spec, verification, out)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zaya_agent_bundle(tmp_path_factory):
+    """ZAYA (transformers' default config, saved as a checkpoint folder) adapted by `onboard agent`'s rules policy,
+    timing verdicts included: its residual scalings are generated code. Made once per session for the tests that
+    read it (test_cheats, test_review_check); a test that edits it copies it first."""
+    from onboard.agent.loop import run
+    from onboard.review.families import default_config
+    from onboard.source import resolve
+
+    folder = tmp_path_factory.mktemp("zaya-agent")
+    default_config("zaya").save_pretrained(folder / "model")
+    run(resolve(str(folder / "model")), folder / "bundle")
+    return folder / "bundle"
 
 
 @pytest.fixture(scope="session")

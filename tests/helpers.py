@@ -3,6 +3,7 @@ rendered into the session's kernel store and checked in a process of their own."
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,11 +49,69 @@ def stored_kernel(template: str, **params) -> str:
     return kernel.key
 
 
+class _Hang(SystemExit):
+    """Raised in a command run in this process when it is not done in its time (SIGALRM); a SystemExit, so that
+    cli.main's catch-all does not turn it into an internal error."""
+
+
+def run_cli(*args, env: dict | None = None, cwd=None, timeout: float = HANG) -> subprocess.CompletedProcess:
+    """`onboard ARGS` run in this process (`cli.main(argv)`): its exit code and what it printed on stdout and
+    stderr, as the CompletedProcess of a run in a process of its own would have them, without a Python, torch
+    and transformers start per command (a few seconds of CPU each). For cases that need no process of their own
+    (a hang they guard against in C code, a signal, a kill, or code that must never run in the test's process
+    still take `subprocess`). `env` is set for the command's duration, `cwd` is its working directory, and torch's
+    thread count is put back after it (`onboard train --threads N` sets it); a command not done in `timeout`
+    seconds fails the test."""
+    import contextlib
+    import io
+    import os
+    import signal
+
+    import cli
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in (env or {})}
+    here, threads = os.getcwd(), torch.get_num_threads()
+
+    def hang(signum, frame):
+        raise _Hang(f"onboard {' '.join(argv)}: not done in {timeout} s")
+
+    hung = None
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(argv)
+            except _Hang as exc:
+                hung = str(exc)
+            except SystemExit as exc:  # argparse: --help (0) and bad arguments (2)
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.chdir(here)
+        torch.set_num_threads(threads)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if hung:
+        raise AssertionError(hung)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def run_kernel_check(script: str, key: str, *, threads: int = 1):
     """tests/kernels/<script> on a stored kernel, in its own process under Triton's CPU interpreter (Triton reads
     TRITON_INTERPRET at import)."""
     import os
-    import subprocess
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(TESTS / "kernels" / script), key], check=False, capture_output=True,

@@ -352,8 +352,10 @@ def test_under_strace_no_candidate_code_runs_in_onboard_and_no_candidate_connect
               "        seen.write(str(args[0]) + '\\n'); seen.flush()\n"
               "sys.addaudithook(hook)\nfrom cli import main\n"
               f"sys.exit(main(['agent', {zaya[0].ref!r}, '--out', {str(tmp_path / 'bundle')!r}, '--keep-slower']))\n")
-    # --keep-slower: strace slows every system call, and the timing is not what this test is about
-    done = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve,connect,clone,clone3,fork,vfork", "-o", str(log),
+    # --keep-slower: strace slows system calls, and the timing is not what this test is about; --seccomp-bpf:
+    # the traced processes stop at the traced calls only, not at every system call (25-40 s of CPU before, 20 s after)
+    done = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=execve,connect,clone,clone3,fork,vfork",
+                           "-o", str(log),
                            sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
@@ -379,22 +381,21 @@ def test_under_strace_no_candidate_code_runs_in_onboard_and_no_candidate_connect
 # --- the replaced class, reached on another object ---------------------------------------------------------------
 
 
-def test_verification_counts_a_call_of_the_replaced_class_on_any_object(zaya, tmp_path):
+def test_verification_counts_a_call_of_the_replaced_class_on_any_object(zaya, zaya_agent_bundle):
     """Test code standing in for a candidate that got hold of the class: a module that computes the right numbers
     by calling ZayaResidualScaling.forward on itself. No instance of the class runs (the hooks on the replaced
     instances see nothing); verification counts the call at the class and fails every seed. The honest
-    generated files, loaded the same way, verify."""
+    generated files (the rules policy's, in the session's agent bundle of the same config), loaded the same way,
+    verify."""
     import functools
 
     from transformers.models.zaya.modeling_zaya import ZayaResidualScaling
 
-    from onboard.adapt.verify import verify
-    from onboard.agent.loop import run
     from onboard.bundle.files import load_adapter, read_decision
+    from onboard.adapt.verify import verify
     from runtime.generated import Generated, load_generated
 
-    run(zaya[0], tmp_path / "bundle", keep_slower=True)
-    adapter, decision = load_adapter(tmp_path / "bundle").adapt, read_decision(tmp_path / "bundle")
+    adapter, decision = load_adapter(zaya_agent_bundle).adapt, read_decision(zaya_agent_bundle)
     assert [e.path for e in decision.generated if e.takes]
 
     class ThroughTheClass(Generated):

@@ -3,7 +3,6 @@
 import json
 import os
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from onboard.inspect.capture import capture
 from onboard.inspect.inspection import build_spec
 from onboard.source import resolve
 from onboard.twin import Twin
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,8 +148,8 @@ def test_dense_model_gives_bundle_with_nothing_replaced(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    """`onboard ARGS` in this process (`tests.helpers.run_cli`)."""
+    return run_cli(*args)
 
 
 def test_existing_bundle_needs_force_and_is_not_touched(tmp_path):
@@ -194,34 +194,27 @@ def test_cli_adapt_then_verify(tmp_path):
     assert refused.returncode != 0 and "decision.json" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_zero_experts_are_identity_slots(tmp_path):
+def test_zero_experts_are_identity_slots(family_bundle):
     """LongCat-Flash routes over real and zero (identity) experts: the runtime takes the reading and verifies."""
-    from onboard.review.families import default_config
-    from onboard.source import from_config
-
-    source = from_config(default_config("longcat_flash"), "longcat_flash")
-    spec, result = adapt(source, tmp_path / "b")
+    spec, result, _ = family_bundle("longcat_flash")
     moe = next(layer.mlp for layer in spec.layers if layer.mlp.kind == "moe")
     assert moe.zero_experts == 256 and moe.num_experts == 512
     assert result.passed and result.replaced == result.expected >= 1
 
 
-def test_a_reading_that_does_not_verify_is_dropped(tmp_path):
+def test_a_reading_that_does_not_verify_is_dropped(family_bundle):
     """Inkling's router also scores its shared experts: read as identity experts it fails verification,
     so the bundle keeps those blocks and their routing as HuggingFace code, says why, and takes over only
     the experts."""
-    from onboard.review.families import default_config
-    from onboard.source import from_config
-
-    spec, result = adapt(from_config(default_config("inkling_text"), "inkling_text"), tmp_path / "b")
-    decision = read_decision(tmp_path / "b")
+    spec, result, bundle = family_bundle("inkling_text")
+    decision = read_decision(bundle)
     partial = [e for e in decision.moe if e.takes == "experts"]
     assert decision.refused and all(t.startswith("moe:") and "did not verify" in why
                                     for t, why in decision.refused.items())
     assert partial and all("did not verify" in e.why for e in partial)
     assert result.passed and result.replaced == result.expected > 0
     assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
-    review = (tmp_path / "b" / "REVIEW.md").read_text()
+    review = (bundle / "REVIEW.md").read_text()
     assert "did not verify" in review and "runtime.moe.RoutedExperts" in review
     # its head input is divided by logits_mup_width_multiplier in the causal-LM forward: read as a logit scale,
     # the loss runs in the runtime and verifies
@@ -236,26 +229,20 @@ def spec_config(spec, name):
 
 
 @pytest.mark.parametrize("family", ["phimoe", "zaya"])
-def test_routers_the_runtime_cannot_reproduce_keep_routing_and_swap_experts(family, tmp_path):
+def test_routers_the_runtime_cannot_reproduce_keep_routing_and_swap_experts(family, family_bundle):
     """PhiMoE's sparse mixer and ZAYA's router network stay HuggingFace code; their experts run in the runtime."""
-    from onboard.review.families import default_config
-    from onboard.source import from_config
-
-    spec, result = adapt(from_config(default_config(family), family), tmp_path / "b")
-    decision = read_decision(tmp_path / "b")
+    spec, result, bundle = family_bundle(family)
+    decision = read_decision(bundle)
     assert {e.takes for e in decision.moe} == {"experts"} and all(e.why for e in decision.moe)
     assert result.passed and result.replaced == result.expected > 0
     assert result.swaps["experts"] == {"expected": result.expected, "made": result.expected}
     assert all(r.original_calls == 0 and r.runtime_calls > 0 for r in result.seeds)
-    assert "RoutedExperts(experts)" in (tmp_path / "b" / "adapter.py").read_text()
+    assert "RoutedExperts(experts)" in (bundle / "adapter.py").read_text()
 
 
-def test_hash_routed_layers_are_reproduced(tmp_path):
+def test_hash_routed_layers_are_reproduced(family_bundle):
     """DeepSeek-V4's first MoE layers pick experts from a token-id table: read from the graph, reproduced."""
-    from onboard.review.families import default_config
-    from onboard.source import from_config
-
-    spec, result = adapt(from_config(default_config("deepseek_v4"), "deepseek_v4"), tmp_path / "b")
+    spec, result, _ = family_bundle("deepseek_v4")
     static = [layer.mlp for layer in spec.layers if layer.mlp.kind == "moe" and layer.mlp.router.order == "static"]
     assert static and static[0].router.table.endswith("tid2eid") and static[0].router.token_input == "input_ids"
     assert static[0].router.score == "sqrtsoftplus"
@@ -263,19 +250,19 @@ def test_hash_routed_layers_are_reproduced(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "minimax", "jetmoe"])
-def test_router_auxiliary_loss_is_kept(family, tmp_path):
+def test_router_auxiliary_loss_is_kept(family, family_bundle):
     """With router logits requested, the adapted model's auxiliary loss equals HuggingFace's: the model's own
     router module still runs (under its own name) when something records it."""
     from onboard.review.families import default_config
     from onboard.source import from_config
 
     source = from_config(default_config(family), family)
-    _, result = adapt(source, tmp_path / "b")
+    _, result, bundle = family_bundle(family)
     assert result.passed and result.aux_loss and result.aux_loss["passed"]
     assert result.aux_loss["hf"] == pytest.approx(result.aux_loss["adapted"], rel=1e-5)
     # ... and only then: a forward that records nothing does not run it (the recorders are attached at adapt)
     model = Twin.build(source).model
-    load_adapter(tmp_path / "b").adapt(model)
+    load_adapter(bundle).adapt(model)
     routers = [getattr(block, block.router_name) for block in model.modules() if getattr(block, "router_name", None)]
     ran = []
     for router in routers:
@@ -287,18 +274,15 @@ def test_router_auxiliary_loss_is_kept(family, tmp_path):
     assert ran
 
 
-def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers():
+def test_head_is_captured_when_the_model_reads_class_attributes_of_its_layers(family_bundle):
     """Inkling2's model forward reads `decoder_layer.attention_type`, a class attribute: the stand-in layers of the
-    head capture carry it, so the head, its soft cap and the loss are found and the loss can be swapped."""
+    head capture carry it, so the head, its soft cap and the loss are found and the loss is swapped."""
     from onboard.review.families import default_config
-    from onboard.source import from_config
 
-    source = from_config(default_config("inkling2_text"), "inkling2_text")
-    twin = Twin.build(source)
-    spec = build_spec(source, twin, capture(twin))
+    spec, _, bundle = family_bundle("inkling2_text")
     assert spec.head["captured"] and spec.head["loss"] == "cross_entropy"
     assert spec.head["logit_softcap"] == pytest.approx(default_config("inkling2_text").final_logit_softcapping)
-    loss = decide(spec, twin).loss
+    loss = read_decision(bundle).loss
     assert loss.takes and loss.why is None and loss.softcap == spec.head["logit_softcap"]
 
 

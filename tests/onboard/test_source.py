@@ -11,14 +11,15 @@ import pytest
 
 from onboard.errors import OnboardError
 from onboard.source import CATALOGUE_DIR, resolve
+from tests.helpers import HANG, run_cli  # run_cli: `onboard` in this process
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args, env=None):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "2", **(env or {})}
+def cli_process(*args):
+    """`onboard ARGS` in a process of its own (a model whose code must not run in the test's process)."""
     return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True,
-                          env=full_env, timeout=300)
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=HANG)
 
 
 def test_catalogue_by_slug_and_hf_id():
@@ -103,7 +104,7 @@ def test_cli_remote_code_without_flag(tmp_path):
     for f in (CATALOGUE_DIR / "onboard-flagship-2.8t").iterdir():
         if f.is_file():
             shutil.copy(f, tmp_path / f.name)
-    result = run_cli("inspect", str(tmp_path))
+    result = cli_process("inspect", str(tmp_path))
     assert result.returncode != 0 and "--trust-remote-code" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -71,15 +71,12 @@ def test_bad_placements_are_refused(broken):
 
 def test_rebalancing_without_expert_parallelism_is_refused_in_one_line(tmp_path):
     """The committed bundles' plans have ep=1: nothing to place, said before anything is built or written."""
-    import subprocess
-
-    from tests.helpers import ROOT
+    from tests.helpers import ROOT, run_cli
 
     bundle = ROOT / "bundles" / "qwen3-30b-a3b"
     before = sorted(p.name for p in bundle.iterdir())
-    result = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", str(bundle), "--rebalance-every", "2",
-                             "--checkpoint-dir", str(tmp_path / "ck"), "--runlog", str(tmp_path / "run.jsonl")],
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_cli("train", bundle, "--rebalance-every", "2", "--checkpoint-dir", tmp_path / "ck", "--runlog",
+                     tmp_path / "run.jsonl")
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "ep=1" in lines[0] and "--rebalance-every" in lines[0]

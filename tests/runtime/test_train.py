@@ -251,15 +251,20 @@ def test_cli_trains_in_process_and_bundle_has_train_sh(bundle, tmp_path):
 # Several processes: torchrun, gloo, one rank killed with SIGKILL
 
 
-def _torchrun(bundle, config, plan, log, ck, steps, every, extra=()):
+def _job_args(bundle, config, plan, log, ck, steps, every, extra=()) -> list[str]:
+    """`python -m runtime.train`'s arguments (what torchrun starts on every rank): one torch thread."""
     kwargs = json.dumps({"bundle": str(bundle), "config": str(config)})
+    args = ["--model", "onboard.train:build_model", "--model-kwargs", kwargs, "--plan", str(plan), "--steps",
+            str(steps), "--lr", "1e-2", "--runlog", str(log), "--no-progress", "--threads", "1"]
+    if ck:
+        args += ["--checkpoint-dir", str(ck), "--checkpoint-every", str(every)]
+    return args + [str(a) for a in extra]
+
+
+def _torchrun(bundle, config, plan, log, ck, steps, every, extra=()):
     world = Plan.load(plan).world_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m",
-           "runtime.train", "--model", "onboard.train:build_model", "--model-kwargs", kwargs, "--plan", str(plan),
-           "--steps", str(steps), "--lr", "1e-2", "--runlog", str(log), "--no-progress", "--threads", "1"]
-    if ck:
-        cmd += ["--checkpoint-dir", str(ck), "--checkpoint-every", str(every)]
-    cmd += [str(a) for a in extra]
+           "runtime.train", *_job_args(bundle, config, plan, log, ck, steps, every, extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -349,9 +354,19 @@ def test_memory_policies_compose_with_pipeline_and_tensor_parallelism(bundle, tm
     for name, layout in (("one", {}), ("pp-tp", {"pp": 2, "tp": 2, "recompute": "full", "offload": "moe"})):
         plan = tmp_path / f"{name}.json"
         plan.write_text(_plan(micro_batch=1, grad_accum=2, **layout).to_json())
-        proc = _torchrun(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0, data)
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out.decode()[-6000:]
+        if name == "one":  # the single process's run: runtime.train's main in this process (its thread count kept)
+            from runtime.train.__main__ import main as runtime_train
+
+            assert not torch.distributed.is_initialized()  # (its main leaves by os._exit where one is)
+            threads = torch.get_num_threads()
+            try:
+                assert runtime_train(_job_args(bundle, config, plan, tmp_path / "one.jsonl", None, 3, 0, data)) == 0
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            proc = _torchrun(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0, data)
+            out, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, out.decode()[-6000:]
         runs[name] = _step_losses(tmp_path / f"{name}.jsonl")
         held_out[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
                           if '"eval"' in line][-1]

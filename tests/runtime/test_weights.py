@@ -30,20 +30,17 @@ from runtime.plan import LoRA, Plan
 from runtime.runlog import read_runs
 from runtime.train import TrainJob, train
 from runtime.train import data as token_data
-from runtime.train.weights import ReleasedWeights, HFLayout, Pretrained, load_weights
-from tests.helpers import ROOT, released_model
+from runtime.train.weights import HFLayout, Pretrained, ReleasedWeights, load_weights
+from tests.helpers import ROOT, released_model, run_cli
 
 FAMILIES = ("mixtral", "qwen3_next", "deepseek_v3")
 SEQ = 16
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    out = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        out[family] = released_model(family, folder)
-    return out
+def released(released_models):
+    """(model directory, bundle) by family: the session's released models (tests/runtime/conftest.py)."""
+    return {family: released_models(family) for family in FAMILIES}
 
 
 def _hf_loss(model_dir, dp: int) -> float:
@@ -162,32 +159,25 @@ def test_cli_refuses_weights_of_another_model_and_twin_options(released, capsys,
 
 
 @pytest.mark.multiprocess
-def test_four_processes_with_fsdp_expert_parallelism_and_lora_start_from_the_released_loss(released, tmp_path):
-    model_dir, bundle = released["mixtral"]
-    plan = tmp_path / "plan.json"
-    plan.write_text(Plan(dp_shard=4, ep=2, lora=LoRA(rank=4, alpha=8, targets=["attention", "experts"]),
-                         dtype="fp32", seq_len=SEQ).to_json())
-    log = tmp_path / "run.jsonl"
-    assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2",
-                 "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck")]) == 0
-    steps = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line).get("kind") == "step"]
-    assert steps[0]["loss"] == pytest.approx(_hf_loss(model_dir, 4), rel=1e-6)
-    assert steps[1]["loss"] != steps[0]["loss"]  # the adapters trained
-
-
-@pytest.mark.multiprocess
-def test_four_processes_export_a_peft_adapter_and_a_checkpoint_that_agree(released, tmp_path):
-    """Under FSDP2 + EP the exports gather every shard and expert slice: the PEFT adapter on the released model and
-    the merged checkpoint (written from the same trained state by another path) give the same logits."""
+def test_four_processes_with_fsdp_expert_parallelism_and_lora_start_from_the_released_loss_and_export_agreeing(
+        released, tmp_path):
+    """One run of four processes (FSDP2 + EP + LoRA): the first step's loss is HuggingFace's own on every rank's
+    batch, the adapters train, and the exports gather every shard and expert slice: the PEFT adapter on the
+    released model and the merged checkpoint (written from the same trained state by another path) give the same
+    logits."""
     from peft import PeftModel
 
     model_dir, bundle = released["mixtral"]
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(dp_shard=4, ep=2, lora=LoRA(rank=4, alpha=8, targets=["attention", "experts"]),
                          dtype="fp32", seq_len=SEQ).to_json())
+    log = tmp_path / "run.jsonl"
     assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2", "--lr",
-                 "0.01", "--runlog", str(tmp_path / "run.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
+                 "0.01", "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck"),
                  "--export-peft", str(tmp_path / "peft"), "--export-hf", str(tmp_path / "hf")]) == 0
+    steps = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line).get("kind") == "step"]
+    assert steps[0]["loss"] == pytest.approx(_hf_loss(model_dir, 4), rel=1e-6)
+    assert steps[1]["loss"] != steps[0]["loss"]  # the adapters trained
     ids = torch.randint(3, 200, (1, SEQ), generator=torch.Generator().manual_seed(7))
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = _logits(base, ids)
@@ -333,10 +323,11 @@ def qwen3_moe(tmp_path_factory):
     return released_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
 
 
-def _train_command(bundle, model_dir, plan, ck, log, steps: int, *extra) -> list[str]:
-    return [sys.executable, str(ROOT / "cli.py"), "train", str(bundle), "--weights", str(model_dir), "--plan",
-            str(plan), "--steps", str(steps), "--lr", "0.01", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-            "--runlog", str(log), *map(str, extra)]
+def _train_args(bundle, model_dir, plan, ck, log, steps: int, *extra) -> list[str]:
+    """`onboard train`'s arguments for the kill-and-resume runs: one torch thread in every process."""
+    return ["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", str(steps), "--lr",
+            "0.01", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--runlog", str(log), "--threads", "1",
+            *map(str, extra)]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -376,16 +367,17 @@ def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_tr
     steps = 12
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(dtype="fp32", seq_len=SEQ, lora=lora, **layout).to_json())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    straight = subprocess.run(_train_command(bundle, model_dir, plan, tmp_path / "ck0", tmp_path / "straight.jsonl",
-                                             steps, "--export-hf", tmp_path / "hf0"),
-                              env=env, capture_output=True, text=True, timeout=600)
+    # the uninterrupted run and the resumed one in this process (torchrun's ranks in processes of their own); the
+    # run that is killed in a process of its own
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    straight = run_cli(*_train_args(bundle, model_dir, plan, tmp_path / "ck0", tmp_path / "straight.jsonl", steps,
+                                    "--export-hf", tmp_path / "hf0"), env=one_thread)
     assert straight.returncode == 0, straight.stderr[-4000:]
 
     ck, log = tmp_path / "ck", tmp_path / "killed.jsonl"
-    command = _train_command(bundle, model_dir, plan, ck, log, steps)
-    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    args = _train_args(bundle, model_dir, plan, ck, log, steps)
+    victim = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *args], env={**os.environ, **one_thread},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while not checkpoints(ck) and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -393,7 +385,7 @@ def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_tr
         os.kill(pid, signal.SIGKILL)  # (torchrun starts each rank in a session of its own: killpg misses them)
     victim.wait(timeout=60)
     assert victim.returncode == -signal.SIGKILL and len(_run_losses(log)) < steps, "the run finished before the kill"
-    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    resumed = run_cli(*args, env=one_thread)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     whole = _run_losses(tmp_path / "straight.jsonl")
     runs = read_runs([log])[0]
