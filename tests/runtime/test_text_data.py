@@ -274,8 +274,8 @@ def test_the_whole_job_on_four_processes_reloads_in_transformers_and_peft(family
     log = tmp_path / "run.jsonl"
     assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--data",
                  str(corpus / "docs.jsonl"), "--eval-data", str(corpus / "held_out.jsonl"), "--steps", "2", "--lr",
-                 "0.01", "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck"),
-                 "--export-peft", str(tmp_path / "peft"), "--export-hf", str(tmp_path / "hf")]) == 0
+                 "0.01", "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck"), "--threads", "1",
+                 "--export-peft", str(tmp_path / "peft"), "--export-hf", str(tmp_path / "hf")]) == 0  # 1 thread a rank
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     via_peft = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     via_hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()

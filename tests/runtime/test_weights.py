@@ -173,8 +173,8 @@ def test_four_processes_with_fsdp_expert_parallelism_and_lora_start_from_the_rel
                          dtype="fp32", seq_len=SEQ).to_json())
     log = tmp_path / "run.jsonl"
     assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2", "--lr",
-                 "0.01", "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck"),
-                 "--export-peft", str(tmp_path / "peft"), "--export-hf", str(tmp_path / "hf")]) == 0
+                 "0.01", "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck"), "--threads", "1",
+                 "--export-peft", str(tmp_path / "peft"), "--export-hf", str(tmp_path / "hf")]) == 0  # 1 thread a rank
     steps = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line).get("kind") == "step"]
     assert steps[0]["loss"] == pytest.approx(_hf_loss(model_dir, 4), rel=1e-6)
     assert steps[1]["loss"] != steps[0]["loss"]  # the adapters trained
