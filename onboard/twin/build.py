@@ -58,13 +58,7 @@ class Twin:
             raise OnboardError("--layers and --width must be at least 1")
         plan = twin_config(source)
         if layers is None and width == 1:
-            try:
-                return _build(source, plan, check)
-            except OnboardError:
-                fallback = as_is(source, plan)
-                if fallback is None:
-                    raise
-                return _build(source, fallback, check)
+            return _shrunk_or_as_is(source, plan, check)
         return _scaled(source, plan, layers, width, check)
 
     @property
@@ -136,6 +130,17 @@ def _build_real(source: ModelSource, cfg: dict) -> nn.Module:
     return model
 
 
+def _shrunk_or_as_is(source: ModelSource, plan: TwinConfig, run_check: bool) -> Twin:
+    """The twin of `plan`; where a twin shrunk by behaviour does not build or run, the model as it is, if small."""
+    try:
+        return _build(source, plan, run_check)
+    except OnboardError:
+        fallback = as_is(source, plan)
+        if fallback is None:
+            raise
+        return _build(source, fallback, run_check)
+
+
 def _build(source: ModelSource, plan: TwinConfig, run_check: bool) -> Twin:
     """Choose the layer prefix, build for real, and check forward + backward runs."""
     cfg, shrinks, count_key = plan.cfg, list(plan.shrinks), plan.layers_key
@@ -186,7 +191,7 @@ def _scaled(source: ModelSource, plan: TwinConfig, layers: int | None, width: in
     """The twin's config (its own layer prefix when `layers` is None, else the first `layers` layers at twin
     width), `width` times wider, built for real."""
     if layers is None:
-        twin = _build(source, plan, run_check=False)
+        twin = _shrunk_or_as_is(source, plan, run_check=False)  # as the twin adapt verified
         cfg, changes = twin.config.to_dict(), list(twin.shrinks)
     else:
         cfg, changes, key = copy.deepcopy(plan.cfg), list(plan.shrinks), plan.layers_key
@@ -201,7 +206,7 @@ def _scaled(source: ModelSource, plan: TwinConfig, layers: int | None, width: in
     if width > 1:
         changes += widen(cfg, changes, width)
     model = _build_real(source, cfg)
-    layers_path, stack = depth.decoder_stack(model, None)
+    layers_path, _ = depth.decoder_stack(model, None)
     sigs = depth.signatures(model, cfg, layers_path, [])
     twin = Twin(source, model.config, model, changes, sigs, sigs, layers_path, plan.fields, plan.why_probed)
     if run_check:
