@@ -161,12 +161,13 @@ def _probe_inputs(model: nn.Module) -> dict:
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
-def run_stage(model: nn.Module, stage: Stage, x: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """One stage's forward on one micro-batch: hidden states out (the loss on the last stage)."""
+def run_stage(model: nn.Module, stage: Stage, x: torch.Tensor, inputs: dict, forward=None) -> torch.Tensor:
+    """One stage's forward on one micro-batch: hidden states out (the loss on the last stage, computed by
+    `forward`, default the model's: the runtime's loss where a swap gave the model one)."""
     kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "labels", "use_cache")}
     kwargs["input_ids" if stage.first else "inputs_embeds"] = x
     if stage.last:
-        return type(model).forward(model, labels=inputs["labels"], use_cache=False, **kwargs).loss
+        return (forward or model.forward)(labels=inputs["labels"], use_cache=False, **kwargs).loss
     decoder = model.get_submodule(stage.parts.decoder) if stage.parts.decoder else model
     return decoder(use_cache=False, **kwargs).last_hidden_state
 
@@ -250,6 +251,9 @@ class Pipeline:
         self.expert_tokens: dict[str, torch.Tensor] = {}
         # the routing modules this stage runs, found once rather than per micro-batch
         self.routers = [(name, m) for name, m in model.named_modules() if hasattr(m, "tokens_per_expert")]
+        # the forward the last stage computes its loss with: the model's own (the runtime's loss swap, or the
+        # class's), which the entry below hides from everything else
+        self.underneath = model.forward
         self.swap = Swap(PIPELINE, "forward")  # PipelineStage calls the model: its FSDP2 hooks run, then this
         self.swap.set(model, "forward", self._forward)
 
@@ -278,7 +282,7 @@ class Pipeline:
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self.swap.count("micro_batch")
         inputs = self.inputs.popleft()
-        out = run_stage(self.model, self.stage, x, inputs)
+        out = run_stage(self.model, self.stage, x, inputs, self.underneath)
         if torch.is_grad_enabled():  # a micro-batch's routing, counted once (recompute does not come through here)
             for name, m in self.routers:
                 counts = m.tokens_per_expert

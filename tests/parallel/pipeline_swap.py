@@ -1,7 +1,7 @@
 """One rank of the pipeline-swap check (tests/runtime/test_runtime_swaps.py): a two-layer Llama with the runtime's
 loss, cut into this rank's stage and given the schedule's entry, trains two steps; then both swaps are undone and
 the whole model runs again. Writes what `runtime.swap.applied` listed before and after, the micro-batches the
-entry counted, whether the model's own forward (the loss swap's) is back, and the loss before and after.
+entry counted, how many losses the runtime's loss computed while it trained, whether the model's own forward (the loss swap's) is back, and the loss before and after.
 
 Usage: python pipeline_swap.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (world 2).
 """
@@ -31,7 +31,7 @@ def main() -> None:
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
-    swap_causal_lm_loss(model)
+    loss_swap = swap_causal_lm_loss(model)
     own_forward = vars(model)["forward"]
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -43,15 +43,18 @@ def main() -> None:
     pipe = Pipeline(model, plan, mesh, torch.device("cpu"))
     listed = [(s.kind, s.path) for s in applied(model)]
     micro = [{"input_ids": m, "labels": m} for m in ids.split(1)]
+    runtime_losses = loss_swap.calls["loss"]
     for _ in range(2):
         pipe.step(micro)
+    runtime_losses = loss_swap.calls["loss"] - runtime_losses
     counted = pipe.swap.calls["micro_batch"]
     pipe.swap.undo()
     stage.swap.undo()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         after = model(input_ids=ids, labels=ids, use_cache=False).loss
-    torch.save({"listed": listed, "micro_batches": counted, "listed_after": [(s.kind, s.path) for s in applied(model)],
+    torch.save({"listed": listed, "micro_batches": counted, "runtime_losses": runtime_losses,
+                "listed_after": [(s.kind, s.path) for s in applied(model)],
                 "own_forward_back": vars(model).get("forward") is own_forward, "loss_before": before.item(),
                 "loss_after": after.item()}, job["out"].format(rank=dist.get_rank()))
     dist.destroy_process_group()

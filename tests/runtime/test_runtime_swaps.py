@@ -112,7 +112,7 @@ def test_a_pipeline_cut_is_one_swap_and_undo_gives_back_the_whole_model(index):
 @pytest.mark.multiprocess
 def test_the_pipeline_schedule_entry_is_a_swap_that_counts_micro_batches(tmp_path):
     """Two gloo processes, one stage each: the forward `Pipeline` gives the model is listed and counts each
-    micro-batch; undone with the cut, each rank's model computes the whole model's loss again, and the forward of
+    micro-batch, and the last stage computes each micro-batch's loss with the runtime's loss; undone with the cut, each rank's model computes the whole model's loss again, and the forward of
     its own the model had before (the runtime's loss) is back."""
     from tests.runtime.test_parallel import launch
 
@@ -122,5 +122,7 @@ def test_the_pipeline_schedule_entry_is_a_swap_that_counts_micro_batches(tmp_pat
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["listed"] == [("loss", ""), (PIPELINE, f"stage {rank}"), (PIPELINE, "forward")]
         assert got["micro_batches"] == 2 * 2  # two steps of two micro-batches
+        # the last stage's loss is the runtime's (swapped) loss, not the class's full-logits one underneath it
+        assert got["runtime_losses"] == (2 * 2 if rank == 1 else 0)
         assert got["listed_after"] == [("loss", "")] and got["own_forward_back"]
         assert got["loss_after"] == got["loss_before"]
