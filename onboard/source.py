@@ -23,7 +23,7 @@ MAX_LAYERS = 4096  # released models have at most a few hundred decoder layers
 
 @dataclass
 class ModelSource:
-    """A resolved model reference: its config (the causal-LM part) and how to build it."""
+    """A resolved model reference: its config (the causal-LM part). `onboard.twin.instantiate` builds it."""
 
     ref: str
     kind: str  # "catalogue" | "local" | "hf-cache" | "hub"
@@ -37,30 +37,6 @@ class ModelSource:
     @property
     def model_type(self) -> str:
         return self.config.model_type
-
-    def build(self, config=None, *, device: str | None = None, experts_implementation: str | None = None):
-        """Instantiate the causal LM for `config` (default: the source's own) with random weights.
-
-        `experts_implementation` picks transformers' expert kernel where the model supports the choice
-        ("grouped_mm" has no data-dependent Python loop, so it exports as one graph); models that do not
-        support it are built as they are.
-        """
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        config = config if config is not None else self.config
-        kwargs = {"trust_remote_code": self.trust_remote_code, "dtype": torch.float32}
-        with torch.device(device or "cpu"):
-            if experts_implementation:
-                try:  # on a copy: a refused choice must not stay written into the config
-                    return AutoModelForCausalLM.from_config(
-                        copy.deepcopy(config), experts_implementation=experts_implementation, **kwargs)
-                except Exception:  # the model offers no choice of experts implementation: build it plainly
-                    pass
-            try:
-                return AutoModelForCausalLM.from_config(config, **kwargs)
-            except Exception as exc:  # model code we do not own: say which model and why, in one line
-                raise OnboardError(f"{self.name}: building the model failed: {one_line(exc)}") from exc
 
 
 def catalogue_index() -> dict:

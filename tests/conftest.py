@@ -105,11 +105,11 @@ def twin_adapter():
     def adapter(directory, ref=None, family=None):
         source = resolve(ref) if ref else from_config(default_config(family), family)
         twin = Twin.build(source)
-        spec = build_spec(source, twin, capture(twin))
+        spec = build_spec(twin, capture(twin))
         decision = decide(spec, twin)
         (directory / "spec.json").write_text(spec.to_json())
         (directory / "decision.json").write_text(decision.to_json())
-        (directory / "adapter.py").write_text(render_adapter(spec, decision))
+        (directory / "adapter.py").write_text(render_adapter(spec, decision.taken()))
         return spec, twin, decision, load_adapter(directory).adapt
 
     return adapter

@@ -18,7 +18,7 @@ from importlib import resources
 
 import jinja2
 
-from onboard.adapt.decision import LINEAR, SPARSE, Decision, by_reason
+from onboard.adapt.decision import LINEAR, SPARSE, Decision, Taken, by_reason
 from onboard.inspect.spec import ModelSpec
 from onboard.inspect.summary import describe_mlp, human, pattern_spans, ranges
 
@@ -40,22 +40,20 @@ def template_text(name: str) -> str:
 # adapter.py
 
 
-def render_adapter(spec: ModelSpec, decision: Decision, kernels: list[str] = ()) -> str:
-    """The bundle's adapter.py; `kernels` are the store keys of the kernels it loads."""
+def render_adapter(spec: ModelSpec, taken: Taken, kernels: list[str] = ()) -> str:
+    """The bundle's adapter.py for what the runtime takes (`Decision.taken()`); `kernels` are the store keys of
+    the kernels it loads."""
     stays = ["norms", "embeddings"]
     if any(layer.mlp.kind == "dense" for layer in spec.layers):
         stays.insert(1, "dense MLPs")
-    if not decision.loss.takes:
+    if not taken.loss.takes:
         stays.append("LM head and loss")
-    attention = decision.swapped_attention()
-    if len(attention) < len({layer.attention.kind for layer in spec.layers}):
-        stays.insert(0, "attention" if not attention else "the other attention layers")
-    moe = decision.swapped_moe()
+    if len(taken.attention) < len({layer.attention.kind for layer in spec.layers}):
+        stays.insert(0, "attention" if not taken.attention else "the other attention layers")
     return environment().get_template("adapter.py.j2").render(
-        spec=spec, moe=moe, stays=", ".join(stays), loss=decision.loss, attention=attention,
-        moe_layer_count=sum(len(e.layers) for e in moe), kernels=list(kernels),
-        attention_layer_count=sum(len(e.layers) for e in attention),
-        generated=[e for e in decision.generated if e.takes],
+        spec=spec, moe=taken.moe, stays=", ".join(stays), loss=taken.loss, attention=taken.attention,
+        moe_layer_count=sum(len(e.layers) for e in taken.moe), kernels=list(kernels),
+        attention_layer_count=sum(len(e.layers) for e in taken.attention), generated=taken.generated,
     )
 
 
@@ -76,20 +74,23 @@ def render_review(spec: ModelSpec, decision: Decision, verification, twin_size: 
     verification; `twin_size` is {"hidden", "layers"} of the twin verification ran, and where behaviour read
     the config {"fields": what each field drives, "why": why names did not suffice, "full_width": no field
     could be shrunk safely}."""
+    taken = decision.taken()
+    kept_moe, kept_attention = by_reason(decision.kept_moe()), by_reason(decision.kept_attention())
+    unmatched = decision.still_unmatched(spec)
     labels = [f"{layer.attention.kind} + {describe_mlp(layer.mlp)}" for layer in spec.layers]
     pattern = [f"layers {start}-{end}: " + (unit[0] if len(unit) == 1 else " / ".join(unit))
                + (f" (x{repeats})" if repeats > 1 else "") for start, end, unit, repeats in pattern_spans(labels)]
     softmax = sorted({layer.attention.kind for layer in spec.layers
                       if not layer.attention.kind.startswith(("linear:", "sparse:", "ssm:", "conv"))})
     return environment().get_template("REVIEW.md.j2").render(
-        spec=spec, moe=decision.swapped_moe(), kept_moe=by_reason(decision.kept_moe()), verification=verification,
+        spec=spec, moe=taken.moe, kept_moe=kept_moe, verification=verification,
         pattern=pattern, params_total=human(spec.params_total), params_active=human(spec.params_active),
-        twin_hidden=twin_size["hidden"], twin_layers=twin_size["layers"], loss=decision.loss,
+        twin_hidden=twin_size["hidden"], twin_layers=twin_size["layers"], loss=taken.loss,
         twin_fields=twin_size.get("fields") or {}, twin_why=twin_size.get("why"),
         twin_full_width=twin_size.get("full_width", False),
-        attention=decision.swapped_attention(), attention_kept=by_reason(decision.kept_attention()),
+        attention=taken.attention, attention_kept=kept_attention,
         core_names=CORE_NAMES, softmax_kinds=", ".join(softmax), refused=decision.refused,
-        generated=decision.generated, unmatched=decision.still_unmatched(spec),
+        generated=decision.generated, unmatched=unmatched,
     )
 
 
@@ -154,32 +155,32 @@ def _is_pow2(n: int | None) -> bool:
     return bool(n) and n >= 16 and n & (n - 1) == 0
 
 
-def render_kernels(spec: ModelSpec, decision: Decision) -> list[Kernel]:
+def render_kernels(spec: ModelSpec, taken: Taken) -> list[Kernel]:
     """Kernels specialised for this model's shapes, for what the adapter runs in the runtime: the MoE kernels,
     the gated delta rule / scalar-decay scan / DSA sparse attention, and cross-entropy rows. Empty when nothing
     the runtime runs has a kernel."""
     kernels = []
-    moe = next((layer.mlp for entry in decision.swapped_moe() for layer in spec.layers
+    moe = next((layer.mlp for entry in taken.moe for layer in spec.layers
                 if layer.index == entry.layers[0]), None)
     if moe is not None:
         kernels.append(render_kernel(
             "kernels/moe_triton.py.j2", name=spec.name, hidden=spec.hidden_size, top_k=moe.top_k,
             ffn=moe.expert_ffn, dtype=KERNEL_DTYPE, block_cols=_pow2(spec.hidden_size, 16, 1024), bm=64, bn=64,
             bk=32))
-    kernels += _attention_kernels(spec, decision)
-    if decision.loss.takes:
+    kernels += _attention_kernels(spec, taken)
+    if taken.loss.takes:
         kernels.append(render_kernel("kernels/loss_triton.py.j2", name=spec.name, vocab=spec.vocab_size,
                                      block=_pow2(spec.vocab_size, 64, 4096)))
     return kernels
 
 
-def _attention_kernels(spec: ModelSpec, decision: Decision) -> list[Kernel]:
+def _attention_kernels(spec: ModelSpec, taken: Taken) -> list[Kernel]:
     """The scalar-decay kernel (Mamba2 SSD, lightning) and the gated delta rule kernel, each for the first swapped
     attention of its kind whose dims it can tile (one op each in the registry: a model mixing gate kinds keeps
     the others on the PyTorch path), and the DSA kernel."""
     out: dict[str, Kernel] = {}
     by_index = {layer.index: layer for layer in spec.layers}
-    for entry in decision.swapped_attention():
+    for entry in taken.attention:
         attn = by_index[entry.layers[0]].attention
         head_k, head_v = attn.head_dim, attn.v_head_dim or attn.head_dim
         if entry.takes == LINEAR and {"ssd_chunk_scan", "lightning"} & set(entry.cores):

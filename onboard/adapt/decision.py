@@ -24,6 +24,8 @@ import inspect
 import json
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from onboard.errors import one_line
 from onboard.inspect.spec import MLP, Layer, ModelSpec
 from onboard.inspect.summary import describe_mlp, describe_router, ranges
@@ -204,6 +206,19 @@ class GeneratedEntry:
 
 
 @dataclass
+class Taken:
+    """What the runtime takes in one render-and-verify trial (`Decision.taken`): the entries the adapter is
+    rendered from, and the swaps it must make, as the decoder layers each handle kind is made in (-1: one for
+    the whole model, the loss)."""
+
+    moe: list[MoEEntry]
+    attention: list[AttentionEntry]
+    loss: LossEntry
+    generated: list[GeneratedEntry]
+    swaps: dict[str, list[int]]
+
+
+@dataclass
 class Decision:
     moe: list[MoEEntry]
     attention: list[AttentionEntry]
@@ -312,15 +327,20 @@ class Decision:
 
         return [u for u in spec.unmatched if not replaced(u.path)]
 
-    def expected(self, depth: int) -> dict[str, int]:
-        """Swaps an adapter must make in a model of `depth` decoder layers, by handle kind."""
-        out = {MOE_BLOCK: 0, EXPERTS_SWAP: 0, LINEAR_CORE: 0, SPARSE_ATTENTION: 0, LOSS: int(self.loss.takes),
-               GENERATED: sum(1 for e in self.generated if e.takes for i in e.layers if i < depth)}
-        for e in self.swapped_moe():
-            out[MOE_BLOCK if e.takes == BLOCK else EXPERTS_SWAP] += sum(1 for i in e.layers if i < depth)
-        for e in self.swapped_attention():
-            out[LINEAR_CORE if e.takes == LINEAR else SPARSE_ATTENTION] += sum(1 for i in e.layers if i < depth)
-        return out
+    def taken(self) -> Taken:
+        """What the runtime takes as the decision stands now: what one adapter is rendered from and verified
+        against."""
+        swaps = {MOE_BLOCK: [], EXPERTS_SWAP: [], LINEAR_CORE: [], SPARSE_ATTENTION: [],
+                 LOSS: [-1] if self.loss.takes else [], GENERATED: []}
+        moe, attention = self.swapped_moe(), self.swapped_attention()
+        generated = [e for e in self.generated if e.takes]
+        for e in moe:
+            swaps[MOE_BLOCK if e.takes == BLOCK else EXPERTS_SWAP] += e.layers
+        for e in attention:
+            swaps[LINEAR_CORE if e.takes == LINEAR else SPARSE_ATTENTION] += e.layers
+        for e in generated:
+            swaps[GENERATED] += e.layers
+        return Taken(moe, attention, self.loss, generated, swaps)
 
     # -- JSON ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -394,6 +414,16 @@ def _roles_known(mlp: MLP) -> bool:
     return {"gate_up", "down"} <= roles or {"gate", "up", "down"} <= roles
 
 
+def _twin_module(twin: Twin, path: str, layer: int | None = None) -> nn.Module | None:
+    """The twin's module at `path` (below its decoder layer `layer`, the layer itself for path ""), or None."""
+    if layer is not None:
+        path = f"{twin.layers_path}.{layer}.{path}" if path else f"{twin.layers_path}.{layer}"
+    try:
+        return twin.model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def why_not_experts(layer: Layer, twin: Twin) -> str | None:
     """Why the runtime cannot take a block's experts alone behind the model's own router (None when it can):
     a fused weight stack with known roles behind transformers' experts interface
@@ -403,7 +433,7 @@ def why_not_experts(layer: Layer, twin: Twin) -> str | None:
         return "the experts are not one fused weight stack"
     if not _roles_known(mlp):
         return "the expert weight stacks could not be told apart"
-    module = twin.layer_module(layer.twin_layer, mlp.experts_path)
+    module = _twin_module(twin, mlp.experts_path, layer.twin_layer)
     if module is None:
         return "the experts module is not in the tiny twin"
     required = [p for p in inspect.signature(module.forward).parameters.values()
@@ -455,7 +485,7 @@ def _moe_entry(layers: list[Layer], block_why: str | None, experts_why: str | No
 def _experts(mlp: MLP, twin: Twin, twin_layer: int) -> Experts:
     """The experts' construction, with code for their activation (the experts' own act_fn where they have
     one) and for a gating function of their own (transformers' default one is plain act(gate) * up)."""
-    module = twin.layer_module(twin_layer, mlp.experts_path)
+    module = _twin_module(twin, mlp.experts_path, twin_layer)
     own = f"layer.get_submodule({json.dumps(mlp.experts_path)})"
     has_act = callable(getattr(module, "act_fn", None))
     activation = f"{own}.act_fn" if has_act else f"ACTIVATIONS[{json.dumps(mlp.activation)}]"
@@ -490,7 +520,7 @@ def _loss_entry(spec: ModelSpec, twin: Twin) -> LossEntry:
     if head.get("loss") != "cross_entropy":
         return LossEntry(False, why_not="no cross-entropy loss found after the LM head")
     path = head.get("path")
-    module = twin.module(path) if path else None
+    module = _twin_module(twin, path) if path else None
     if module is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
         return LossEntry(False, why_not="the LM head is not one linear projection")
     if "." not in twin.layers_path:
@@ -531,7 +561,7 @@ def _trial_swap(twin: Twin, layer: Layer) -> tuple[str | None, list[str], str | 
         takes, swap = SPARSE, swap_sparse_attention
     else:
         return None, [], None  # softmax-family attention: transformers' own sdpa / flash paths serve it
-    module = twin.layer_module(layer.twin_layer, layer.attention.path)
+    module = _twin_module(twin, layer.attention.path, layer.twin_layer)
     if module is None:
         return None, [], "the attention module is not in the tiny twin"
     try:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from onboard import contract
-from onboard.adapt.decision import Decision
+from onboard.adapt.decision import Taken
 from onboard.errors import one_line
 from onboard.inspect.spec import ModelSpec
 from onboard.twin import TEST_SEQ_LEN, Twin
@@ -173,24 +173,52 @@ def _count_calls(modules: list[nn.Module]) -> tuple[list, list[int]]:
 MOE_KINDS = (MOE_BLOCK, EXPERTS)
 
 
-def verify(spec: ModelSpec, twin: Twin, adapt, decision: Decision, seeds=SEEDS, against_fp64: bool = True,
+def verify(spec: ModelSpec, twin: Twin, adapt, taken: Taken, seeds=SEEDS, against_fp64: bool = True,
            decay_draws: dict | None = None) -> Verification:
     """Run the twin through HuggingFace and through `adapt`; compare everything, and check the handles `adapt`
-    returns against `decision`. Never raises: an adapter that crashes is a failed verification, with the error
-    in the note. Where the decision takes the loss, the adapter computes it without full logits; the logits are
-    then compared from a forward pass without labels. `against_fp64=False` judges every tensor against the
-    fp32 HuggingFace run alone (GRAD_RTOL, GRAD_ATOL); `decay_draws` replaces DECAY_DRAWS (seed -> (name,
-    range)); with both `False` and `{}` the rule is the one before the fp64 truth."""
+    returns against what the decision takes (`Decision.taken()`). Never raises: an adapter that crashes is a
+    failed verification, with the error in the note. Where the decision takes the loss, the adapter computes it
+    without full logits; the logits are then compared from a forward pass without labels. `against_fp64=False`
+    judges every tensor against the fp32 HuggingFace run alone (GRAD_RTOL, GRAD_ATOL); `decay_draws` replaces
+    DECAY_DRAWS (seed -> (name, range)); with both `False` and `{}` the rule is the one before the fp64 truth.
+    It runs with torch's deterministic algorithms on a fixed number of threads (`reproducible`), so its numbers
+    do not change with the run or the machine."""
     depth = len(twin.model.get_submodule(twin.layers_path))
-    wanted = decision.expected(depth)
+    wanted = {kind: sum(1 for i in layers if i < depth) for kind, layers in taken.swaps.items()}
     expected = sum(wanted[k] for k in MOE_KINDS)
     tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL,
                   "err_factor": ERR_FACTOR, "err_floor": ERR_FLOOR}
     try:
         draws = DECAY_DRAWS if decay_draws is None else decay_draws
-        return _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, draws)
+        with reproducible():
+            return _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, draws)
     except Exception as exc:  # generated code under test: report, do not crash
         return Verification(False, 0, expected, [], tolerances, f"the adapted model raised {one_line(exc)}")
+
+
+# the intra-op threads verification runs with, whatever the machine has: a parallel reduction's rounding follows
+# how it is split, so the same twin gives the same numbers on any machine of the same CPU kind
+THREADS = 2
+
+
+@contextlib.contextmanager
+def reproducible():
+    """Run the block with torch's deterministic algorithms (warning, not failing, where an op has none) on THREADS
+    threads, as it was after. Verification's numbers go into the bundle, so they must not change with the run, the
+    machine's load or its core count: transformers' grouped-GEMM experts gather each token once per expert it is
+    routed to, and on CPU the backward of that gather adds the duplicates in parallel, in an order that changes
+    from run to run with two threads or more (the last digits of every gradient upstream of an MoE block, and the
+    worst errors verification.json records); the deterministic path adds them in index order."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _attention_calls(swaps: Swaps) -> int:

@@ -12,7 +12,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from onboard.errors import OnboardError
 from onboard.inspect.capture import Capture, Graph, capture
 from onboard.inspect.graph import GraphView, op_name
 from onboard.inspect.graph import parent as parent_path
@@ -22,9 +21,6 @@ from onboard.inspect.patterns.moe import MoEMatch, match_moe
 from onboard.inspect.spec import MLP, Attention, Layer, ModelSpec, Unmatched
 from onboard.source import ModelSource, resolve
 from onboard.twin import TEST_SEQ_LEN, Twin
-from onboard.twin.fields import walk
-from onboard.twin.layers import decoder_stack
-from onboard.twin.meanings import meaning_of
 
 
 @dataclass
@@ -90,23 +86,18 @@ def _same_input(view: GraphView, a: str, b: str) -> bool:
 
 
 class FullScale:
-    """Full-size parameter shapes (meta device) and config values by meaning."""
+    """Full-size parameter shapes and config values by meaning, read from the twin's record of the full model
+    (`Twin.full_model` on the meta device, `Twin.full_sizes`) and of the fields it shrank."""
 
-    def __init__(self, source: ModelSource, twin: Twin):
+    def __init__(self, twin: Twin):
+        if twin.full_model is None:
+            raise ValueError("a twin scaled for training has no full-size record; inspect the twin itself")
         self.twin = twin
-        try:
-            self.model = source.build(device="meta")
-        except OnboardError:
-            raise
-        self.layers_path, self.stack = decoder_stack(self.model, len(twin.full_layer_signatures))
-        self.config_values: dict[str, list] = {}
-        self.config_keys: dict[str, list[tuple[str, int]]] = {}
-        for path, key, value in walk(source.config.to_dict()):
-            meaning = meaning_of(key)
-            if meaning and isinstance(value, int) and not isinstance(value, bool):
-                self.config_values.setdefault(meaning, []).append(value)
-                if "." not in path:
-                    self.config_keys.setdefault(meaning, []).append((path, value))
+        self.model = twin.full_model
+        self.stack = self.model.get_submodule(twin.layers_path)  # the full model has the twin's module tree
+        self.config_values = {meaning: [v for _, v in found] for meaning, found in twin.full_sizes.items()}
+        self.config_keys = {meaning: keys for meaning, found in twin.full_sizes.items()
+                            if (keys := [(p, v) for p, v in found if "." not in p])}
 
     def config(self, meaning: str):
         values = self.config_values.get(meaning)
@@ -119,12 +110,13 @@ class FullScale:
         for meaning in (meanings if isinstance(meanings, (list, tuple)) else [meanings]):
             # several fields may share a twin value (a multimodal config's vision tower): prefer the
             # language model's own fields, the least nested first
-            candidates = sorted(self.twin.shrunk(meaning), key=lambda s: (_foreign(s.path), s.path.count(".")))
+            candidates = sorted((s for s in self.twin.shrinks if s.meaning == meaning),
+                                key=lambda s: (_foreign(s.path), s.path.count(".")))
             for s in candidates:
                 if s.twin == observed:
                     return s.full
-        # a field behaviour found sizing the model, of no known meaning: its twin value is its own
-        return self.twin.full_value("width", observed)
+        # a field behaviour found sizing the model, of no known meaning, has a twin value of its own
+        return next((s.full for s in self.twin.shrinks if s.meaning == "width" and s.twin == observed), observed)
 
     def config_field(self, meaning: str, value, observed) -> str | None:
         """The top-level config attribute that holds `value` with this meaning, read again at adapt time: only
@@ -327,7 +319,7 @@ def inspect_source(source: ModelSource) -> tuple[ModelSpec, dict]:
     cap = capture(twin)
     timings["capture_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    spec = build_spec(source, twin, cap)
+    spec = build_spec(twin, cap)
     timings["match_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     return spec, timings
@@ -337,10 +329,13 @@ def inspect_model(ref: str, *, trust_remote_code: bool = False, online: bool = F
     return inspect_source(resolve(ref, trust_remote_code=trust_remote_code, online=online))
 
 
-def build_spec(source: ModelSource, twin: Twin, cap: Capture) -> ModelSpec:
+def build_spec(twin: Twin, cap: Capture) -> ModelSpec:
+    """The full-scale spec: the matchers' findings in the twin's captured layers, scaled by the twin's record of
+    the full model."""
+    source = twin.source
     twin_hidden = twin.hidden_size
     matches = {i: match_layer(g, twin_hidden) for i, g in cap.layers.items()}
-    full = FullScale(source, twin)
+    full = FullScale(twin)
     block_outputs = _count_outputs(twin, {(j, m.moe.path) for j, m in matches.items() if m.moe is not None})
     cfg = source.config
     # the vocabulary and the width are what the input embedding table holds, whatever the config calls them

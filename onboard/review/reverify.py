@@ -8,7 +8,8 @@ from pathlib import Path
 
 from onboard.adapt.verify import Verification, verify
 from onboard.bundle.files import bundle_source, load_adapter, read_bundle, read_decision
-from onboard.bundle.make import sandboxed, write_verification
+from onboard.bundle.render import sandboxed
+from onboard.bundle.verdict import write_verification
 from onboard.errors import OnboardError
 from onboard.inspect.spec import ModelSpec
 from onboard.twin import Twin
@@ -31,8 +32,8 @@ def verify_bundle(directory: Path, *, trust_remote_code: bool = False) -> tuple[
         from onboard.agent.sandbox.session import Sandbox
 
         with Sandbox() as sandbox, Host(sandbox) as host:
-            verification = verify(spec, twin, sandboxed(adapter, lambda: host.load), decision)
+            verification = verify(spec, twin, sandboxed(adapter, lambda: host.load), decision.taken())
     else:
-        verification = verify(spec, twin, adapter, decision)
+        verification = verify(spec, twin, adapter, decision.taken())
     write_verification(directory, spec, twin, decision, verification)
     return spec, verification

@@ -4,37 +4,26 @@ HuggingFace checkpoint, rebuilt with the bundle the run was written by (launch.j
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
+from onboard import contract
 from onboard.errors import OnboardError, one_line
-from onboard.train.launch import LAUNCH, bundle_code_digest, run
+from onboard.train.launch import LAUNCH, LaunchRecord, bundle_code_digest, run
 from onboard.train.request import TrainRequest
 from runtime.plan import Plan
 from runtime.train.job import FILE as JOB_FILE
 from runtime.train.job import TrainJob
 
 
-def _launch(launch_file: Path) -> tuple[dict, Plan]:
+def _launch(launch_file: Path) -> tuple[LaunchRecord, Plan]:
     """launch.json's record and plan; one line naming the file and field for anything else."""
+    record = LaunchRecord.from_dict(contract.load(launch_file), str(launch_file))
     try:
-        launch = json.loads(launch_file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise OnboardError(f"{launch_file}: not a launch record ({one_line(exc, 80)})") from None
-    if not isinstance(launch, dict):
-        raise OnboardError(f"{launch_file}: not a launch record (a JSON object)")
-    for key in ("plan", "bundle_sha256", "weights"):
-        if key not in launch:
-            raise OnboardError(f"{launch_file}: no '{key}' (written by an older onboard? train again, or export with "
-                               f"the onboard that wrote it)")
-    if not isinstance(launch["plan"], dict) or not isinstance(launch["weights"], str):
-        raise OnboardError(f"{launch_file}: 'plan' must be an object and 'weights' a path")
-    try:
-        plan = Plan.from_dict(launch["plan"])
+        plan = Plan.from_dict(record.plan)
     except (ValueError, TypeError, KeyError) as exc:
         raise OnboardError(f"{launch_file}: 'plan' is not a plan ({one_line(exc, 80)})") from None
-    return launch, plan
+    return record, plan
 
 
 def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote_code: bool = False) -> int:
@@ -60,7 +49,7 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
     bundle = Path(bundle) if bundle is not None else folder.resolve().parent
     if not (bundle / "adapter.py").is_file():
         raise OnboardError(f"{bundle} is not a bundle: name the bundle the run trained with --bundle")
-    if bundle_code_digest(bundle) != launch["bundle_sha256"]:
+    if bundle_code_digest(bundle) != launch.bundle_sha256:
         raise OnboardError(f"{bundle} is not the bundle these checkpoints were written by (its adapter, generated code "
                            f"or spec differ from the run's): name that bundle with --bundle")
     if trust_remote_code and weights is None:
@@ -88,6 +77,6 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
         exports = {"export_hf": None, "export_peft": None, f"export_{fmt}": str(out)}
         job = dataclasses.replace(job, plan=plan.to_dict(), steps=saved[-1][0], checkpoint_dir=str(folder),
                                   runlog=str(Path(scratch) / "export.jsonl"), data=None, eval_data=None, **exports)
-        request = TrainRequest(bundle=str(bundle), weights=weights or launch["weights"],
+        request = TrainRequest(bundle=str(bundle), weights=weights or launch.weights,
                                trust_remote_code=trust_remote_code)
         return run(request, job)

@@ -16,10 +16,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from onboard import contract
 from onboard.bundle.files import read_bundle, read_verification
 from onboard.bundle.launcher import FACTORY
 from onboard.errors import OnboardError
@@ -110,6 +112,26 @@ def run(request: TrainRequest, job: TrainJob) -> int:
 
 
 LAUNCH = "launch.json"  # in a checkpoint folder: what `onboard export` needs to rebuild the trained model
+LAUNCH_VERSION = 1
+LAUNCH_READABLE = (0, 1)  # version 0: the same fields without schema_version, as runs wrote them before
+
+
+@dataclass
+class LaunchRecord(contract.Document):
+    """launch.json: what a run on released weights was launched from. Export reads the plan from it and checks the
+    bundle against its digest; it never takes consent (trust_remote_code) or a path to run code from it, so a
+    field of that kind is not one of its fields and refused."""
+
+    bundle: str  # where the bundle was (a record: export names the bundle on its command line or finds it above)
+    bundle_sha256: str  # `bundle_code_digest` of the bundle whose code wrote the checkpoints
+    weights: str  # the released model's folder (a record: --weights names it again for remote code)
+    plan: dict  # the run's `runtime.plan.Plan`, as JSON
+    schema_version: int = LAUNCH_VERSION
+
+    @classmethod
+    def from_dict(cls, data, where: str = LAUNCH) -> LaunchRecord:
+        """The record read back; one line (OnboardError) naming `where` and the field that does not fit."""
+        return contract.read(cls, data, where, version=LAUNCH_VERSION, readable=LAUNCH_READABLE)
 
 
 def bundle_code_digest(bundle: Path) -> str:
@@ -123,14 +145,13 @@ def bundle_code_digest(bundle: Path) -> str:
 
 
 def record_launch(checkpoint_dir: Path, bundle: Path, weights: str, plan: Plan) -> None:
-    """launch.json: the run's plan and what it was made from. Export reads the plan from it and checks the
-    bundle against its digest; it never takes consent (trust_remote_code) or a path to run code from it."""
+    """launch.json (`LaunchRecord`): the run's plan and what it was made from."""
     from onboard.outputs import write_atomically
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(checkpoint_dir / LAUNCH, json.dumps(
-        {"bundle": str(Path(bundle).resolve()), "bundle_sha256": bundle_code_digest(Path(bundle)),
-         "weights": str(Path(weights).resolve()), "plan": plan.to_dict()}, indent=2, sort_keys=True) + "\n")
+    record = LaunchRecord(str(Path(bundle).resolve()), bundle_code_digest(Path(bundle)), str(Path(weights).resolve()),
+                          plan.to_dict())
+    write_atomically(checkpoint_dir / LAUNCH, record.to_json())
 
 
 def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_field: str):

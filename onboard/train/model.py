@@ -12,7 +12,7 @@ import torch
 from onboard.bundle.files import bundle_source, load_adapter, read_bundle
 from onboard.errors import OnboardError, one_line
 from onboard.train.record import trained_record
-from onboard.twin import Twin
+from onboard.twin import Twin, instantiate
 
 
 def train_config(bundle, *, layers: int | None = None, width: int = 1, trust_remote_code: bool = False) -> dict:
@@ -32,7 +32,7 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
     directory's config, built on the meta device and adapted, with what the loop needs to read its weights
     once it is parallelised (`runtime.train.weights.Pretrained`).
     """
-    from onboard.twin.config import twin_config
+    from onboard.twin.build import twin_config
 
     if weights is not None:
         return _pretrained_model(bundle, weights, trust_remote_code)
@@ -44,7 +44,7 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
         model_config = type(source.config).from_dict(cfg)
     except Exception as exc:  # noqa: BLE001 - config validators we do not own
         raise OnboardError(f"{bundle}: the training config is invalid: {one_line(exc)}") from None
-    model = source.build(model_config, experts_implementation="grouped_mm")
+    model = instantiate(source, model_config, experts_implementation="grouped_mm")
     load_adapter(bundle).adapt(model)
     twin = twin_config(source)  # the fields the twin shrank by what they drive, where names fell short
     record = trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
@@ -99,7 +99,7 @@ def _pretrained_model(bundle, weights: str, trust_remote_code: bool):
 
     bundle, spec, _ = read_bundle(bundle)
     source = resolve(weights, trust_remote_code=trust_remote_code)
-    model = source.build(device="meta", experts_implementation="grouped_mm")
+    model = instantiate(source, device="meta", experts_implementation="grouped_mm")
     try:
         pretrained = Pretrained.prepare(model, source.path, load_adapter(bundle).adapt)
     except ValueError as exc:

@@ -12,7 +12,8 @@ def trained_record(spec: dict, full: dict, cfg: dict, model: torch.nn.Module, fo
     """The run log's model fields for what is really trained: the spec's full-scale numbers, each taken
     from the config field that holds it at full scale (`full`) and read back from the trained config. Fields
     of no known name count too where the twin shrank them by what they were seen to drive (`found`: the
-    `onboard.twin.shrink.Shrink`s of `onboard.twin.config`), after every named one (`onboard.twin.scale.FullFields`)."""
+    `onboard.twin.shrink.Shrink`s of `onboard.twin.build.twin_config`), after every named one
+    (`onboard.twin.scale.FullFields`)."""
     import dataclasses
     import hashlib
 

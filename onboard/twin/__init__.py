@@ -4,6 +4,6 @@ real with random fp32 weights; also the config of a model scaled up from it for 
 
 May import: onboard.source, onboard.errors, runtime."""
 
-from onboard.twin.build import TEST_BATCH, TEST_SEQ_LEN, Twin, check_runs
+from onboard.twin.build import TEST_BATCH, TEST_SEQ_LEN, Twin, check_runs, instantiate
 
-__all__ = ["TEST_BATCH", "TEST_SEQ_LEN", "Twin", "check_runs"]
+__all__ = ["TEST_BATCH", "TEST_SEQ_LEN", "Twin", "check_runs", "instantiate"]

@@ -111,7 +111,7 @@ def family_twin(family: str, folder: Path):
     default_config(family).save_pretrained(folder)
     source = resolve(str(folder))
     twin = Twin.build(source)
-    spec = build_spec(source, twin, capture(twin))
+    spec = build_spec(twin, capture(twin))
     return source, twin, spec
 
 

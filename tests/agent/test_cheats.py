@@ -403,8 +403,8 @@ def test_verification_counts_a_call_of_the_replaced_class_on_any_object(zaya, za
             return ZayaResidualScaling.forward(self, hidden_states, residual)
 
     _, twin, spec = zaya
-    honest = verify(spec, twin, functools.partial(adapter, load_generated=load_generated), decision)
+    honest = verify(spec, twin, functools.partial(adapter, load_generated=load_generated), decision.taken())
     assert honest.passed and all(s.original_calls == 0 for s in honest.seeds), honest.note
-    cheat = verify(spec, twin, functools.partial(adapter, load_generated=lambda _: ThroughTheClass), decision)
+    cheat = verify(spec, twin, functools.partial(adapter, load_generated=lambda _: ThroughTheClass), decision.taken())
     assert not cheat.passed and all(s.original_calls > 0 for s in cheat.seeds)
     assert max(s.logits_max_rel for s in cheat.seeds) < 1e-5  # the numbers were right: only the count caught it

@@ -68,7 +68,7 @@ def test_regeneration_is_byte_identical(tmp_path):
 def deepseek():
     source = resolve("deepseek-v3")
     twin = Twin.build(source)
-    spec = build_spec(source, twin, capture(twin))
+    spec = build_spec(twin, capture(twin))
     return spec, twin, decide(spec, twin)
 
 
@@ -78,8 +78,8 @@ def _verify_rendered(deepseek, tmp_path):
 
     spec, twin, decision = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
-    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision))
-    return verify(spec, twin, load_adapter(tmp_path).adapt, decision)
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision.taken()))
+    return verify(spec, twin, load_adapter(tmp_path).adapt, decision.taken())
 
 
 def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
@@ -301,7 +301,7 @@ def test_a_swap_that_never_runs_fails_verification(deepseek, tmp_path):
 
     spec, twin, decision = deepseek
     (tmp_path / "spec.json").write_text(spec.to_json())
-    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision))
+    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision.taken()))
     adapter = load_adapter(tmp_path)
 
     def undone_behind_its_back(model, **kwargs):
@@ -309,7 +309,7 @@ def test_a_swap_that_never_runs_fails_verification(deepseek, tmp_path):
         swaps.of("moe_block")[0].undo()
         return swaps
 
-    result = verify(spec, twin, undone_behind_its_back, decision, seeds=(0,))
+    result = verify(spec, twin, undone_behind_its_back, decision.taken(), seeds=(0,))
     assert not result.passed and "swapped but never run: model.layers." in result.note
     assert result.seeds[0].original_calls > 0
 

@@ -20,7 +20,7 @@ def hybrid(request, tmp_path_factory, twin_adapter):
 def test_attention_moe_and_loss_all_run_in_the_runtime(hybrid):
     name, spec, twin, decision, adapt = hybrid
     assert {e.takes for e in decision.swapped_attention()} == ({"sparse"} if name == "deepseek-v3.2" else {"linear"})
-    result = verify(spec, twin, adapt, decision)
+    result = verify(spec, twin, adapt, decision.taken())
     assert result.passed, result.note or [r.grad_failures for r in result.seeds]
     assert result.replaced == result.expected >= 1
     for r in result.seeds:
@@ -59,7 +59,7 @@ def test_planted_attention_bugs_fail_verification(hybrid, bug, monkeypatch):
     else:
         registry.register(LINEAR_OP, "cpu", _late_gate if bug == "wrong gate" else _early_boundary)
     try:
-        result = verify(spec, twin, adapt, decision, seeds=(0,))
+        result = verify(spec, twin, adapt, decision.taken(), seeds=(0,))
     finally:
         registry.unregister(LINEAR_OP, "cpu") if bug != "missing top-k mask" else None
     assert not result.passed

@@ -30,7 +30,7 @@ def test_mixers_moe_and_loss_run_in_the_runtime(family):
     assert not decision.kept_attention(), decision.kept_attention()
     mixers = [layer.index for layer in spec.layers if layer.attention.kind.startswith(("ssm:", "linear:", "conv"))]
     assert sorted(i for e in decision.swapped_attention() for i in e.layers) == mixers
-    result = verify(spec, twin, adapt, decision, seeds=(0, 1))
+    result = verify(spec, twin, adapt, decision.taken(), seeds=(0, 1))
     assert result.passed, result.note or [r.grad_failures for r in result.seeds]
     assert result.replaced == result.expected >= (0 if name == "lfm3" else 1)  # LFM3's MLPs are dense
     for r in result.seeds:
@@ -77,7 +77,7 @@ def test_a_wrong_decay_fails_verification(family, monkeypatch):
         monkeypatch.setattr(lightning, "chunk_constant_decay", _wrong_decay(lightning.chunk_constant_decay, 1, 0))
     else:  # the decay (B, T, H) of the previous token
         monkeypatch.setattr(ssd, "chunk_scalar_decay", _wrong_decay(ssd.chunk_scalar_decay, 3, 1))
-    result = verify(spec, twin, adapt, decision, seeds=(0,))
+    result = verify(spec, twin, adapt, decision.taken(), seeds=(0,))
     assert not result.passed
 
 
@@ -92,5 +92,5 @@ def test_a_mixer_whose_scan_stays_huggingface_code_fails_verification(family, mo
         return rebuild(cls, {name: fn for name, fn in replacements.items() if fn.__name__ == "conv"})
 
     monkeypatch.setattr(linear_core, "forward_with_globals", conv_only)
-    result = verify(spec, twin, adapt, decision, seeds=(0,))
+    result = verify(spec, twin, adapt, decision.taken(), seeds=(0,))
     assert not result.passed and "the runtime attention did not run" in result.note

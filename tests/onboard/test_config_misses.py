@@ -13,6 +13,7 @@ from onboard.bundle.make import adapt
 from onboard.inspect.inspection import inspect_source
 from onboard.review.families import UNSUPPORTED, default_config, discover
 from onboard.source import resolve
+from onboard.twin import instantiate
 from tests.variety.structure import disagreements, expected
 
 pytestmark = pytest.mark.slow  # adapts and inspects whole twins: about two minutes
@@ -26,7 +27,7 @@ def _checkpoint(tmp_path, config) -> str:
 def _inspect_against_structure(folder: str):
     source = resolve(folder)
     spec = inspect_source(source)[0]
-    return spec, disagreements(spec, expected(source.config, source.build(device="meta")))
+    return spec, disagreements(spec, expected(source.config, instantiate(source, device="meta")))
 
 
 def test_recurrent_gemma_block_diagonal_gates_are_no_experts(tmp_path):

@@ -1,4 +1,4 @@
-"""The bundle contracts without a module of their own before (verification.json, kernels.json, source.json): each
+"""The contracts without a module of their own before (verification.json, kernels.json, source.json, launch.json): each
 carries schema_version, reads back into its dataclass and writes the same bytes again, reads the unversioned files
 bundles held before as version 0, and refuses anything else in one line naming the file and the field."""
 
@@ -13,6 +13,8 @@ from onboard.bundle.files import read_bundle, read_verification
 from onboard.bundle.kernel_list import KernelList, KernelRecord, read_kernels
 from onboard.bundle.source_record import SourceRecord
 from onboard.errors import OnboardError
+from onboard.train.launch import LaunchRecord
+from runtime.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLES = sorted(p.parent for p in (ROOT / "bundles").glob("*/spec.json"))
@@ -46,6 +48,21 @@ def test_kernel_list_and_source_record_round_trip():
     assert SourceRecord.from_dict(json.loads(source.to_json())) == source
     assert json.loads(source.to_json()) == {"schema_version": 1, "ref": "qwen3-8b", "kind": "catalogue",
                                             "trust_remote_code": False}
+
+
+def test_launch_record_round_trip_reads_its_unversioned_form_and_holds_no_consent():
+    """launch.json, in a run's checkpoint folder: what `onboard export` rebuilds the trained model from."""
+    record = LaunchRecord("/runs/bundle", "0" * 64, "/models/released", Plan(dtype="fp32", seq_len=64).to_dict())
+    text = record.to_json()
+    again = LaunchRecord.from_dict(json.loads(text))
+    assert again == record and again.to_json() == text and json.loads(text)["schema_version"] == 1
+    old = json.loads(text)
+    del old["schema_version"]  # as runs wrote it before it had a version
+    assert LaunchRecord.from_dict(old).schema_version == 0
+    with pytest.raises(OnboardError, match="launch.json: 'trust_remote_code' is not a field of LaunchRecord"):
+        LaunchRecord.from_dict({**old, "trust_remote_code": True})
+    with pytest.raises(OnboardError, match="launch.json: 'plan' must be an object, not text"):
+        LaunchRecord.from_dict({**old, "plan": "pp=2"})
 
 
 @pytest.mark.parametrize("bundle", BUNDLES, ids=[b.name for b in BUNDLES])

@@ -5,6 +5,8 @@ import json
 import pytest
 
 from onboard.adapt.decision import SCHEMA_VERSION, Decision, decide
+from onboard.adapt.settle import trials
+from onboard.adapt.verify import Verification
 import runtime.attention as attention
 
 
@@ -81,7 +83,7 @@ def test_refusals_fall_back_block_to_experts_to_nothing(qwen3_next):
 def test_expected_swaps_follow_the_twin_depth(qwen3_next):
     spec, twin, decision = qwen3_next
     depth = len(twin.model.get_submodule(twin.layers_path))
-    expected = decision.expected(depth)
+    expected = {kind: sum(1 for i in layers if i < depth) for kind, layers in decision.taken().swaps.items()}
     assert expected["moe_block"] == sum(1 for layer in spec.layers if layer.mlp.kind == "moe" and layer.index < depth)
     assert expected["linear_core"] == sum(1 for layer in spec.layers
                                           if layer.attention.kind.startswith("linear:") and layer.index < depth)
@@ -107,3 +109,47 @@ def test_suspects_come_in_the_order_to_give_them_back_and_refusals_can_be_taken_
     assert decision.to_json() == before
     with pytest.raises(ValueError, match="was not refused"):
         decision.admit("loss")
+
+
+def _verdict(passed: bool, note: str = "") -> Verification:
+    return Verification(passed, 0, 0, [], {}, note)
+
+
+def test_the_trials_give_back_what_fails_then_take_back_what_was_not_needed(qwen3_next):
+    """`onboard.adapt.settle.trials` decides each trial from the last verification: while the bundle fails it gives
+    back the first suspect (recording why), and once it passes it takes back each refusal but the last; a refusal
+    that was needed is made again and the bundle that verified rendered once more."""
+    _, _, decided = qwen3_next
+    decision = Decision.from_json(decided.to_json())  # the fixture's decision stays as decided
+    first, second = decision.suspects()[:2]
+    reading = decision.reading(first)
+    trial = trials(decision, None, None, None)
+    taken = next(trial)
+    assert taken.loss.takes and taken.swaps == decision.taken().swaps
+    taken = trial.send(_verdict(False, "planted one"))
+    assert decision.refused == {first: f"{reading} did not verify (planted one)"}
+    assert first not in decision.suspects()
+    taken = trial.send(_verdict(False, "planted two"))
+    assert list(decision.refused) == [first, second]
+    taken = trial.send(_verdict(True))  # passes without both: is the first refusal needed?
+    assert list(decision.refused) == [second] and first in decision.suspects()
+    taken = trial.send(_verdict(False, "still needed"))  # it was: refused again, with its first reason
+    assert list(decision.refused) == [second, first] and "planted one" in decision.refused[first]
+    restored = _verdict(True, "the bundle that verified, rendered again")
+    with pytest.raises(StopIteration) as settled:
+        trial.send(restored)
+    assert settled.value.value is restored
+
+
+def test_a_bundle_that_never_verifies_gives_back_everything_and_keeps_the_last_failure(qwen3_next):
+    _, _, decided = qwen3_next
+    decision = Decision.from_json(decided.to_json())
+    trial = trials(decision, None, None, None)
+    next(trial)
+    last = None
+    with pytest.raises(StopIteration) as settled:
+        for i in range(20):
+            last = _verdict(False, f"failure {i}")
+            taken = trial.send(last)
+    assert settled.value.value is last and not decision.suspects()
+    assert not taken.moe and not taken.attention and not taken.loss.takes

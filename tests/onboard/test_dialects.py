@@ -23,7 +23,7 @@ from onboard.train.model import build_model, train_config
 from onboard.twin import Twin
 from onboard.twin import behaviour as dialect
 from onboard.twin import build as twin_module
-from onboard.twin.config import TwinConfig, as_is
+from onboard.twin.build import TwinConfig, as_is
 from onboard.twin.shrink import Shrink
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -14,6 +14,7 @@ import torch
 from onboard.inspect.inspection import inspect_source
 from onboard.review.families import UNSUPPORTED, default_config, discover, layer_types
 from onboard.source import from_config
+from onboard.twin import instantiate
 
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOPK_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "moe_top_k")
@@ -52,7 +53,7 @@ def test_discovery_finds_the_known_families():
 
 def _expected_experts_per_layer(source, num_experts: int) -> list[bool]:
     """From the full-size module tree: does layer i hold an E-way stack of expert weights?"""
-    model = source.build(device="meta")
+    model = instantiate(source, device="meta")
     stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == len(layers_of(model))]
     layers = stacks[0]
     out = []

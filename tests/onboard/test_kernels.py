@@ -158,7 +158,7 @@ def test_a_committed_bundle_runs_its_kernels_from_an_emptied_store(tmp_path):
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3"])
 def test_rendered_kernels_match_the_reference(model, twin_adapter, tmp_path):
     spec, _, decision, _ = twin_adapter(tmp_path, ref=model)
-    kernels = {k.template: k for k in render_kernels(spec, decision)}
+    kernels = {k.template: k for k in render_kernels(spec, decision.taken())}
     assert sorted(kernels) == ["kernels/loss_triton.py.j2", "kernels/moe_triton.py.j2"]
     source = kernels["kernels/moe_triton.py.j2"].text
     moe = next(layer.mlp for layer in spec.layers if layer.mlp.kind == "moe")
@@ -166,7 +166,7 @@ def test_rendered_kernels_match_the_reference(model, twin_adapter, tmp_path):
     # the kernels are checked at a small width with the same top-k: re-render for hidden 64
     spec = copy.deepcopy(spec)
     spec.hidden_size = 64
-    small = next(k for k in render_kernels(spec, decision) if k.template == "kernels/moe_triton.py.j2")
+    small = next(k for k in render_kernels(spec, decision.taken()) if k.template == "kernels/moe_triton.py.j2")
     result = run_kernel_check("check_moe_triton.py", stored_kernel(small.template, **small.params), threads=2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "grouped GEMM dw (out_in=True): ok" in result.stdout
@@ -174,9 +174,9 @@ def test_rendered_kernels_match_the_reference(model, twin_adapter, tmp_path):
 
 def test_dense_model_renders_only_the_loss_kernel(twin_adapter, tmp_path):
     spec, _, decision, _ = twin_adapter(tmp_path, ref="qwen3-8b")
-    assert _names(render_kernels(spec, decision)) == ["loss_triton"]
+    assert _names(render_kernels(spec, decision.taken())) == ["loss_triton"]
     decision.refuse("loss", "refused for the test")
-    assert render_kernels(spec, decision) == []
+    assert render_kernels(spec, decision.taken()) == []
 
 
 @pytest.mark.interpreter
@@ -204,7 +204,7 @@ def test_hybrid_models_get_attention_and_loss_kernels_at_their_full_scale_shapes
     """The bundle also carries the attention and cross-entropy kernels, rendered for the full-size model's head
     dims, top-k and vocabulary."""
     spec, _, decision, _ = twin_adapter(tmp_path, ref=model)
-    kernels = {k.template.rsplit("/", 1)[-1].removesuffix(".py.j2"): k.text for k in render_kernels(spec, decision)}
+    kernels = {k.template.rsplit("/", 1)[-1].removesuffix(".py.j2"): k.text for k in render_kernels(spec, decision.taken())}
     assert sorted(kernels) == sorted(["moe_triton", attention_kernel, "loss_triton"])
     assert f"VOCAB = {spec.vocab_size}" in kernels["loss_triton"]
     swapped = next(layer.attention for layer in spec.layers if layer.attention.kind.startswith(("linear", "sparse")))
@@ -215,7 +215,7 @@ def test_hybrid_models_get_attention_and_loss_kernels_at_their_full_scale_shapes
         assert f"QK_HEAD_DIM = {swapped.head_dim}" in kernels[attention_kernel]
     # a refused attention reading takes its kernel out with it
     decision.refuse(f"attention:{swapped.path}", "refused for the test")
-    assert attention_kernel not in _names(render_kernels(spec, decision))
+    assert attention_kernel not in _names(render_kernels(spec, decision.taken()))
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "minimax"])
@@ -226,7 +226,7 @@ def test_scalar_decay_models_get_its_kernel_with_keys_of_state_or_head_size(fami
 
     config = default_config(family)
     spec, _, decision, _ = twin_adapter(tmp_path, family=family)
-    kernels = {k.template.rsplit("/", 1)[-1].removesuffix(".py.j2"): k for k in render_kernels(spec, decision)}
+    kernels = {k.template.rsplit("/", 1)[-1].removesuffix(".py.j2"): k for k in render_kernels(spec, decision.taken())}
     assert "scalar_decay_triton" in kernels and "gated_delta_triton" not in kernels
     keys = config.ssm_state_size if family == "nemotron_h" else config.head_dim or config.hidden_size // config.num_attention_heads
     values = config.mamba_head_dim if family == "nemotron_h" else keys

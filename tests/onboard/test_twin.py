@@ -33,8 +33,12 @@ def test_deepseek_v3_twin_keeps_features():
     assert cfg.num_experts_per_tok <= cfg.topk_group * (cfg.n_routed_experts // cfg.n_group)
     # MLA ranks stay low-rank and the rope head dim still equals the rotary head_dim
     assert cfg.kv_lora_rank < cfg.hidden_size and cfg.head_dim == cfg.qk_rope_head_dim
-    assert twin.full_value("top_k", cfg.num_experts_per_tok) == 8
-    assert twin.full_value("experts", cfg.n_routed_experts) == 256
+    changed = {s.meaning: (s.twin, s.full) for s in twin.changes}
+    assert changed["top_k"] == (cfg.num_experts_per_tok, 8) and changed["experts"] == (cfg.n_routed_experts, 256)
+    # beside the twin, the full model's record: its shapes on the meta device and its sizes by meaning
+    assert twin.full_model.model.embed_tokens.weight.shape == (129280, 7168)
+    assert twin.full_model.model.embed_tokens.weight.is_meta
+    assert twin.full_sizes["experts"] == [("n_routed_experts", 256)]
 
 
 def test_windows_and_index_topk_are_below_the_test_sequence():

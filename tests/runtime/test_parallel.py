@@ -73,10 +73,10 @@ def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
     source = resolve(name)
     torch.manual_seed(0)
     twin = Twin.build(source)
-    spec = build_spec(source, twin, capture(twin))
+    spec = build_spec(twin, capture(twin))
     folder.mkdir(parents=True)
     (folder / "spec.json").write_text(spec.to_json())
-    (folder / "adapter.py").write_text(render_adapter(spec, decide(spec, twin)))
+    (folder / "adapter.py").write_text(render_adapter(spec, decide(spec, twin).taken()))
     (folder / "model.txt").write_text(name)
     model = twin.model
     if layers is not None:

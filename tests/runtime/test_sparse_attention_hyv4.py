@@ -181,7 +181,7 @@ def _verify(bundle):
     from onboard.adapt.verify import verify
 
     spec, twin, decision, adapt = bundle
-    return verify(spec, twin, adapt, decision, seeds=(0,))
+    return verify(spec, twin, adapt, decision.taken(), seeds=(0,))
 
 
 def test_hyv4_bundle_swaps_its_dsa_layers_and_verifies(bundle):

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli import main
+from onboard.train.launch import LaunchRecord
 from onboard.train.model import build_model
 from runtime.plan import LoRA, Plan
 from runtime.runlog import read_runs
@@ -255,10 +256,16 @@ def test_onboard_export_writes_from_a_saved_checkpoint_what_the_run_exported(rel
     assert main(["train", str(bundle), "--weights", str(model_dir), "--plan", str(plan), "--steps", "2", "--lr",
                  "0.01", "--checkpoint-dir", str(ck), "--runlog", str(tmp_path / "run.jsonl"), "--export-peft",
                  str(tmp_path / "at-end")]) == 0
-    # launch.json is not consent: an edit that names another bundle and switches remote code on changes nothing
+    # launch.json is a versioned record, and not consent: it has no field to switch remote code on with (refused
+    # in one line), and an edit that names another bundle changes nothing
     launch = json.loads((ck / "launch.json").read_text())
-    (ck / "launch.json").write_text(json.dumps({**launch, "bundle": str(tmp_path), "trust_remote_code": True}))
+    assert launch["schema_version"] == 1 and LaunchRecord.from_dict(launch).to_dict() == launch
+    (ck / "launch.json").write_text(json.dumps({**launch, "trust_remote_code": True}))
     capsys.readouterr()
+    assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "later"), "--bundle", str(bundle)]) == 1
+    assert "'trust_remote_code' is not a field of LaunchRecord" in capsys.readouterr().err
+    del launch["schema_version"]  # as runs wrote it before it had a version: read as version 0
+    (ck / "launch.json").write_text(json.dumps({**launch, "bundle": str(tmp_path)}))
     assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "later"), "--bundle", str(bundle)]) == 0
     assert f"running {bundle / 'adapter.py'}" in capsys.readouterr().out
     at_end = load_file(tmp_path / "at-end" / "adapter_model.safetensors")

@@ -46,6 +46,7 @@ def check(family: str, seed: int, workdir: Path | None = None, *, adapt: bool = 
 def onboard_draw(d: Draw, folder: Path, *, adapt: bool = True) -> list[str]:
     """Save, resolve, inspect (and adapt) one draw; what the spec or verification got wrong."""
     from onboard.source import resolve
+    from onboard.twin import instantiate
 
     d.config.save_pretrained(folder / "model")
     source = resolve(str(folder / "model"))
@@ -57,7 +58,7 @@ def onboard_draw(d: Draw, folder: Path, *, adapt: bool = True) -> list[str]:
         from onboard.inspect.inspection import inspect_source
 
         spec, verification = inspect_source(source)[0], None
-    problems = disagreements(spec, expected(source.config, source.build(device="meta")))
+    problems = disagreements(spec, expected(source.config, instantiate(source, device="meta")))
     if verification is not None and not verification.passed:
         problems.append(f"verification failed: {verification.note or 'numbers differ'}")
     return problems

@@ -153,13 +153,13 @@ def speed(request: dict, wire) -> tuple[dict, dict]:
 
     from onboard.agent.sandbox.calls import Call, cotangents_for
     from onboard.source import resolve
-    from onboard.twin import Twin
+    from onboard.twin import Twin, instantiate
 
     key = (request["model"], bool(request.get("trust_remote_code")), request["layer"], request.get("width", 8))
     if key not in _SPEED:
         source = resolve(request["model"], trust_remote_code=key[1])
         cfg = Twin.build(source, layers=request["layer"] + 1, width=request.get("width", 8), check=False).config.to_dict()
-        _SPEED[key] = (source.build(type(source.config).from_dict(cfg)).eval(), cfg)
+        _SPEED[key] = (instantiate(source, type(source.config).from_dict(cfg)).eval(), cfg)
     model, cfg = _SPEED[key]
     module = model.get_submodule(f"{request['layers_path']}.{request['layer']}.{request['path']}")
     vocab = min(int(cfg.get("vocab_size") or 1000), 1000)
