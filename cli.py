@@ -86,7 +86,8 @@ def cmd_agent(args) -> int:
     return _write_bundle(args, {
         "policy": args.policy, "replay": Path(args.replay) if args.replay else None, "rounds": args.rounds,
         "keep_slower": args.keep_slower, "base_url": args.base_url, "llm_model": args.llm_model,
-        "key_env": args.key_env, "calls": args.calls})
+        "key_env": args.key_env, "calls": args.calls, "max_tokens": args.max_tokens, "timeout": args.timeout,
+        "tool_choice": args.tool_choice, "streaming": args.stream or None})
 
 
 def _write_bundle(args, agent_options: dict | None) -> int:
@@ -457,6 +458,15 @@ def _agent_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-env", default="OPENAI_API_KEY",
                    help="llm policy: the environment variable holding the endpoint's key (default OPENAI_API_KEY)")
     p.add_argument("--calls", type=POSITIVE, help="llm policy: model calls per leftover module (default 12)")
+    p.add_argument("--max-tokens", type=POSITIVE,
+                   help="llm policy: the longest reply asked for, in tokens (default 2048; a server's own default "
+                        "may be its whole context)")
+    p.add_argument("--timeout", type=float, help="llm policy: seconds each request may take (default 300)")
+    p.add_argument("--tool-choice", choices=("auto", "required", "none"),
+                   help="llm policy: the tool_choice sent with every request (default auto; some local servers call "
+                        "tools only when it is sent, or only with required)")
+    p.add_argument("--stream", action="store_true",
+                   help="llm policy: ask for streamed replies (server-sent events) rather than whole ones")
 
 
 def _verify_options(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """The `llm` policy: a LangChain agent on any OpenAI-compatible endpoint, with tools and no shell.
 
-    policy = LLMPolicy(chat_model(base_url, model, key_env))      # needs the `agent` extra
+    endpoint = Endpoint(base_url, model, key_env)                  # onboard.agent.endpoint
+    policy = LLMPolicy(endpoint.chat(), endpoint=endpoint)          # needs the `agent` extra
     policy.run(task, module, trial, record)
 
 Rules first: the `rules` policy's readings are tried, and only a task they do not settle goes to the model.
@@ -10,23 +11,29 @@ signature), `show_runtime_api` (what generated code may import and call), `rende
 templates/generated/ filled with the model's fields, to start from), and `submit_candidate` (hypothesis and
 code: the loop's `trial`, so the guard, the sandboxed probe and the budget are the loop's, not the prompt's;
 the session ends as soon as a candidate passes or the rounds are spent).
+A tool never ends the run by failing: its error, malformed arguments included, is its answer to the model;
+`render_template` renders only the readings that folder holds, in Jinja's sandbox. A reply that calls no tool
+is answered by a request naming the tools and how to submit (`nudge`), within the same budget.
 The agent is `langchain.agents.create_agent` with `ModelCallLimitMiddleware` ending the run after `calls`
-model calls. Every request and reply goes into the record as a `chat` event (roles, text, tool calls; no run
+model calls, behind the endpoint's guard (`onboard.agent.endpoint`: tool_choice, null contents, one-line
+failures). Every request and reply goes into the record as a `chat` event (roles, text, tool calls; no run
 ids or times), which is what `ScriptedChat` replays: a recorded session reproduces its bundle with no endpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
-import os
+from importlib import resources
 
+import jinja2
 from torch import nn
 
 from onboard.adapt.codegen import environment
 from onboard.agent.candidate import Candidate
 from onboard.agent.tasks import Task
-from onboard.errors import OnboardError
+from onboard.errors import one_line
 from runtime.generated import settings
 
 POLICY = "llm"
@@ -77,8 +84,41 @@ def module_brief(module: nn.Module) -> str:
     return f"{source}\n\nstate: {json.dumps(state, default=str)}"
 
 
+def generated_templates() -> list[str]:
+    """The readings of templates/generated/ that `render_template` fills: the names of its `.py.j2` files."""
+    folder = resources.files("onboard.templates").joinpath("generated")
+    return sorted(p.name.removesuffix(".py.j2") for p in folder.iterdir() if p.name.endswith(".py.j2"))
+
+
+def sandboxed_environment():
+    """Jinja's SandboxedEnvironment over onboard's templates: a template cannot reach Python objects' internals
+    (attributes starting with an underscore, functions' globals), whatever a model asks it to render with."""
+    from jinja2.sandbox import SandboxedEnvironment
+
+    plain = environment()
+    sandboxed = SandboxedEnvironment(loader=plain.loader, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    sandboxed.filters["tojson"], sandboxed.globals["ranges"] = plain.filters["tojson"], plain.globals["ranges"]
+    return sandboxed
+
+
+def _answering_errors(tool):
+    """`tool` with any exception it raises (except the session's end) turned into its answer to the model: a
+    tool's own error is the model's to repair, never the end of the run."""
+    @functools.wraps(tool)
+    def answered(*args, **kwargs):
+        try:
+            return tool(*args, **kwargs)
+        except _Settled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the model, which called the tool
+            return f"error: {type(exc).__name__}: {one_line(exc, 300)}"
+    return answered
+
+
 def _tools(task: Task, module: nn.Module, trial):
     from langchain_core.tools import StructuredTool
+
+    readings = generated_templates()
 
     def show_module() -> str:
         """The HuggingFace module to replace: its class source, parameters, buffers, settings, forward signature."""
@@ -89,10 +129,18 @@ def _tools(task: Task, module: nn.Module, trial):
         return runtime_api()
 
     def render_template(reading: str, fields_json: str) -> str:
-        """Fill templates/generated/<reading>.py.j2 (hyper_connection, residual_affine_sum, short_conv_residual)
-        with the JSON object fields_json; returns the code (it is not submitted)."""
-        fields = json.loads(fields_json)
-        return environment().get_template(f"generated/{reading}.py.j2").render(
+        """Fill templates/generated/<reading>.py.j2 (one of the readings listed in the error when the name is not
+        one) with the JSON object fields_json; returns the code (it is not submitted)."""
+        if reading not in readings:
+            return f"error: no template {reading!r}; the readings are {', '.join(readings)}"
+        try:
+            fields = json.loads(fields_json)
+        except ValueError as exc:
+            return f"error: fields_json is not JSON ({exc}); give a JSON object of the template's fields"
+        if not isinstance(fields, dict):
+            return f"error: fields_json is a JSON {type(fields).__name__}; give a JSON object of the template's fields"
+        fields = {k: v for k, v in fields.items() if k not in ("policy", "path", "replaces")}
+        return sandboxed_environment().get_template(f"generated/{reading}.py.j2").render(
             policy=POLICY, path=task.path, replaces=task.module_class, hypothesis=fields.pop("hypothesis", ""),
             **fields)
 
@@ -103,7 +151,11 @@ def _tools(task: Task, module: nn.Module, trial):
             raise _Settled(result["outcome"])
         return result["outcome"]
 
-    return [StructuredTool.from_function(f, handle_tool_error=True)
+    # arguments that do not fit a tool's schema go back to the model as its answer, saying which and why
+    def misfit(exc) -> str:
+        return f"error: the arguments do not fit the tool's schema: {one_line(exc, 300)}"
+
+    return [StructuredTool.from_function(_answering_errors(f), handle_tool_error=True, handle_validation_error=misfit)
             for f in (show_module, show_runtime_api, render_template, submit_candidate)]
 
 
@@ -128,25 +180,36 @@ def _recording_handler(record, task: Task):
 
     class Recording(BaseCallbackHandler):
         seen = 0
+        replies = 0  # model calls answered in this task
 
         def on_chat_model_start(self, serialized, messages, **kwargs):
             new = messages[0][self.seen:]
             self.seen = len(messages[0])
-            record("chat", task=task.path, request=[_message(m) for m in new])
+            if new:  # a request sent again (the endpoint guard's one retry) is recorded once
+                record("chat", task=task.path, request=[_message(m) for m in new])
 
         def on_llm_end(self, response, **kwargs):
             self.seen += 1  # the reply is the next request's last message but one
+            self.replies += 1
             record("chat", task=task.path, reply=_message(response.generations[0][0].message))
 
     return Recording()
 
 
+def nudge(tools: list) -> str:
+    """What the next request says after a reply that called no tool."""
+    listed = "; ".join(f"{t.name}({', '.join(t.args)})" for t in tools)
+    return (f"Your reply called no tool, so nothing was submitted. The tools are: {listed}. Read the module with "
+            f"show_module if you have not, then call submit_candidate(hypothesis, code) with the whole file.")
+
+
 class LLMPolicy:
-    """A LangChain agent per task on `chat` (a LangChain chat model: `chat_model(...)`, or `ScriptedChat`)."""
+    """A LangChain agent per task on `chat` (a LangChain chat model: `Endpoint.chat()`, or `scripted_chat`);
+    `endpoint` (`onboard.agent.endpoint.Endpoint`) where the chat model talks to one."""
 
     name = POLICY
 
-    def __init__(self, chat, *, calls: int = CALLS, endpoint: str = ""):
+    def __init__(self, chat, *, calls: int = CALLS, endpoint=None):
         self.chat, self.calls, self.endpoint = chat, calls, endpoint
 
     def run(self, task: Task, module: nn.Module, trial, record) -> None:
@@ -164,52 +227,42 @@ class LLMPolicy:
             self._ask(task, module, trial, record)
 
     def _ask(self, task: Task, module: nn.Module, trial, record) -> None:
+        """The agent on the task, within `calls` model calls; a reply that calls no tool is answered by a request
+        that says which tools there are and how to submit (`nudge`), while calls are left."""
         from langchain.agents import create_agent
         from langchain.agents.middleware import ModelCallLimitMiddleware
         from langchain_core.messages import HumanMessage
 
-        agent = create_agent(self.chat, _tools(task, module, trial), system_prompt=SYSTEM_PROMPT,
-                             middleware=[ModelCallLimitMiddleware(run_limit=self.calls, exit_behavior="end")])
-        prompt = (f"Module `{task.path}` ({task.module_class}) of every listed layer of the model stays "
-                  f"HuggingFace code: {task.why}. Read it with show_module, then submit a replacement.")
-        try:
-            agent.invoke({"messages": [HumanMessage(prompt)]},
-                         config={"callbacks": [_recording_handler(record, task)],
-                                 "recursion_limit": 4 * self.calls + 4})
-        except _Settled:
-            return
-        except Exception as exc:  # the endpoint's failure (connection, auth, protocol): one line, not a traceback
-            if not _from_endpoint(exc):
-                raise
-            raise OnboardError(f"the model endpoint {self.endpoint} failed: {type(exc).__name__}: "
-                               f"{(str(exc).splitlines() or [''])[0]}") from None
+        from onboard.agent.endpoint import guard_middleware
+
+        tools = _tools(task, module, trial)
+        recording = _recording_handler(record, task)
+        if hasattr(self.chat, "attach"):  # a replay records again what its session recorded beside the replies
+            self.chat.attach(record)
+        guard = [guard_middleware(self.endpoint, self.chat, record, task.path)] if self.endpoint is not None else []
+        messages = [HumanMessage(f"Module `{task.path}` ({task.module_class}) of every listed layer of the model "
+                                 f"stays HuggingFace code: {task.why}. Read it with show_module, then submit a "
+                                 f"replacement.")]
+        while recording.replies < self.calls:
+            limit = ModelCallLimitMiddleware(run_limit=self.calls - recording.replies, exit_behavior="end")
+            agent = create_agent(self.chat, tools, system_prompt=SYSTEM_PROMPT, middleware=[*guard, limit])
+            try:
+                state = agent.invoke({"messages": messages}, config={"callbacks": [recording],
+                                                                     "recursion_limit": 4 * self.calls + 4})
+            except _Settled:
+                return
+            messages = state["messages"]
+            last = messages[-1] if messages else None
+            if getattr(last, "type", "") != "ai" or getattr(last, "tool_calls", None) or getattr(self.chat, "exhausted", False):
+                return  # the call limit ended the run, or a replay's script did
+            messages = [*messages, HumanMessage(nudge(tools))]
 
 
-def _from_endpoint(exc: BaseException) -> bool:
-    """Whether an error came from talking to the model endpoint (langchain's model errors, openai, httpx)."""
-    from langchain_core.exceptions import ModelError
-
-    return isinstance(exc, ModelError) or any(
-        cls.__module__.split(".")[0] in ("openai", "httpx", "httpcore") for cls in type(exc).__mro__)
-
-
-def chat_model(base_url: str, model: str, key_env: str = "OPENAI_API_KEY", *, timeout: float = 120.0,
-               streaming: bool = False):
-    """`langchain_openai.ChatOpenAI` on an OpenAI-compatible endpoint, its key from the environment."""
-    try:
-        from langchain_openai import ChatOpenAI
-    except ImportError:
-        raise OnboardError("the llm policy needs the agent extra: pip install -e \".[agent]\"") from None
-    key = os.environ.get(key_env)
-    if not key:
-        raise OnboardError(f"the llm policy reads the endpoint's key from ${key_env}, which is not set")
-    return ChatOpenAI(base_url=base_url, model=model, api_key=key, timeout=timeout, max_retries=0, temperature=0,
-                      streaming=streaming)
-
-
-def scripted_chat(replies: list[dict]):
+def scripted_chat(replies: list[dict], events: dict[int, list[dict]] | None = None):
     """A chat model that answers with `replies` (recorded `_message` dicts) in order, then ends the run: the
-    replay of a recorded session, and the scripted sessions of the tests."""
+    replay of a recorded session, and the scripted sessions of the tests. `events`: {reply index: the events the
+    session recorded while that reply was asked for (the endpoint guard's `interop`)}, recorded again at the same
+    place through `attach(record)`, so a replay writes the session's record byte for byte."""
     from langchain_core.language_models.chat_models import BaseChatModel
     from langchain_core.messages import AIMessage
     from langchain_core.outputs import ChatGeneration, ChatResult
@@ -217,17 +270,29 @@ def scripted_chat(replies: list[dict]):
 
     class ScriptedChat(BaseChatModel):
         replies: list
+        events: dict = {}
         _next: int = PrivateAttr(default=0)
+        _record: object = PrivateAttr(default=None)
+
+        def attach(self, record) -> None:
+            self._record = record
 
         @property
         def _llm_type(self) -> str:
             return "scripted"
+
+        @property
+        def exhausted(self) -> bool:
+            """The script is spent: a replay asks nothing past what the session recorded."""
+            return self._next >= len(self.replies)
 
         def bind_tools(self, tools, **kwargs):
             return self
 
         def _generate(self, messages, stop=None, run_manager=None, **kwargs):
             if self._next < len(self.replies):
+                for event in self.events.get(self._next, []) if self._record is not None else []:
+                    self._record(event["event"], **{k: v for k, v in event.items() if k != "event"})
                 reply = self.replies[self._next]
                 self._next += 1
             else:
@@ -237,4 +302,4 @@ def scripted_chat(replies: list[dict]):
             message = AIMessage(content=reply.get("content", ""), tool_calls=calls)
             return ChatResult(generations=[ChatGeneration(message=message)])
 
-    return ScriptedChat(replies=replies)
+    return ScriptedChat(replies=replies, events=events or {})

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from onboard.adapt.decision import Decision, GeneratedEntry
 from onboard.agent import guard
+from onboard.agent.endpoint import EndpointError
 from onboard.agent.candidate import Candidate
 from onboard.agent.record import SCHEMA_VERSION, Recorder, sha256
 from onboard.agent.sandbox.judge import Judge
@@ -246,27 +247,47 @@ POLICIES = ("rules", "llm")
 
 
 def policy_named(name: str, *, base_url: str | None = None, llm_model: str | None = None,
-                 key_env: str = "OPENAI_API_KEY", calls: int | None = None):
-    """The policy `onboard agent --policy NAME` runs, and the fields its session line records."""
+                 key_env: str = "OPENAI_API_KEY", calls: int | None = None, **endpoint):
+    """The policy `onboard agent --policy NAME` runs, and the fields its session line records; `endpoint`: the
+    llm policy's max_tokens, timeout, tool_choice, streaming (`onboard.agent.endpoint.Endpoint`)."""
     from onboard.agent.rules import RulesPolicy
 
     if name == "rules":
         return RulesPolicy(), {}
     if name == "llm":
-        from onboard.agent.llm import CALLS, LLMPolicy, chat_model
+        from onboard.agent.endpoint import Endpoint
+        from onboard.agent.llm import CALLS, LLMPolicy
 
         if not base_url or not llm_model:
             raise OnboardError("the llm policy needs --base-url (an OpenAI-compatible endpoint) and --llm-model")
         calls = calls or CALLS
-        return (LLMPolicy(chat_model(base_url, llm_model, key_env), calls=calls, endpoint=base_url),
-                {"endpoint": base_url, "model_name": llm_model, "calls": calls})
+        chosen = Endpoint(base_url, llm_model, key_env, **{k: v for k, v in endpoint.items() if v is not None})
+        return LLMPolicy(chosen.chat(), calls=calls, endpoint=chosen), {**chosen.session(), "calls": calls}
     raise OnboardError(f"unknown agent policy {name!r}: choose from {', '.join(POLICIES)}")
+
+
+# what a replay's session line keeps of the session it replays (the policy, model and rounds it records itself)
+SESSION_FIELDS = ("endpoint", "model_name", "calls", "keep_slower", "max_tokens", "timeout", "tool_choice",
+                  "streaming")
+
+
+def kept_beside(out: Path, text: str) -> Path:
+    """Write a failed session's record beside the bundle it was for, under a name no file holds yet."""
+    from onboard.outputs import write_atomically
+
+    for n in range(1000):
+        path = out.parent / (f"{out.name}.{RECORD}" if n == 0 else f"{out.name}.{n}.{RECORD}")
+        if not path.exists() and not path.is_symlink():
+            write_atomically(path, text)
+            return path
+    raise OnboardError(f"{out.parent}: a thousand agent records are kept beside {out.name} already")
 
 
 def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path | None = None, rounds: int = ROUNDS,
         force: bool = False, notes: list[str] | None = None, keep_slower: bool = False, **llm):
     """`onboard agent`: adapt `source` into `out` with the agent taking on the leftovers (`llm`: base_url,
-    llm_model, key_env, calls for the llm policy). A replay proposes what the record proposed, with the
+    llm_model, key_env, calls, max_tokens, timeout, tool_choice, streaming for the llm policy). Where the model
+    endpoint fails, the session's record so far is kept beside `out` (`kept_beside`) and the error says where. A replay proposes what the record proposed, with the
     record's own budget. Returns (spec, verification, agent)."""
     from onboard.agent.record import ReplayPolicy, read_record
     from onboard.bundle.make import adapt
@@ -284,7 +305,7 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
                                    f"number of at least 1")
         if not isinstance(keep_slower, bool):
             raise OnboardError(f"{replay}: the session line's 'keep_slower' is {keep_slower!r}: true or false")
-        session = {k: v for k, v in chosen.session.items() if k in ("endpoint", "model_name", "calls", "keep_slower")}
+        session = {k: v for k, v in chosen.session.items() if k in SESSION_FIELDS}
     else:
         chosen, session = policy_named(policy, **llm)
         if keep_slower:  # a replay swaps in what this session swapped in
@@ -294,6 +315,9 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
     agent.warm()  # the sandbox's imports run while this process inspects the model
     try:
         spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
+    except EndpointError as exc:  # the session so far, to read and to replay up to the failure
+        kept = kept_beside(Path(out), agent.recorder.text())
+        raise EndpointError(f"{exc} (the session so far: {kept})") from None
     finally:
         agent.close()
     return spec, verification, agent

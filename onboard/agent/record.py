@@ -85,10 +85,14 @@ class ReplayPolicy:
         self.name = self.session.get("policy", "replay")
         self.candidates = replayed(events)
         self.replies: dict[str, list[dict]] = {}
+        self.interop: dict[str, dict[int, list[dict]]] = {}  # task -> {index of the reply it preceded: events}
         self.speed: dict[tuple[str, int], bool] = {}  # (task, round) -> slower: the session's timing verdicts
         for event in events:
             if event["event"] == "chat" and "reply" in event:
                 self.replies.setdefault(event.get("task", ""), []).append(event["reply"])
+            elif event["event"] == "interop":
+                before = len(self.replies.get(event.get("task", ""), []))
+                self.interop.setdefault(event.get("task", ""), {}).setdefault(before, []).append(event)
             elif event["event"] == "speed" and "task" in event and "round" in event:
                 self.speed[(event["task"], event["round"])] = bool(event.get("slower"))
 
@@ -98,6 +102,6 @@ class ReplayPolicy:
             return
         from onboard.agent.llm import LLMPolicy, scripted_chat
 
-        policy = LLMPolicy(scripted_chat(self.replies.get(task.path, [])), calls=self.session.get("calls", 12),
-                           endpoint=self.session.get("endpoint", ""))
+        policy = LLMPolicy(scripted_chat(self.replies.get(task.path, []), self.interop.get(task.path)),
+                           calls=self.session.get("calls", 12))
         policy.run(task, module, trial, record)

@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class ScriptedEndpoint:
-    def __init__(self, replies: list[dict], max_requests: int = 40):
+    """`reject_null`: answer 500 to a request holding an assistant message with null content, as llama-cpp-python
+    does; `delay`: seconds to wait before each answer. A reply {"empty": True} is a stream with no chunk (or a
+    whole reply with no choice), {"malformed": True} a body that is not JSON."""
+
+    def __init__(self, replies: list[dict], max_requests: int = 40, *, reject_null: bool = False,
+                 delay: float = 0.0):
         self.replies, self.max_requests = list(replies), max_requests
+        self.reject_null, self.delay = reject_null, delay
         self.requests: list[dict] = []
         self._lock = threading.Lock()
         endpoint = self
@@ -29,6 +36,12 @@ class ScriptedEndpoint:
                 pass
 
             def do_POST(self):
+                try:
+                    self._answer()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (its timeout): nothing to answer
+
+            def _answer(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with endpoint._lock:
                     endpoint.requests.append({"path": self.path, "auth": self.headers.get("Authorization"),
@@ -39,10 +52,28 @@ class ScriptedEndpoint:
                     self.send_response(404 if not over else 429)
                     self.end_headers()
                     return
+                if endpoint.delay:
+                    time.sleep(endpoint.delay)
+                if endpoint.reject_null and any(m.get("role") == "assistant" and m.get("content") is None
+                                                for m in body.get("messages", [])):
+                    with endpoint._lock:
+                        endpoint.replies.insert(0, reply)  # not answered: the next request gets it
+                    self._send(500, b'{"error": {"message": "Value is not a string: content", "code": 500}}')
+                    return
+                if reply.get("malformed"):
+                    self._send(200, b"{this is not json")
+                    return
                 if body.get("stream"):
                     self._stream(reply, body["model"])
                 else:
                     self._whole(reply, body["model"])
+
+            def _send(self, status, data):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def _calls(self, reply):
                 return [{"id": c["id"], "type": "function",
@@ -73,6 +104,9 @@ class ScriptedEndpoint:
                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
+                if reply.get("empty"):
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
                 send({"role": "assistant", "content": ""})
                 if reply.get("content"):
                     send({"content": reply["content"]})

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from onboard.agent.llm import LLMPolicy, chat_model, scripted_chat
+from onboard.agent.endpoint import Endpoint
+from onboard.agent.llm import LLMPolicy, scripted_chat
 from onboard.agent.loop import RECORD, run
 from tests.agent.common import (FALLBACK_LONGCAT, RIGHT_LONGCAT, WRONG_LONGCAT, bundle_files_are_verified,
                                 take_on)
@@ -81,8 +82,8 @@ def test_streaming_chat_completions_with_tool_calls(longcat, tmp_path, monkeypat
         "scale_a": "hidden_states_scale", "bias_a": "hidden_states_bias", "scale_b": "residual_scale",
         "bias_b": "residual_bias"})}, "s1"), _submit(RIGHT_LONGCAT, "s2")]
     with ScriptedEndpoint(script, max_requests=6) as endpoint:
-        chat = chat_model(endpoint.url, "scripted-model", "TEST_ENDPOINT_KEY", streaming=True)
-        entry, agent, _ = take_on(longcat, LLMPolicy(chat, endpoint=endpoint.url), tmp_path, speed=None)
+        chosen = Endpoint(endpoint.url, "scripted-model", "TEST_ENDPOINT_KEY", streaming=True)
+        entry, agent, _ = take_on(longcat, LLMPolicy(chosen.chat(), endpoint=chosen), tmp_path, speed=None)
     assert all(r["body"].get("stream") for r in endpoint.requests) and len(endpoint.requests) == 2
     rendered = [m for m in endpoint.requests[1]["body"]["messages"] if m["role"] == "tool"][-1]["content"]
     assert "class Replacement(Generated)" in rendered and "affine_sum(hidden_states, residual" in rendered
@@ -125,3 +126,27 @@ def test_the_model_call_budget_ends_a_session_that_never_submits(longcat, tmp_pa
     entry, agent, _ = take_on(longcat, LLMPolicy(scripted_chat(script), calls=3), tmp_path)
     replies = [e for e in agent.recorder.events if e["event"] == "chat" and "reply" in e]
     assert len(replies) == 3 and entry.takes is None and entry.rounds == []
+
+
+def test_an_endpoint_failure_is_one_line_and_keeps_the_session_so_far_beside_the_bundle(longcat, tmp_path,
+                                                                                      monkeypatch):
+    """The server answers the first request, then sends a body that is not JSON: `onboard agent` ends with one
+    line naming the endpoint, no bundle is left, and the record of the session so far is kept beside where the
+    bundle would have gone (under a name no file held), readable as an agent record."""
+    from onboard.agent.endpoint import EndpointError
+    from onboard.agent.record import read_record
+
+    monkeypatch.setenv("TEST_ENDPOINT_KEY", "sk-test")
+    (tmp_path / "bundle.agent.jsonl").write_text("the user's own file\n")
+    with ScriptedEndpoint([_call("show_module", {}, "c1"), {"malformed": True}], max_requests=4) as endpoint:
+        with pytest.raises(EndpointError) as failed:
+            run(longcat[0], tmp_path / "bundle", policy="llm", base_url=endpoint.url, llm_model="scripted-model",
+                key_env="TEST_ENDPOINT_KEY", timeout=30.0, keep_slower=True)
+    message = str(failed.value)
+    assert len(message.splitlines()) == 1 and f"the model endpoint {endpoint.url} failed" in message
+    kept = tmp_path / "bundle.1.agent.jsonl"
+    assert f"(the session so far: {kept})" in message and not (tmp_path / "bundle").exists()
+    assert (tmp_path / "bundle.agent.jsonl").read_text() == "the user's own file\n"
+    events = read_record(kept)
+    assert events[0]["timeout"] == 30.0 and events[0]["max_tokens"] == 2048
+    assert [e["event"] for e in events if e["event"] == "chat"] == ["chat"] * 3  # request, reply, the failed request

@@ -112,7 +112,9 @@ def test_suspects_come_in_the_order_to_give_them_back_and_refusals_can_be_taken_
 
 
 def _verdict(passed: bool, note: str = "") -> Verification:
-    return Verification(passed, 0, 0, [], {}, note)
+    tolerances = {"logits_rtol": 1e-4, "loss_rtol": 1e-5, "grad_rtol": 1e-3, "grad_atol": 1e-6, "err_factor": 10.0,
+                  "err_floor": 1e-6}
+    return Verification(passed, 0, 0, [], tolerances, note)
 
 
 def test_the_trials_give_back_what_fails_then_take_back_what_was_not_needed(qwen3_next):
@@ -153,3 +155,23 @@ def test_a_bundle_that_never_verifies_gives_back_everything_and_keeps_the_last_f
             taken = trial.send(last)
     assert settled.value.value is last and not decision.suspects()
     assert not taken.moe and not taken.attention and not taken.loss.takes
+
+
+def test_review_says_nothing_was_generated_when_no_candidate_passed(qwen3_next):
+    """REVIEW.md of an agent's bundle in which every leftover stays HuggingFace code says so, with each round's
+    reason, and does not claim that generated/ holds files that passed; once one passes, it says what is there."""
+    from onboard.adapt.codegen import render_review
+    from onboard.adapt.decision import GeneratedEntry
+
+    spec, twin, decided = qwen3_next
+    decision = Decision.from_json(decided.to_json())
+    rounds = [{"round": 1, "reading": "llm", "hypothesis": "a scale", "outcome": "failed the probe: wrong outputs"}]
+    decision.generated.append(GeneratedEntry([0, 4], "mixer", "", "Mixer", "llm", "", "", rounds=rounds,
+                                             refused="no candidate passed in 1 round(s)"))
+    size = {"hidden": twin.hidden_size, "layers": len(twin.layer_signatures)}
+    review = render_review(spec, decision, _verdict(True), size)
+    assert "nothing was generated" in review and "What it wrote is in `generated/`" not in review
+    assert "round 1 (llm): failed the probe: wrong outputs" in review
+    decision.generated[0].file, decision.generated[0].refused = "mixer.py", None
+    review = render_review(spec, decision, _verdict(True), size)
+    assert "nothing was generated" not in review and "What it wrote is in `generated/`" in review

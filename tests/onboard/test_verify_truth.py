@@ -106,13 +106,13 @@ def test_a_cancelling_decay_gradient_fails_against_fp64_but_passes_the_fp32_rule
     monkeypatch.setattr(pairs, "decay_pairs_backward", planted)
     monkeypatch.setattr(gated_delta, "decay_pairs_backward", planted)
 
-    judged = verify(spec, twin, adapter, decision)
+    judged = verify(spec, twin, adapter, decision.taken())
     assert not judged.passed
     wide = judged.seeds[-1]
     assert wide.decays == "strong" and not wide.passed
     assert any(name in failure for failure in wide.grad_failures for name in ("A_log", "dt_bias"))
     assert wide.grad_err_adapted > ERR_FACTOR * wide.grad_err_hf
 
-    before = verify(spec, twin, adapter, decision, against_fp64=False, decay_draws={})  # the rule before issue 14
+    before = verify(spec, twin, adapter, decision.taken(), against_fp64=False, decay_draws={})  # the rule before issue 14
     assert before.passed, before.note
     assert all(s.truth == "" and s.decays == "" for s in before.seeds)
