@@ -107,11 +107,12 @@ def guard_middleware(endpoint: Endpoint, chat, record, task: str):
             try:
                 return handler(request)
             except Exception as exc:  # noqa: BLE001 - whatever the client raised, said in one line below
-                if not (_http_error(exc) and _null_content(request.messages) and not getattr(chat, "empty_content", True)):
+                switchable = not getattr(chat, "empty_content", True)  # our Chat, still sending null
+                if not (switchable and _http_error(exc) and _null_content(request.messages)):
                     raise endpoint.error(exc) from None
                 chat.empty_content = True
-                record("interop", task=task, change="assistant messages that only call tools are sent with content \"\" "
-                                         "instead of null", why=one_line(exc, 200))
+                record("interop", task=task, why=one_line(exc, 200),
+                       change="assistant messages that only call tools are sent with content \"\" instead of null")
                 try:
                     return handler(request)
                 except Exception as again:  # noqa: BLE001

@@ -253,7 +253,8 @@ class LLMPolicy:
                 return
             messages = state["messages"]
             last = messages[-1] if messages else None
-            if getattr(last, "type", "") != "ai" or getattr(last, "tool_calls", None) or getattr(self.chat, "exhausted", False):
+            answered_in_text = getattr(last, "type", "") == "ai" and not getattr(last, "tool_calls", None)
+            if not answered_in_text or getattr(self.chat, "exhausted", False):
                 return  # the call limit ended the run, or a replay's script did
             messages = [*messages, HumanMessage(nudge(tools))]
 

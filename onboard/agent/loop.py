@@ -28,7 +28,7 @@ from onboard.agent.sandbox.process import Stopped
 from onboard.agent.sandbox.remote import Host
 from onboard.agent.sandbox.session import Limits, Sandbox
 from onboard.agent.tasks import Task, leftovers
-from onboard.errors import OnboardError
+from onboard.errors import OnboardError, one_line
 from onboard.inspect.spec import ModelSpec
 from onboard.source import ModelSource
 from onboard.twin import Twin
@@ -287,8 +287,9 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
         force: bool = False, notes: list[str] | None = None, keep_slower: bool = False, **llm):
     """`onboard agent`: adapt `source` into `out` with the agent taking on the leftovers (`llm`: base_url,
     llm_model, key_env, calls, max_tokens, timeout, tool_choice, streaming for the llm policy). Where the model
-    endpoint fails, the session's record so far is kept beside `out` (`kept_beside`) and the error says where. A replay proposes what the record proposed, with the
-    record's own budget. Returns (spec, verification, agent)."""
+    endpoint fails, the session's record so far is kept beside `out` (`kept_beside`) and the error says where.
+    A replay proposes what the record proposed, with the record's own budget. Returns (spec, verification,
+    agent)."""
     from onboard.agent.record import ReplayPolicy, read_record
     from onboard.bundle.make import adapt
 
@@ -316,8 +317,11 @@ def run(source: ModelSource, out: Path, *, policy: str = "rules", replay: Path |
     try:
         spec, verification = adapt(source, out, force=force, notes=notes, agent=agent)
     except EndpointError as exc:  # the session so far, to read and to replay up to the failure
-        kept = kept_beside(Path(out), agent.recorder.text())
-        raise EndpointError(f"{exc} (the session so far: {kept})") from None
+        try:
+            kept = f"the session so far: {kept_beside(Path(out), agent.recorder.text())}"
+        except (OSError, OnboardError) as why:
+            kept = f"the session so far could not be kept: {one_line(why, 120)}"
+        raise EndpointError(f"{exc} ({kept})") from None
     finally:
         agent.close()
     return spec, verification, agent
