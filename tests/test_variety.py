@@ -2,9 +2,10 @@
 drawn by the tests' own seeded generator (`tests.variety.draw`), saved with `save_pretrained` and read back,
 must inspect right against the instantiated model's own structure (`tests.variety.structure`, which shares no
 reading with the matchers) and adapt with verification passing. CI checks one varied config of every family
-(`family` tests, so outside the fast lane; about a minute in all): seed 0 or seed 1, alternating along the family
-list, so both seeds run, each on half the families. ONBOARD_VARIETY_SEEDS=0-7 checks every listed seed of every
-family. A draw the family's own code refuses every attempt of describes no checkpoint: CI then checks the family's
+(`family` tests, so outside the fast lane; about a minute in all), its seed drawn from the run's seed, which is
+the UTC date unless ONBOARD_VARIETY_RUN names one: no single config is what passes, and a failure reproduces with
+`ONBOARD_VARIETY_SEEDS=N -k FAMILY`, N from its test id. ONBOARD_VARIETY_SEEDS=0-7 checks every listed seed of
+every family. A draw the family's own code refuses every attempt of describes no checkpoint: CI then checks the family's
 other seed, and a seed named in ONBOARD_VARIETY_SEEDS is skipped, saying why.
 
     python -m tests.variety.report --seeds 4    # how many varied configs each family passed (the README column)
@@ -12,7 +13,9 @@ other seed, and a seed named in ONBOARD_VARIETY_SEEDS is skipped, saying why.
 
 from __future__ import annotations
 
+import datetime
 import os
+import random
 
 import pytest
 
@@ -32,13 +35,24 @@ def _seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+def run_seed() -> int:
+    """The run's seed: ONBOARD_VARIETY_RUN, else the UTC date as YYYYMMDD, so CI draws other configs every day
+    (and the same ones all day: a failure reproduces with the seed its test id names)."""
+    named = os.environ.get("ONBOARD_VARIETY_RUN")
+    return int(named) if named else int(datetime.datetime.now(datetime.UTC).strftime("%Y%m%d"))
+
+
 def _cases() -> list:
     """(family, seeds to try in turn): every named seed of every family with ONBOARD_VARIETY_SEEDS; by default one
-    seed per family, 0 and 1 alternating along the list, the other tried where the first describes no checkpoint."""
+    seed per family drawn from the run's seed (`run_seed`), the next tried where the first describes no
+    checkpoint."""
     named = os.environ.get("ONBOARD_VARIETY_SEEDS")
     if named:
         return [pytest.param(family, (seed,), id=f"{family}-{seed}") for family in FAMILIES for seed in _seeds(named)]
-    return [pytest.param(family, (i % 2, 1 - i % 2), id=f"{family}-{i % 2}") for i, family in enumerate(FAMILIES)]
+    run = run_seed()
+    seeds = {family: random.Random(f"{run}:{family}").randrange(1000) for family in FAMILIES}
+    return [pytest.param(family, (seeds[family], seeds[family] + 1), id=f"{family}-{seeds[family]}")
+            for family in FAMILIES]
 
 
 @pytest.mark.family

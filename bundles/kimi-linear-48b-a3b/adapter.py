@@ -21,7 +21,7 @@ from runtime.moe.block import ACTIVATIONS, GroupedExperts, ModuleExperts
 
 SPEC = json.loads(Path(__file__).with_name("spec.json").read_text())
 LAYERS = "model.layers"
-KERNELS = ["moe_triton-7afa84b64403", "gated_delta_triton-7323a38efb0d", "loss_triton-2f64f6ab152c"]  # rendered kernels this model runs, by key in the runtime's kernel store
+KERNELS = ["moe_triton-7afa84b64403", "gated_delta_triton-ba5de2042226", "loss_triton-2f64f6ab152c"]  # rendered kernels this model runs, by key in the runtime's kernel store
 
 
 # --- MoE 1: layers 1-26 --------------------------------------------

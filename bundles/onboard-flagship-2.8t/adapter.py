@@ -22,7 +22,7 @@ from runtime.moe.block import ACTIVATIONS, GroupedExperts, ModuleExperts
 
 SPEC = json.loads(Path(__file__).with_name("spec.json").read_text())
 LAYERS = "model.layers"
-KERNELS = ["moe_triton-983d3eb54302", "gated_delta_triton-1e14d94636e7", "sparse_attention_triton-19181537d69f", "loss_triton-8ce0d2e7d1d0"]  # rendered kernels this model runs, by key in the runtime's kernel store
+KERNELS = ["moe_triton-983d3eb54302", "gated_delta_triton-f82f6004d250", "sparse_attention_triton-19181537d69f", "loss_triton-8ce0d2e7d1d0"]  # rendered kernels this model runs, by key in the runtime's kernel store
 
 
 # --- MoE 1: layers 2-71 --------------------------------------------

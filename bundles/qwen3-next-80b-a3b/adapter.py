@@ -21,7 +21,7 @@ from runtime.moe.block import ACTIVATIONS, GroupedExperts, ModuleExperts
 
 SPEC = json.loads(Path(__file__).with_name("spec.json").read_text())
 LAYERS = "model.layers"
-KERNELS = ["moe_triton-5c488eae6742", "gated_delta_triton-e2e884af03ec", "loss_triton-08c5194aee6e"]  # rendered kernels this model runs, by key in the runtime's kernel store
+KERNELS = ["moe_triton-5c488eae6742", "gated_delta_triton-75d3e503079e", "loss_triton-08c5194aee6e"]  # rendered kernels this model runs, by key in the runtime's kernel store
 
 
 # --- MoE 1: layers 0-47 --------------------------------------------

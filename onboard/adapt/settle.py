@@ -65,9 +65,22 @@ def settle(decision: Decision) -> Trials:
 
 
 def failure_detail(verification: Verification) -> str:
-    """Why a trial failed, in the words a refusal records."""
+    """Why a trial failed, in the words a refusal records: the check that failed, not figures that passed."""
     if not verification.seeds:
         return verification.note
-    seeds = verification.seeds
-    return (f"max relative logits difference {max(r.logits_max_rel for r in seeds):.1e}, "
-            f"loss {max(abs(r.loss_ref - r.loss_adapted) for r in seeds):.1e}")
+    reasons = [verification.note] if verification.note else []
+    for r in verification.seeds:
+        if r.passed:
+            continue
+        if r.original_calls:
+            reasons.append(f"seed {r.seed}: the HuggingFace code it replaces still ran ({r.original_calls} calls)")
+        if r.grad_failures:
+            more = f" and {len(r.grad_failures) - 1} more" if len(r.grad_failures) > 1 else ""
+            reasons.append(f"seed {r.seed}: {r.grad_failures[0]}{more}")
+        if not r.original_calls and not r.grad_failures and not verification.note:
+            reasons.append(f"seed {r.seed}: max relative logits difference {r.logits_max_rel:.1e}, "
+                           f"loss {abs(r.loss_ref - r.loss_adapted):.1e}")
+        break  # the first failing seed says enough
+    if not reasons and not verification.passed:
+        reasons.append("every seed passed, but the swaps made differ from the decision's")
+    return "; ".join(reasons)

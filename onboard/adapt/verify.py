@@ -3,11 +3,12 @@
 For each seed the twin's weights are redrawn (router biases included, so bias correction is exercised; in the
 last two the vectors of linear-attention and state-space modules, their decay rates among them, are drawn
 across the weak and then the strong half of a wide range, DECAY_DRAWS), the same batch goes through the HuggingFace model
-in fp32, through an adapted fp32 deep copy, and through the HuggingFace model in fp64, the truth. The logits
-and every parameter's gradient are judged against the truth: the adapted model's error may be at most
-ERR_FACTOR times HuggingFace's own fp32 error plus ERR_FLOOR, tensor by tensor (relative to the tensor's
-largest true value). A gradient that is wrong where HuggingFace's is right fails, however small it is, which
-a tolerance relative to each tensor's own maximum would let through. Where the model does not run in fp64 the
+in fp32, through an adapted fp32 deep copy, and through the HuggingFace model in fp64, the truth. The logits,
+the loss and every parameter's gradient are judged against the truth, tensor by tensor: the adapted model's
+error may be at most ERR_FACTOR times HuggingFace's own fp32 error on the same tensor plus ERR_FLOOR, both
+relative to that tensor's own largest true value (never the model's: a decay rate whose gradient is 1e-6 of the
+largest is judged at its own scale, so a 10 % error there fails). A gradient that is wrong where HuggingFace's
+is right fails, however small it is. Where the model does not run in fp64 the
 adapted model is compared with the fp32 HuggingFace model instead (GRAD_RTOL, GRAD_ATOL; said in the note).
 The run also proves the adapter did what the adapt
 decision says, from the handles `adapt(model)` returns (`runtime.swap.Swaps`): as many swaps of each kind
@@ -29,6 +30,7 @@ from torch import nn
 
 from onboard import contract
 from onboard.adapt.decision import Taken
+from onboard.adapt.fp64 import Fp64Everywhere
 from onboard.errors import one_line
 from onboard.inspect.spec import ModelSpec
 from onboard.twin import TEST_SEQ_LEN, Twin
@@ -48,7 +50,10 @@ CHECK_CHUNK = 8  # linear-attention chunk length under verification: the 32-toke
 # floor for tensors HuggingFace gets (nearly) exact, where summation order alone moves the last digits
 ERR_FACTOR = 10.0
 ERR_FLOOR = 1e-5
-GRAD_SCALE_FLOOR = 1e-6  # errors of tensors with (nearly) no true gradient are measured against this
+# each tensor's error is relative to its own largest true value; a tensor whose true values all lie below fp32's
+# smallest normal number (a gradient decays pushed under what fp32 holds, or exactly zero) is measured against
+# that number instead: fp32 holds no relative precision there, in HuggingFace's run or the adapted one
+TENSOR_SCALE_MIN = torch.finfo(torch.float32).tiny
 # The vectors of linear-attention / state-space modules (A_log, dt_bias, ...) in the last two seeds, uniform over
 # a range: weak decays (A = e^-4..1: the state carries across many chunks), then strong ones (A = 1..e^4 and
 # softplus(dt) up to 4: log decays down to about -200 a token, where a decay gradient summed the wrong way loses
@@ -81,6 +86,8 @@ class SeedResult:
     grad_err_hf: float = 0.0
     grad_err_adapted: float = 0.0
     grad_err_param: str = ""
+    loss_err_hf: float = 0.0
+    loss_err_adapted: float = 0.0
     decays: str = ""  # "weak" / "strong": this seed drew the linear-attention / state-space vectors so
     passed: bool = False
 
@@ -187,7 +194,7 @@ def verify(spec: ModelSpec, twin: Twin, adapt, taken: Taken, seeds=SEEDS, agains
     wanted = {kind: sum(1 for i in layers if i < depth) for kind, layers in taken.swaps.items()}
     expected = sum(wanted[k] for k in MOE_KINDS)
     tolerances = {"logits_rtol": LOGITS_RTOL, "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "grad_atol": GRAD_ATOL,
-                  "err_factor": ERR_FACTOR, "err_floor": ERR_FLOOR}
+                  "err_factor": ERR_FACTOR, "err_floor": ERR_FLOOR, "err_scale_min": TENSOR_SCALE_MIN}
     try:
         draws = DECAY_DRAWS if decay_draws is None else decay_draws
         with reproducible():
@@ -240,6 +247,7 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_dr
     made: dict[str, int] = {}
     idle: set[str] = set()  # swaps made whose runtime code never ran
     truthless: set[str] = set()  # why the model did not run in fp64 (then the fp32 comparison decides)
+    kept_casts: set[str] = set()  # why the fp64 run kept the model's own fp32 casts
     for seed in seeds:
         ref = copy.deepcopy(twin.model)
         decays, decay_range = decay_draws.get(seed, ("", None))
@@ -258,7 +266,9 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_dr
         batch = twin.example_batch(seed, WIDE_SEQ if wide else TEST_SEQ_LEN)
         out_ref = ref(**batch, use_cache=False)
         out_ref.loss.backward()
-        out_truth, why_no_truth = _truth(truth, batch) if against_fp64 else (None, "not asked for")
+        out_truth, why_no_truth, casts = _truth(truth, batch) if against_fp64 else (None, "not asked for", "")
+        if casts:
+            kept_casts.add(casts)
         with class_calls(adapted, [type(s.replaced) for s in swaps.of(GENERATED)]) as stray:
             out_ad = adapted(**batch, use_cache=False)
             out_ad.loss.backward()
@@ -292,6 +302,8 @@ def _verify(spec, twin, adapt, seeds, wanted, tolerances, against_fp64, decay_dr
              if made.get(kind, 0) != n]
     if truthless:
         notes.append(f"judged against HuggingFace fp32 (no fp64 run: {sorted(truthless)[0]})")
+    if kept_casts:
+        notes.append(f"fp64 truth with {sorted(kept_casts)[0]}")
     if idle:
         notes.append(f"swapped but never run: {', '.join(sorted(idle)[:5])}{' ...' if len(idle) > 5 else ''}")
     if not expected and not notes:
@@ -346,22 +358,32 @@ def packed_documents(twin: Twin, spec: ModelSpec, adapt) -> dict:
 
 
 def _truth(model: nn.Module, batch: dict):
-    """The fp64 run (forward and backward) of the HuggingFace model: (output, None), or (None, why not). Its
-    experts run as transformers' plain loop (grouped GEMMs take no fp64), and its chunked sequence scans with
-    chunks of one token: transformers' chunked scans split exp(G_i - G_j) into exp(G_i) exp(-G_j) over a
-    chunk, which under strong decay is inexact in fp64 too, so only the token-by-token recurrence they compute
-    at chunk 1 is the truth."""
+    """The fp64 run (forward and backward) of the HuggingFace model: (output, why not, casts kept). It runs under
+    `Fp64Everywhere`, so the model's own upcasts to fp32 (norms, softmaxes, the loss, the scans and their decays)
+    stay fp64; a model whose code fails that way runs once more with them as written (casts kept: a reason,
+    said in the note). Its experts run as transformers' plain loop (grouped GEMMs take no fp64), and its chunked
+    sequence scans with chunks of one token: transformers' chunked scans split exp(G_i - G_j) into
+    exp(G_i) exp(-G_j) over a chunk, which under strong decay is inexact in fp64 too, so only the token-by-token
+    recurrence they compute at chunk 1 is the truth. (None, why not, "") when it does not run in fp64 at all."""
     try:
         model.set_experts_implementation("eager")
     except (AttributeError, ValueError, RuntimeError):
         pass  # a model without a choice of experts implementation runs as it is
     _token_by_token(model)
     try:
+        with Fp64Everywhere():
+            out = model(**batch, use_cache=False)
+            out.loss.backward()
+        return out, None, ""
+    except Exception as exc:  # noqa: BLE001 - model code we do not own: fp64 throughout may not fit it
+        casts = f"the model's own fp32 casts kept (in fp64 throughout it raised {one_line(exc, 100)})"
+    model.zero_grad(set_to_none=True)
+    try:
         out = model(**batch, use_cache=False)
         out.loss.backward()
     except Exception as exc:  # noqa: BLE001 - model code we do not own may not take fp64
-        return None, one_line(exc, 120)
-    return out, None
+        return None, one_line(exc, 120), ""
+    return out, None, casts
 
 
 def _token_by_token(model: nn.Module) -> None:
@@ -402,10 +424,17 @@ def _one_token_chunks(fn, *args, **kwargs):
 
 
 def _error(x: torch.Tensor, truth: torch.Tensor) -> float:
-    """max |x - truth| / max |truth|, in fp64; a tensor whose true values are all below GRAD_SCALE_FLOOR (a
-    gradient that decays underflowed to nothing, exactly zero in fp64) is measured against that floor."""
+    """max |x - truth| / max |truth|, in fp64: relative to the tensor's own scale, whatever the model's. A tensor
+    whose true values all lie below TENSOR_SCALE_MIN is measured against that."""
     x, truth = x.detach().double(), truth.detach().double()
-    return float((x - truth).abs().max() / truth.abs().max().clamp_min(GRAD_SCALE_FLOOR))
+    return float((x - truth).abs().max() / truth.abs().max().clamp_min(TENSOR_SCALE_MIN))
+
+
+def judge(hf: torch.Tensor, adapted: torch.Tensor, truth: torch.Tensor) -> tuple[float, float, float]:
+    """One tensor against its fp64 truth: (HuggingFace's fp32 error, the adapted error, how far the adapted error
+    lies past its bound; > 0 fails). Both errors are relative to this tensor's own largest true value."""
+    e_hf, e_ad = _error(hf, truth), _error(adapted, truth)
+    return e_hf, e_ad, _excess(e_ad, e_hf)
 
 
 def _excess(err_adapted: float, err_hf: float) -> float:
@@ -488,22 +517,27 @@ def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, r
             worst, worst_name = rel, name
         t = true_params.get(name)
         if t is not None and t.grad is not None:
-            e_hf, e_ad = _error(g, t.grad), _error(h, t.grad)
-            margin = _excess(e_ad, e_hf)
+            e_hf, e_ad, margin = judge(g, h, t.grad)
             if margin > worst_margin:
                 worst_margin, err_hf, err_ad, err_name = margin, e_hf, e_ad, name
             if margin > 0:
-                failures.append(f"{name}: error {e_ad:.2g} against fp64, HuggingFace's own fp32 error {e_hf:.2g}")
+                failures.append(f"{name}: error {e_ad:.2g} against fp64, HuggingFace's own fp32 error {e_hf:.2g} "
+                                f"(largest true value {float(t.grad.abs().max()):.1e})")
         elif diff > GRAD_RTOL * ref_max + GRAD_ATOL:
             failures.append(f"{name}: max |dgrad| {diff:.3g} vs max |grad| {ref_max:.3g}")
     logits_ok = max_abs <= LOGITS_RTOL * scale
-    logits_err_hf = logits_err_ad = 0.0
+    loss_ok = abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
+    logits_err_hf = logits_err_ad = loss_err_hf = loss_err_ad = 0.0
     if truth is not None:
-        logits_err_hf, logits_err_ad = _error(a, out_truth.logits), _error(b, out_truth.logits)
-        logits_ok = _excess(logits_err_ad, logits_err_hf) <= 0
-    passed = (logits_ok and abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
-              and not failures and original_calls == 0 and math.isfinite(loss_ad))
+        logits_err_hf, logits_err_ad, logits_excess = judge(a, b, out_truth.logits)
+        loss_err_hf, loss_err_ad, loss_excess = judge(out_ref.loss, loss_adapted, out_truth.loss)
+        logits_ok, loss_ok = logits_excess <= 0, loss_excess <= 0
+        failures += [f"{what}: error {ad:.2g} against fp64, HuggingFace's own fp32 error {hf:.2g}"
+                     for what, hf, ad, excess in (("logits", logits_err_hf, logits_err_ad, logits_excess),
+                                                  ("loss", loss_err_hf, loss_err_ad, loss_excess)) if excess > 0]
+    passed = (logits_ok and loss_ok and not failures and original_calls == 0 and math.isfinite(loss_ad))
     return SeedResult(seed, max_abs, max_abs / scale, loss_ref, loss_ad, kl, checked, worst, worst_name,
                       failures[:20], runtime_calls, original_calls, truth="fp64" if truth is not None else "",
                       logits_err_hf=logits_err_hf, logits_err_adapted=logits_err_ad, grad_err_hf=err_hf,
-                      grad_err_adapted=err_ad, grad_err_param=err_name, passed=passed)
+                      grad_err_adapted=err_ad, grad_err_param=err_name, loss_err_hf=loss_err_hf,
+                      loss_err_adapted=loss_err_ad, passed=passed)

@@ -134,20 +134,62 @@ def from_here(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-2).cumsum(-2).flip(-2)
 
 
+def scalar_pairs_backward(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tensor, dxs: list[torch.Tensor]):
+    """`decay_pairs_backward` for one decay per row (G (M, C, 1)), with each pair's weight before its decay in
+    place of dg: (das, db, W) with W[i, j] = sum_s dx_s[i, j] (a_s[i] . b[j]), so that the pairs' part of dg
+    is sum over straddling pairs of W[i, j] exp(G_i - G_j) (`scalar_decay_gradient` forms it)."""
+    decay = _scalar_decay(G)
+    zs = [dx * decay for dx in dxs]
+    das = [z @ b for z in zs]
+    db = zs[0].transpose(-1, -2) @ lhs[0]
+    for z, a in zip(zs[1:], lhs[1:]):
+        db.baddbmm_(z.transpose(-1, -2), a)
+    bt = b.transpose(-1, -2)
+    weights = sum(dx * (a @ bt) for dx, a in zip(dxs, lhs))
+    return das, db, weights, decay
+
+
+# The decay gradient of a token is exp(g_t) times a sum whose largest factor is one (see scalar_decay_gradient); the
+# factor exp(g_t) is kept down to e^-60 (~9e-27): the gradient it makes, times the moderate operands of what
+# follows (the decay rate's chain rule, the projection's matmul), stays a normal float. Below, it is an exact zero:
+# transformers' own chunked scans lose the whole decay gradient far sooner (once decays pass ~e^-24 a token).
+LOG_GRADIENT_ZERO = -60.0
+
+
+def scalar_decay_gradient(g, G, weights, decay, after, before, carried):
+    """dL/dg_t for one decay per row, with g the per-token log decays (M, C, 1) and G = cumsum g along the chunk.
+    Every term of it holds the decay of token t itself, exp(g_t), since it differentiates a product of decays
+    that includes it; the rest of each term is a product of decays of other tokens, at most one:
+
+        dg_t = exp(g_t) R_t
+        R_t  = sum_{i >= t > j} W[i, j] E[i, t] E[t-1, j]          (the pairs that straddle t; `weights` W)
+             + E_{t-1} sum_{i >= t} after_i E[i, t]                (exp(G_i) in the state read and in W's keys)
+             + exp(G_C - G_t) sum_{j < t} before_j E[t-1, j]       (exp(G_C - G_j) in the keys written)
+             + E_{t-1} exp(G_C - G_t) carried                      (exp(G_C) of the state carried over)
+
+    with E[i, j] = exp(G_i - G_j) (`decay`, zero above the diagonal) and E_{t-1} = exp(G_{t-1}) (1 at the
+    chunk's first token). `after`, `before` (M, C, 1) and `carried` (M, 1) are the terms' weights before their
+    decays. Formed this way the sum R_t keeps its digits however strong the decays are (its largest term has
+    factor one, the pair (t, t-1)), and only the factor exp(g_t) is small; formed as a sum of decayed terms,
+    as the forward's factors give them, every term of a token decayed by more than e^-24 would be an exact
+    zero (`LOG_DECAY_ZERO`), and with them the whole gradient."""
+    shifted = F.pad(decay[:, :-1], (0, 0, 1, 0))  # row t: E[t-1, :]; row 0 zero (no token before the first)
+    pairs = (decay * (weights @ shifted.transpose(-1, -2))).sum(-2).unsqueeze(-1)
+    previous = F.pad(G[:, :-1], (0, 0, 1, 0))  # G_{t-1}, 0 before the first token
+    last = G[:, -1:]
+    to_end = decay_exp(last - G)
+    rest = (decay_exp(previous) * (decay.transpose(-1, -2) @ after) + to_end * (shifted @ before)
+            + decay_exp(previous + (last - G)) * carried[:, None])
+    return exp_or_zero(g, LOG_GRADIENT_ZERO) * (pairs + rest)
+
+
 def decay_pairs_backward(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Tensor, dxs: list[torch.Tensor]):
     """Gradients (list of da, db, dg) of sum_s sum(dx_s * X_s); each dx must be zero above the diagonal.
     dg is the gradient with respect to the per-token log decay g (G = cumsum g along the chunk), with g's shape
     (M, C, 1 or K), formed from the pairs that straddle each token (see `straddling`)."""
     if G.shape[-1] == 1:
-        decay = _scalar_decay(G)
-        zs = [dx * decay for dx in dxs]
-        das = [z @ b for z in zs]
-        db = zs[0].transpose(-1, -2) @ lhs[0]
-        for z, a in zip(zs[1:], lhs[1:]):
-            db.baddbmm_(z.transpose(-1, -2), a)
-        bt = b.transpose(-1, -2)
-        y = sum(z * (a @ bt) for z, a in zip(zs, lhs))  # each pair's term, decayed
-        return das, db, straddling(y).unsqueeze(-1)
+        das, db, weights, decay = scalar_pairs_backward(lhs, b, G, dxs)
+        return das, db, straddling(weights * decay).unsqueeze(-1)
     c = G.shape[-2]
     lhs, b, G = _pad_to_power_of_two(lhs, b, G)
     p = G.shape[-2]

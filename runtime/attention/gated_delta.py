@@ -55,14 +55,14 @@ class ChunkGatedDelta(torch.autograd.Function):
         states, v_new, final = _scan_forward(u, w, k_end, decay, s0, n_seq, n)
         states = states.flatten(0, 1)  # (M, K, V): the state each chunk starts from
         o = (q * eg) @ states + qk @ v_new
-        ctx.save_for_backward(q, k, v, beta, G, kk, qk, inv, r, states, v_new)
+        ctx.save_for_backward(q, k, v, beta, G, kk, qk, inv, r, states, v_new, g.reshape(G.shape))
         ctx.shape = (n_seq, n, chunk, s0 is not None)
         ctx.scan_backward = _scan_backward
         return o.reshape(n_seq, length, vd), final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        q, k, v, beta, G, kk, qk, inv, r, states, v_new = ctx.saved_tensors
+        q, k, v, beta, G, kk, qk, inv, r, states, v_new, g = ctx.saved_tensors
         n_seq, n, chunk, has_s0 = ctx.shape
         vd, kd = v.shape[-1], k.shape[-1]
         do = do.reshape(n_seq * n, chunk, vd)
@@ -91,7 +91,11 @@ class ChunkGatedDelta(torch.autograd.Function):
         dbeta = (dvb * v).sum(-1) + (dkb * k * eg).sum(-1) + (da * kk).sum(-1)
         dk = dkb * (beta[..., None] * eg)
 
-        dpairs, dkey, dg_pairs = decay_pairs_backward([k, q], k, G, [da * beta[..., None], dqk])
+        dxs = [da * beta[..., None], dqk]
+        if G.shape[-1] == 1:
+            dpairs, dkey, weights, pair_decay = pairs.scalar_pairs_backward([k, q], k, G, dxs)
+        else:
+            dpairs, dkey, dg_pairs = decay_pairs_backward([k, q], k, G, dxs)
         dk = dk + dpairs[0] + dkey + dk_end * to_end
         dq = dpairs[1] + dq_dec * eg
         # the decay gradient, term by term, each summed over exactly the tokens whose decay it depends on
@@ -99,13 +103,14 @@ class ChunkGatedDelta(torch.autograd.Function):
         #   exp(G_i) in k beta (W) and in q (the state read): every token t <= i, a suffix sum;
         #   exp(G_C - G_i) in the keys written to the state: every token t > i, a prefix sum;
         #   exp(G_C) of the state carried over: every token of the chunk; the pairs: those that straddle t
-        after = dkb * kb + dq_dec * q_dec
-        before = dk_end * k_end
-        carried = ddecay * decay[..., 0]  # (M, K or 1)
-        if G.shape[-1] == 1:
-            after, before = after.sum(-1, keepdim=True), before.sum(-1, keepdim=True)
-            carried = carried.sum(-1, keepdim=True)
-        dg = pairs.from_here(after) + pairs.before(before) + carried[:, None] + dg_pairs
+        if G.shape[-1] == 1:  # one decay per head: each term's weight before its decay, the decays applied after
+            after = (dkb * k * beta[..., None] + dq_dec * q).sum(-1, keepdim=True)
+            before = (dk_end * k).sum(-1, keepdim=True)
+            dg = pairs.scalar_decay_gradient(g, G, weights, pair_decay, after, before, ddecay.sum(-1, keepdim=True))
+        else:
+            after = dkb * kb + dq_dec * q_dec
+            before = dk_end * k_end
+            dg = pairs.from_here(after) + pairs.before(before) + (ddecay * decay[..., 0])[:, None] + dg_pairs
 
         length = n * chunk
         return (dq.reshape(n_seq, length, kd), dk.reshape(n_seq, length, kd), dv.reshape(n_seq, length, vd),

@@ -175,3 +175,24 @@ def test_review_says_nothing_was_generated_when_no_candidate_passed(qwen3_next):
     decision.generated[0].file, decision.generated[0].refused = "mixer.py", None
     review = render_review(spec, decision, _verdict(True), size)
     assert "nothing was generated" not in review and "What it wrote is in `generated/`" in review
+
+
+def test_a_refusal_names_the_check_that_failed():
+    """Issue 36: a reading whose figures were within tolerance but whose replaced block still ran was refused as
+    "did not verify (max relative logits difference 2.0e-07, loss 0.0e+00)"; the reason now names the check."""
+    from onboard.adapt.settle import failure_detail
+    from onboard.adapt.verify import SeedResult
+
+    def seed(i, **kw):
+        fields = dict(seed=i, logits_max_abs=0.0, logits_max_rel=2e-7, loss_ref=6.25, loss_adapted=6.25, kl=0.0,
+                      grads_checked=9, grad_worst_rel=1e-7, grad_worst_param="model.norm.weight", passed=False)
+        return SeedResult(**{**fields, **kw})
+
+    still_ran = Verification(False, 1, 1, [seed(0, original_calls=4)], {})
+    assert "HuggingFace code it replaces still ran (4 calls)" in failure_detail(still_ran)
+    assert "logits difference" not in failure_detail(still_ran)
+    gradient = Verification(False, 1, 1, [seed(0, passed=True), seed(1, grad_failures=["model.x.A_log: error 0.1",
+                                                                                         "model.y: error 1"])], {})
+    assert failure_detail(gradient) == "seed 1: model.x.A_log: error 0.1 and 1 more"
+    counts = Verification(False, 0, 1, [seed(0, passed=True)], {}, "adapter made 0 moe_block swaps, expected 1")
+    assert failure_detail(counts) == "adapter made 0 moe_block swaps, expected 1"

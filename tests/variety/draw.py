@@ -190,7 +190,19 @@ def propose(family: str, rng: random.Random) -> dict:
     # how a linear mixer blocks the sequence (MiniMax's lightning blocks, Mamba's SSD chunks): the same function
     put(BLOCKS, rng.choice([8, 16, 64, 256]), only_if=lambda v: v > 1)
     _keep_equal_head_dims(have, out)
+    _routing(have, out, random.Random(rng.random()))  # a stream of its own: the draws above stay as they were
     return out
+
+
+def _routing(have: dict, out: dict, rng: random.Random) -> None:
+    """How a router's weights are finished, where the family has the setting: renormalised over the top-k or not,
+    scaled (DeepSeek's routed_scaling_factor)."""
+    for path, value in have.items():
+        key = path.rsplit(".", 1)[-1]
+        if key == "norm_topk_prob" and isinstance(value, bool):
+            out[path] = rng.random() < 0.5
+        elif key == "routed_scaling_factor" and isinstance(value, int | float) and not isinstance(value, bool):
+            out[path] = rng.choice([1.0, 1.5, 2.5])
 
 
 def _keep_equal_head_dims(have: dict, out: dict) -> None:

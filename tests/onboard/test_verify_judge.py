@@ -1,0 +1,50 @@
+"""Verification's rule for one tensor against its fp64 truth (issue 36): the adapted error may be at most
+ERR_FACTOR x HuggingFace's own fp32 error on the same tensor plus ERR_FLOOR, both relative to that tensor's own
+largest true value, never the model's. A gradient 10 % off is caught however small the tensor is."""
+
+from __future__ import annotations
+
+import torch
+
+from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, judge
+
+
+def _tensors(scale: float, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    truth = torch.randn(64, generator=gen, dtype=torch.float64) * scale
+    hf = truth.float()  # fp32 rounding: HuggingFace's error is fp32's resolution
+    return truth, hf
+
+
+def test_a_tenth_off_fails_at_any_scale():
+    for scale in (1.0, 1e-4, 1e-9, 1e-30):
+        truth, hf = _tensors(scale)
+        _, error, excess = judge(hf, (truth * 1.1).float(), truth)
+        assert excess > 0 and 0.09 < error < 0.11, (scale, error)
+
+
+def test_an_error_like_huggingfaces_passes_at_any_scale():
+    for scale in (1.0, 1e-4, 1e-9, 1e-30):
+        truth, hf = _tensors(scale)
+        adapted = (truth * (1 + 3e-7)).float()  # a few roundings off, as another summation order gives
+        e_hf, e_ad, excess = judge(hf, adapted, truth)
+        assert excess <= 0 and e_ad <= ERR_FACTOR * e_hf + ERR_FLOOR, (scale, e_hf, e_ad)
+
+
+def test_a_tensor_below_fp32s_range_is_measured_against_its_smallest_normal():
+    """True values under fp32's smallest normal number (a gradient the decays pushed out of fp32): fp32 holds them
+    only as subnormals or zero, in HuggingFace's run and the adapted one alike; a zero there is no failure."""
+    truth = torch.full((8,), TENSOR_SCALE_MIN / 100, dtype=torch.float64)
+    e_hf, e_ad, excess = judge(torch.zeros(8), torch.zeros(8), truth)
+    assert e_hf == e_ad == 0.01 and excess < 0
+
+
+def test_the_scale_is_the_tensors_own_not_the_models():
+    """A decay gradient 1e-4 of the largest: measured against the model's largest gradient its 10 % error would be
+    1e-5, at the floor; measured against its own, 0.1."""
+    big, _ = _tensors(1.0, seed=1)
+    truth, hf = _tensors(1e-4)
+    wrong = (truth * 1.1).float()
+    model_scale_error = float((wrong.double() - truth).abs().max() / big.abs().max())
+    assert model_scale_error < ERR_FLOOR * 3  # what a model-wide scale would see
+    assert judge(hf, wrong, truth)[2] > 0
