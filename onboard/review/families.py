@@ -21,6 +21,11 @@ COMPLETIONS = {
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},  # dots.llm1 release
     "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
     "dbrx": {"attn_config.rope_theta": 500000.0},  # databricks/dbrx-base config.json (the default has none)
+    # no release to read: the indexer sized as DeepSeek-V3.2-Exp's (config.json: index_n_heads 64, index_topk
+    # 2048), its head as wide as the attention's (the family's validator: the rotary part must fit it), one key head,
+    # blocks of 4 tokens (onboard's choice; the default leaves all None)
+    "qwen4_exp_text": {"indexer_n_heads": 64, "indexer_kv_heads": 1, "indexer_head_dim": 256,
+                       "indexer_budget": 2048, "indexer_compress_ratio": 4},
     # LiquidAI/LFM2-8B-A1B config.json: its 24 layers, 6 of them attention (the default's 32 layers have no types)
     "lfm2_moe": {"num_hidden_layers": 24, "layer_types": (["conv", "conv", "full_attention", "conv"]
                                                           + ["conv", "conv", "full_attention", "conv"] * 4
@@ -29,7 +34,6 @@ COMPLETIONS = {
 
 # Families that cannot be inspected, and why.
 UNSUPPORTED = {
-    "qwen4_exp_text": "transformers' default config leaves the indexer sizes None and does not build",
     "gemma4_assistant": "transformers' default config fails its own validation",
     "dbrx": "experts kept as flat (experts x ffn, hidden) matrices and viewed per expert inside the forward; "
             "the expert matcher reads 3-D stacks and per-expert modules only",

@@ -197,6 +197,11 @@ def _derived_sizes(plan: _ConfigEdit) -> None:
     """Unknown size fields that were a sum or small multiple of shrunk ones follow them down."""
     known = {s.path for s in plan.shrinks}
     dims = [s for s in plan.shrinks if s.meaning in HEAD_DIMS + ("hidden", "heads", "kv_heads", "ffn")]
+    # the hidden size first, shrunk or not: a width that is a multiple of it (Zamba's attention over the hidden
+    # state and the embeddings side by side, 2 x hidden) follows it, also where a head size has the same value
+    hidden = plan.shrunk_meaning("hidden") or next((Shrink(p, "hidden", v, v) for p, v in plan.fields("hidden")), None)
+    if hidden is not None:
+        dims = [hidden] + [s for s in dims if s is not hidden]
     for path, key, value in list(walk(plan.cfg)):
         if path in known or not is_size(value) or not re.search(r"dim|size|heads?$", key):
             continue

@@ -139,6 +139,18 @@ def test_quorum_inspects_at_full_scale(quorum):
     assert not spec.unmatched
 
 
+def test_experts_as_a_list_of_modules_are_taken_with_their_block(tmp_path):
+    """Issue 36: a disguised model whose experts are small MLP modules (softmax, top-k, renormalised) has its whole
+    block swapped, the experts read per module; the block's own code never runs under verification."""
+    roster = _variant(tmp_path, QUORUM, specialists_as_modules=True)
+    spec, verification = adapt(resolve(roster, trust_remote_code=True), tmp_path / "bundle")
+    moe = spec.layers[5].mlp
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn, moe.expert_layout) == (64, 6, 1024, "modules")
+    assert verification.passed, verification.note
+    assert [m.takes for m in read_decision(tmp_path / "bundle").moe] == ["block"]
+    assert all(s.runtime_calls and not s.original_calls for s in verification.seeds)
+
+
 def test_quorum_adapts_with_its_top_k_as_a_literal(quorum):
     _, verification, out = quorum
     assert verification.passed, verification.note

@@ -42,7 +42,7 @@ SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 GROUPS = ("n_group", "num_expert_group")
 TOPK_GROUP = ("topk_group",)
 ZERO_EXPERTS = ("zero_expert_num",)
-WINDOWS = ("sliding_window", "sliding_window_size", "attention_chunk_size")
+WINDOWS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "keep_window_size")
 BLOCKS = ("block_size", "chunk_size", "mamba_chunk_size")
 # per-layer-list schedules given as numbers: layer indices scale with the stack, periods are drawn afresh
 LAYER_INDEX_WORDS = ("first_k_dense", "num_dense_layers", "_start", "_end", "max_window_layers",

@@ -128,22 +128,34 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
         kind = "mla"
         facts["kv_lora_rank"] = lora["kv"]
         facts["q_lora_rank"] = lora.get("q")
-    # sparse attention: a top-k over key positions (not over experts or heads) picks each query's keys
-    dsa = [n for n in region if op_name(n) == "topk" and len(view.shape(view.inputs(n)[0]) or ()) >= 2
-           and view.shape(view.inputs(n)[0])[-2] == seq_len and view.topk_k(n) < view.shape(view.inputs(n)[0])[-1]]
+    # sparse attention: a top-k over key positions (not over experts or heads) picks each query's keys, by scores
+    # that pair each query with each key (an indexer's q . k). A top-k over scores that are the keys' alone (Doge's
+    # dynamic mask: a value-side projection per key, the causal mask added) is a mask, and the attention softmax.
+    # An indexer's top-k may keep every key at the twin's short length (its k clamped to the keys there, DeepSeek-V4's
+    # compressed keys): what it computes, not whether it drops keys at this length, says it picks them.
+    picks = [n for n in region if op_name(n) == "topk" and len(view.shape(view.inputs(n)[0]) or ()) >= 2
+             and view.shape(view.inputs(n)[0])[-2] == seq_len and view.topk_k(n) <= view.shape(view.inputs(n)[0])[-1]]
+    dsa = [n for n in picks if _scores_pair_queries_with_keys(view, region, view.inputs(n)[0], seq_len)]
     if dsa:
         facts["index_topk"] = view.topk_k(dsa[0])
         kind = "sparse:dsa"
     else:
-        # indices chosen elsewhere (an indexer shared with an earlier layer) scattered into a query x key mask
+        # indices chosen elsewhere (an indexer shared with an earlier layer, or one that picks per query in a loop)
+        # scattered into a query x key mask (with at most one spare column the unused slots are sent to)
         for n in region:
             shape = view.shape(n) or ()
-            if op_name(n) == "scatter" and len(shape) >= 2 and shape[-1] == shape[-2] == seq_len:
+            if op_name(n) == "scatter" and len(shape) >= 2 and shape[-2] == seq_len and shape[-1] in (seq_len,
+                                                                                                     seq_len + 1):
                 index = view.arg(n, 2, "index")
                 k = (view.shape(index) or (seq_len,))[-1] if hasattr(index, "op") else seq_len
+                own = [t for t in (view.ancestors(index) | {index}) & set(region) if op_name(t) == "topk"] \
+                    if hasattr(index, "op") else []
+                if own and not any(_scores_pair_queries_with_keys(view, region, view.inputs(t)[0], seq_len)
+                                   for t in own):
+                    continue  # keys picked by one score per key: a dynamic mask, not an indexer
                 if k < seq_len:
                     facts["index_topk"], kind = k, "sparse:dsa"
-                    facts["shared_indexer"] = True
+                    facts["shared_indexer"] = not own
                     break
     window_kind, window = _mask_window(inputs, seq_len)
     if window_kind and kind == "softmax":
@@ -156,6 +168,21 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
         op_name(n) in NORM_OPS and len(view.shape(n) or ()) == 4 and view.index[n] < view.index[attn]
         for n in region)
     return AttentionMatch(kind, path, facts)
+
+
+PRODUCTS = ("matmul", "bmm", "einsum", "mm", "baddbmm")
+
+
+def _scores_pair_queries_with_keys(view: GraphView, region, node, seq_len: int) -> bool:
+    """Whether `node` is computed, inside the mixer, from a product of two activations whose result has a token
+    axis per side (queries x keys: an indexer's scores), rather than from one score per key."""
+    for a in view.ancestors(node) & set(region):
+        if op_name(a) not in PRODUCTS:
+            continue
+        activations = [i for i in view.inputs(a) if hasattr(i, "op") and view.param(i) is None]
+        if len(activations) >= 2:
+            return True
+    return False
 
 
 def _kv_heads(view: GraphView, k, head_dim: int) -> int | None:
