@@ -34,7 +34,17 @@ def _free_port() -> int:
 
 
 def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout: int = 300) -> None:
-    """Start `world` ranks of `script` with env rendezvous; fail with their output if any rank fails."""
+    """Start `world` ranks of `script` with env rendezvous; fail with their output if any rank fails. A launch in
+    which a rank was killed by a signal (a segmentation fault in the gloo transport, seen once in a CI run of 1,167
+    tests and not again in isolation) runs once more; a crash that repeats, and every error a rank reports, fails."""
+    failed = _launch_once(world, job, tmp_path, script, timeout)
+    if failed and any(code < 0 for _, code, _ in failed):
+        failed = _launch_once(world, job, tmp_path, script, timeout)
+    assert not failed, failed
+
+
+def _launch_once(world: int, job: dict, tmp_path: Path, script: Path, timeout: int) -> list:
+    """(rank, return code, last output) of every rank that failed."""
     (tmp_path / "job.json").write_text(json.dumps(job))
     port = _free_port()
     procs = []
@@ -54,9 +64,7 @@ def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    failed = [(rank, p.returncode, out[-3000:]) for rank, (p, out) in enumerate(zip(procs, outputs))
-              if p.returncode]
-    assert not failed, failed
+    return [(rank, p.returncode, out[-3000:]) for rank, (p, out) in enumerate(zip(procs, outputs)) if p.returncode]
 
 
 def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
@@ -380,3 +388,25 @@ def test_expert_parallelism_refuses_experts_it_cannot_split():
                                  "hf_block": torch.nn.ModuleDict({"experts": RoutedExperts(stacks())})})
     with pytest.raises(ValueError, match="hf_block.experts.experts"):
         parallelize(model, Plan(dp_replicate=2, ep=2), None)
+
+
+CRASHING_RANK = """
+import os, signal, sys
+from pathlib import Path
+marker = Path(sys.argv[1]).with_name("crashed-" + os.environ["RANK"])
+if os.environ["RANK"] == "0" and (os.environ.get("CRASH") == "always" or not marker.exists()):
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+@pytest.mark.parametrize("crash", ["once", "always"])
+def test_a_rank_killed_by_a_signal_is_launched_again_once(tmp_path, monkeypatch, crash):
+    script = tmp_path / "rank.py"
+    script.write_text(CRASHING_RANK)
+    monkeypatch.setenv("CRASH", crash)
+    if crash == "once":
+        launch(2, {}, tmp_path, script, timeout=60)
+    else:
+        with pytest.raises(AssertionError, match="-11"):
+            launch(2, {}, tmp_path, script, timeout=60)
