@@ -87,7 +87,6 @@ class ChunkGatedDelta(torch.autograd.Function):
         da = -(drhs @ r.transpose(-1, -2)).tril(-1)
         dvb, dkb = drhs.split([vd, kd], -1)
         dv = dvb * beta[..., None]
-        kb = k * (beta[..., None] * eg)
         dbeta = (dvb * v).sum(-1) + (dkb * k * eg).sum(-1) + (da * kk).sum(-1)
         dk = dkb * (beta[..., None] * eg)
 
@@ -108,7 +107,7 @@ class ChunkGatedDelta(torch.autograd.Function):
             before = (dk_end * k).sum(-1, keepdim=True)
             dg = pairs.scalar_decay_gradient(g, G, weights, pair_decay, after, before, ddecay.sum(-1, keepdim=True))
         else:
-            after = dkb * kb + dq_dec * q_dec
+            after = dkb * (k * (beta[..., None] * eg)) + dq_dec * q_dec
             before = dk_end * k_end
             dg = pairs.from_here(after) + pairs.before(before) + (ddecay * decay[..., 0])[:, None] + dg_pairs
 

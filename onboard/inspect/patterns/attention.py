@@ -133,9 +133,10 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
     # dynamic mask: a value-side projection per key, the causal mask added) is a mask, and the attention softmax.
     # An indexer's top-k may keep every key at the twin's short length (its k clamped to the keys there, DeepSeek-V4's
     # compressed keys): what it computes, not whether it drops keys at this length, says it picks them.
+    inside = set(region)
     picks = [n for n in region if op_name(n) == "topk" and len(view.shape(view.inputs(n)[0]) or ()) >= 2
              and view.shape(view.inputs(n)[0])[-2] == seq_len and view.topk_k(n) <= view.shape(view.inputs(n)[0])[-1]]
-    dsa = [n for n in picks if _scores_pair_queries_with_keys(view, region, view.inputs(n)[0], seq_len)]
+    dsa = [n for n in picks if _scores_pair_queries_with_keys(view, inside, view.inputs(n)[0])]
     if dsa:
         facts["index_topk"] = view.topk_k(dsa[0])
         kind = "sparse:dsa"
@@ -148,10 +149,9 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
                                                                                                      seq_len + 1):
                 index = view.arg(n, 2, "index")
                 k = (view.shape(index) or (seq_len,))[-1] if hasattr(index, "op") else seq_len
-                own = [t for t in (view.ancestors(index) | {index}) & set(region) if op_name(t) == "topk"] \
+                own = [t for t in (view.ancestors(index) | {index}) & inside if op_name(t) == "topk"] \
                     if hasattr(index, "op") else []
-                if own and not any(_scores_pair_queries_with_keys(view, region, view.inputs(t)[0], seq_len)
-                                   for t in own):
+                if own and not any(_scores_pair_queries_with_keys(view, inside, view.inputs(t)[0]) for t in own):
                     continue  # keys picked by one score per key: a dynamic mask, not an indexer
                 if k < seq_len:
                     facts["index_topk"], kind = k, "sparse:dsa"
@@ -173,10 +173,11 @@ def _softmax_family(view, path, region, attn, inputs, seq_len, facts) -> Attenti
 PRODUCTS = ("matmul", "bmm", "einsum", "mm", "baddbmm")
 
 
-def _scores_pair_queries_with_keys(view: GraphView, region, node, seq_len: int) -> bool:
-    """Whether `node` is computed, inside the mixer, from a product of two activations whose result has a token
-    axis per side (queries x keys: an indexer's scores), rather than from one score per key."""
-    for a in view.ancestors(node) & set(region):
+def _scores_pair_queries_with_keys(view: GraphView, inside: set, node) -> bool:
+    """Whether `node` is computed, among the mixer's nodes `inside`, from a product of two activations (an indexer's
+    queries with its keys, whole or one query at a time), rather than from one score per key (a projection of
+    the keys alone: a product with a weight)."""
+    for a in view.ancestors(node) & inside:
         if op_name(a) not in PRODUCTS:
             continue
         activations = [i for i in view.inputs(a) if hasattr(i, "op") and view.param(i) is None]
