@@ -47,16 +47,11 @@ class LoRAGroupedExperts(GroupedExperts):
     An existing GroupedExperts becomes one in place (its class is changed, as FSDP2 does, through the swap's
     handle), so its parameters keep their names and identities."""
 
-    STACKS = ("gate_up", "up", "down")
-
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, d) -> torch.Tensor:
-        y = super()._mm(x, w, d)
-        for name in self.STACKS:
-            if w is getattr(self, name):
-                a, b = getattr(self, f"{PREFIX}{name}_a"), getattr(self, f"{PREFIX}{name}_b")
-                low = grouped_mm(x, a, d.counts, out_in=True)
-                return y + grouped_mm(low, b, d.counts, out_in=True) * self.lora_scaling
-        return y
+    def _mm(self, x: torch.Tensor, name: str, d) -> torch.Tensor:
+        y = super()._mm(x, name, d)
+        a, b = getattr(self, f"{PREFIX}{name}_a"), getattr(self, f"{PREFIX}{name}_b")
+        low = grouped_mm(x, a, d.counts, out_in=True)
+        return y + grouped_mm(low, b, d.counts, out_in=True) * self.lora_scaling
 
     @classmethod
     def convert(cls, experts: GroupedExperts, rank: int, alpha: float, swap: Swap | None = None) -> Swap:
@@ -66,10 +61,10 @@ class LoRAGroupedExperts(GroupedExperts):
         swap.set(experts, "lora_scaling", alpha / rank)
         e = experts.experts
         for name in cls.STACKS:
-            w = getattr(experts, name)
-            if w is None:
+            if getattr(experts, name) is None:
                 continue
-            out_dim, in_dim = (w.shape[2], w.shape[1]) if experts.transposed else (w.shape[1], w.shape[2])
+            w = experts.stack(name)
+            out_dim, in_dim = (w.shape[2], w.shape[1]) if experts.is_transposed(name) else (w.shape[1], w.shape[2])
             a = nn.Parameter(w.new_empty(e, rank, in_dim))
             for row in a.data:  # each expert's A initialised as an nn.Linear's weight
                 nn.init.kaiming_uniform_(row, a=math.sqrt(5))

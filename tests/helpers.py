@@ -142,3 +142,16 @@ def released_model(family: str, folder: Path, **config) -> tuple[Path, Path]:
     model.save_pretrained(folder / "model", max_shard_size="200KB")
     adapt(resolve(str(folder / "model")), folder / "bundle")
     return folder / "model", folder / "bundle"
+
+
+def verify_rendered(spec, twin, decision, folder: Path):
+    """Render the adapter of `decision` into `folder` (beside its spec) and verify it with whatever runtime is in
+    place now (a test may have planted a broken piece)."""
+    from onboard.adapt.codegen import render_adapter
+    from onboard.adapt.verify import verify
+    from onboard.bundle.files import load_adapter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.json").write_text(spec.to_json())
+    (folder / "adapter.py").write_text(render_adapter(spec, decision.taken()))
+    return verify(spec, twin, load_adapter(folder).adapt, decision.taken())

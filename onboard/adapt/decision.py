@@ -51,6 +51,10 @@ class Experts:
     gated: bool
     transposed: bool
     interleaved: bool
+    # stacks stored flat, (E·rows, cols) (DBRX): role -> "out_in" | "in_out", and the router weight whose rows
+    # count the experts (a flat stack does not say how many it holds)
+    flat: dict[str, str] = dataclasses.field(default_factory=dict)
+    count_from: str | None = None
 
 
 @dataclass
@@ -63,6 +67,7 @@ class RouterReading:
     score: str
     order: str
     renormalize: bool
+    renorm_p: float | None  # renormalised by the chosen weights' p-norm (None: by their sum)
     top_k: str  # code: a config field or a literal
     group_limited: bool
     n_group: str
@@ -406,6 +411,13 @@ def why_not_block(mlp: MLP) -> str | None:
         return "the MoE block is the whole decoder layer; nothing to swap it into"
     if mlp.expert_layout == "fused" and not _roles_known(mlp):
         return "the expert weight stacks could not be told apart"
+    return _why_not_flat(mlp)
+
+
+def _why_not_flat(mlp: MLP) -> str | None:
+    """Flat (E·rows, cols) stacks are counted by the router's rows: not where zero experts widen it."""
+    if mlp.expert_flat and (mlp.zero_experts or not mlp.router or not mlp.router.weight):
+        return "the experts' matrices are flat, (experts x rows, cols), and the router's rows do not count them"
     return None
 
 
@@ -433,20 +445,75 @@ def why_not_experts(layer: Layer, twin: Twin) -> str | None:
         return "the experts are not one fused weight stack"
     if not _roles_known(mlp):
         return "the expert weight stacks could not be told apart"
-    module = _twin_module(twin, mlp.experts_path, layer.twin_layer)
-    if module is None:
+    if _twin_module(twin, mlp.experts_path, layer.twin_layer) is None:
         return "the experts module is not in the tiny twin"
-    required = [p for p in inspect.signature(module.forward).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(required) != 3:
+    if _experts_module(mlp, twin, layer.twin_layer) is None:
         return "the experts module is not called as experts(hidden_states, top_k_index, top_k_weights)"
+    return _why_not_flat(mlp)
+
+
+def _experts_module(mlp: MLP, twin: Twin, twin_layer: int) -> str | None:
+    """The module that runs the experts behind the router: the one holding the stacks, or the nearest one above it
+    inside the block (DBRX's experts call a sub-module with each expert's matrices), called as
+    experts(hidden_states, top_k_index, top_k_weights); None when there is none."""
+    path = mlp.experts_path or ""
+    while path and path != mlp.path:
+        module = _twin_module(twin, path, twin_layer)
+        required = [p for p in inspect.signature(module.forward).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                    ] if module is not None else []
+        if len(required) == 3:
+            return path
+        path = path.rpartition(".")[0]
     return None
 
 
 # MLP fields that make two MoE layers need different construction code
 _BUILD_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
-                 "expert_weights", "expert_interleaved", "expert_transposed", "weight_on_input", "outputs",
+                 "expert_weights", "expert_interleaved", "expert_transposed", "expert_flat", "weight_on_input", "outputs",
                  "top_k", "router", "post_norm", "output_bias", "zero_experts")
+
+
+def why_not_block_in_training(layer: Layer, twin: Twin) -> str | None:
+    """Why the runtime's block cannot stand in for a block that draws random numbers in training (a router's
+    input jitter: DBRX's moe_jitter_eps, Mixtral's router_jitter_noise), told by running the twin's block in
+    training mode twice on the same tokens; verification runs in evaluation mode and would not see it. The
+    model's own router keeps its jitter when the experts alone are swapped."""
+    import torch
+
+    module = _twin_module(twin, layer.mlp.path, layer.twin_layer)
+    if module is None:
+        return None
+    tokens = torch.randn(2, 8, twin.hidden_size, generator=torch.Generator().manual_seed(0))
+    outputs, was = [], module.training
+    try:
+        module.train()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                out = module(tokens.clone())
+                outputs.append(out[0] if isinstance(out, tuple) else out)
+    except Exception:  # a block that needs more than its tokens (a token-id table): nothing to tell
+        return None
+    finally:
+        module.train(was)
+    if torch.equal(outputs[0], outputs[1]):
+        return None
+    settings = [f"`{k}` = {v}" for k, v in sorted(_flat_settings(twin.config).items())
+                if "jitter" in k.lower() and isinstance(v, int | float) and v]
+    return ("the block draws random numbers in training" + (f" ({', '.join(settings)})" if settings else "")
+            + ": the runtime's MoE block does not")
+
+
+def _flat_settings(config) -> dict:
+    """A config's plain values, nested configs (DBRX's ffn_config) as dotted names."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, dict)})
+        else:
+            out[key] = value
+    return out
 
 
 def _moe_entries(spec: ModelSpec, twin: Twin) -> list[MoEEntry]:
@@ -455,7 +522,7 @@ def _moe_entries(spec: ModelSpec, twin: Twin) -> list[MoEEntry]:
     for layer in spec.layers:
         if layer.mlp.kind != "moe":
             continue
-        why = (why_not_block(layer.mlp), why_not_experts(layer, twin))
+        why = (why_not_block(layer.mlp) or why_not_block_in_training(layer, twin), why_not_experts(layer, twin))
         raw = dataclasses.asdict(layer.mlp)
         key = json.dumps({"why": why, **{f: raw[f] for f in _BUILD_FIELDS}}, sort_keys=True)
         groups.setdefault(key, []).append(layer)
@@ -493,9 +560,11 @@ def _experts(mlp: MLP, twin: Twin, twin_layer: int) -> Experts:
     gate_fn = f"{own}._apply_gate" if gate is not None and gate.__module__ != "transformers.integrations.moe" else None
     if gate_fn and not has_act:
         activation = "None"  # the model's gating function applies its own activation
-    return Experts(path=mlp.experts_path, layout=mlp.expert_layout, weights=dict(mlp.expert_weights),
+    path = (_experts_module(mlp, twin, twin_layer) if mlp.expert_layout == "fused" else None) or mlp.experts_path
+    return Experts(path=path, layout=mlp.expert_layout, weights=dict(mlp.expert_weights),
                    activation=activation, gate_fn=gate_fn, gated=bool(mlp.gated),
-                   transposed=mlp.expert_transposed, interleaved=mlp.expert_interleaved)
+                   transposed=mlp.expert_transposed, interleaved=mlp.expert_interleaved,
+                   flat=dict(mlp.expert_flat), count_from=mlp.router.weight if mlp.expert_flat and mlp.router else None)
 
 
 def _routing(mlp: MLP) -> RouterReading:
@@ -509,6 +578,7 @@ def _routing(mlp: MLP) -> RouterReading:
     below = (r.weight or "")[len(mlp.path) + 1:].split(".")
     return RouterReading(weight=r.weight, module=f"{mlp.path}.{below[0]}" if len(below) > 1 and not r.table else None,
                    bias=r.bias, linear_bias=r.linear_bias, score=r.score, order=r.order, renormalize=r.renormalize,
+                   renorm_p=r.renorm_p,
                    top_k=from_config("top_k", mlp.top_k), group_limited=r.group_limited,
                    n_group=from_config("n_group", r.n_group), topk_group=from_config("topk_group", r.topk_group),
                    group_score_top=r.group_score_top, scaling=r.scaling, table=r.table, token_input=r.token_input)

@@ -212,8 +212,9 @@ class LLMPolicy:
     def __init__(self, chat, *, calls: int = CALLS, endpoint=None):
         self.chat, self.calls, self.endpoint = chat, calls, endpoint
 
-    def run(self, task: Task, module: nn.Module, trial, record) -> None:
-        """Rules first; the model only where the rules' readings did not settle the task."""
+    def run(self, task: Task, module: nn.Module, trial, record) -> list[str]:
+        """Rules first; the model only where the rules' readings did not settle the task. What the rules' readings
+        that declined said."""
         from onboard.agent.rules import RulesPolicy
 
         last: dict = {}
@@ -222,9 +223,10 @@ class LLMPolicy:
             last.update(trial(candidate))
             return last
 
-        RulesPolicy().run(task, module, remembered, record)
+        declined = RulesPolicy().run(task, module, remembered, record)
         if not last.get("stop"):
             self._ask(task, module, trial, record)
+        return declined
 
     def _ask(self, task: Task, module: nn.Module, trial, record) -> None:
         """The agent on the task, within `calls` model calls; a reply that calls no tool is answered by a request

@@ -122,6 +122,8 @@ class Agent:
 
     def _model_ref(self, scratch: Path) -> str:
         """What the probe's own process resolves to build the same twin."""
+        if self.source.kind == "local":  # the probe's process runs elsewhere: a relative directory is not there
+            return str(Path(self.source.path).resolve())
         if self.source.kind != "config":
             return self.source.ref
         self.source.config.save_pretrained(scratch / "model")  # an in-memory config (families, tests)
@@ -185,11 +187,12 @@ class Agent:
             history.append(outcome)
             return {**outcome, "stop": bool(entry.file) or len(history) >= self.rounds}
 
-        self.policy.run(task, module, trial, record)
+        declined = self.policy.run(task, module, trial, record) or []
         entry.rounds = history
         if not entry.file:
             entry.refused = (f"no candidate passed in {len(history)} round(s)" if history
-                             else f"the {self.policy.name} policy proposed nothing for this module")
+                             else f"the {self.policy.name} policy proposed nothing for this module"
+                             + "".join(f"; {d}" for d in declined))
             record("left", task=task.path, why=entry.refused)
         return entry
 

@@ -87,7 +87,10 @@ class ReplayPolicy:
         self.replies: dict[str, list[dict]] = {}
         self.interop: dict[str, dict[int, list[dict]]] = {}  # task -> {index of the reply it preceded: events}
         self.speed: dict[tuple[str, int], bool] = {}  # (task, round) -> slower: the session's timing verdicts
+        self.declined: dict[str, list[str]] = {}  # task -> what the rules' readings that declined said
         for event in events:
+            if event["event"] == "declined" and "task" in event:
+                self.declined.setdefault(event["task"], []).append(f"{event.get('reading')}: {event.get('why')}")
             if event["event"] == "chat" and "reply" in event:
                 self.replies.setdefault(event.get("task", ""), []).append(event["reply"])
             elif event["event"] == "interop":
@@ -96,12 +99,15 @@ class ReplayPolicy:
             elif event["event"] == "speed" and "task" in event and "round" in event:
                 self.speed[(event["task"], event["round"])] = bool(event.get("slower"))
 
-    def run(self, task, module, trial, record) -> None:
+    def run(self, task, module, trial, record) -> list[str]:
         if self.name != "llm":
+            for why in self.declined.get(task.path, []):
+                reading, _, text = why.partition(": ")
+                record("declined", task=task.path, reading=reading, why=text)
             propose_in_order(self.candidates.get(task.path, []), trial)
-            return
+            return list(self.declined.get(task.path, []))
         from onboard.agent.llm import LLMPolicy, scripted_chat
 
         policy = LLMPolicy(scripted_chat(self.replies.get(task.path, []), self.interop.get(task.path)),
                            calls=self.session.get("calls", 12))
-        policy.run(task, module, trial, record)
+        return policy.run(task, module, trial, record)

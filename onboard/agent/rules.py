@@ -25,6 +25,7 @@ import inspect
 import itertools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -34,6 +35,17 @@ from onboard.agent.tasks import Task
 from runtime.generated import settings
 
 POLICY = "rules"
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A reading that recognised the module's kind and still proposes nothing: why, naming the setting or the
+    tensor that rules it out (said in the agent's record and in the bundle where nothing else is proposed)."""
+    reading: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.reading}: {self.why}"
 
 
 def _forward_args(module: nn.Module) -> list[str]:
@@ -171,15 +183,25 @@ def short_conv_residual(task: Task, module: nn.Module) -> Iterator[Candidate]:
                       seq_idx=f"{names[-1]}.get('seq_idx')" if var_kw else "None")
 
 
-def sparse_mixer_router(task: Task, module: nn.Module) -> Iterator[Candidate]:
+def sparse_mixer_router(task: Task, module: nn.Module) -> Iterator[Candidate | Declined]:
     params = dict(module.named_parameters())
     args = _forward_args(module)
-    if len(args) != 1 or len(params) != 1 or next(iter(params.values())).dim() != 2 or list(module.buffers()):
+    projections = [name for name, p in params.items() if p.dim() == 2]
+    if len(args) != 1 or len(projections) != 1:
+        return  # not a router of one projection of the tokens
+    extra = [n for n in params if n not in projections] + [n for n, _ in module.named_buffers()]
+    weight, found = projections[0], settings(module)
+    experts = params[weight].shape[0]
+    if extra:  # a router with more to it than its scores: a learned scale, a selection bias, ...
+        yield Declined("sparse_mixer_router", f"besides its projection `{weight}` ({experts} x "
+                       f"{params[weight].shape[1]}) the router holds {', '.join(f'`{n}`' for n in extra)}; the "
+                       f"sparse mixer's router holds the projection alone")
         return
-    (weight, param), found = next(iter(params.items())), settings(module)
-    experts = param.shape[0]
-    if any(v != 2 for k, v in found.items() if "top" in k.lower() and type(v) is int) or experts < 3:
-        return  # the mixer chooses two experts in rounds; a top-k setting that says otherwise is another router
+    if experts < 2:
+        yield Declined("sparse_mixer_router", f"`{weight}` scores {experts} expert; the sparse mixer chooses 2")
+        return
+    # a top-k setting is no reason to decline: PhiMoE's mixer picks two experts in rounds whatever its top_k says,
+    # and where a model's mixer reads it, the probe tells
     floats = _ranked([k for k, v in found.items() if "." not in k and type(v) is float], "router", "jitter", "eps")
     # the band's epsilon is one float setting; another one, if any, is the training-time input jitter
     for eps in floats:
@@ -201,5 +223,17 @@ class RulesPolicy:
 
     name = POLICY
 
-    def run(self, task: Task, module: nn.Module, trial, record) -> None:
-        propose_in_order((c for reading in READINGS for c in reading(task, module)), trial)
+    def run(self, task: Task, module: nn.Module, trial, record) -> list[str]:
+        """Propose every reading's candidates in turn; what the readings that declined said (recorded)."""
+        declined: list[str] = []
+
+        def candidates():
+            for reading in READINGS:
+                for c in reading(task, module):
+                    if isinstance(c, Declined):
+                        record("declined", task=task.path, reading=c.reading, why=c.why)
+                        declined.append(str(c))
+                    else:
+                        yield c
+        propose_in_order(candidates(), trial)
+        return declined

@@ -103,7 +103,7 @@ class _OpRecorder(TorchFunctionMode):
         if not any(isinstance(o, torch.Tensor) for o in outs):
             return out  # shape queries and the like
         node = self.graph.call_function(
-            func, tuple(self._node_for(a) for a in args), {k: self._node_for(v) for k, v in kwargs.items()})
+            _recordable(func), tuple(self._node_for(a) for a in args), {k: self._node_for(v) for k, v in kwargs.items()})
         node.meta["nn_module_stack"] = {path: (path, cls) for path, cls in self.stack}
         self.keep.append(out)  # ids stay unique while the tensors are alive
         if isinstance(out, torch.Tensor):
@@ -117,6 +117,26 @@ class _OpRecorder(TorchFunctionMode):
                     item_node.meta["nn_module_stack"] = node.meta["nn_module_stack"]
                     self.env[id(item)] = item_node
         return out
+
+
+_PROPERTY_READS: dict[str, object] = {}
+
+
+def _recordable(func):
+    """`func` as a graph target. A tensor property read (`w.T`, DBRX's experts) reaches the mode as the bound
+    `__get__` of the property's descriptor, which has no module for a graph to name: it is recorded as a function
+    named after the property."""
+    if hasattr(func, "__module__"):
+        return func
+    name = getattr(getattr(func, "__self__", None), "__name__", None)
+    if name is None:
+        return func
+    if name not in _PROPERTY_READS:
+        def read(tensor, _name=name):
+            return getattr(tensor, _name)
+        read.__name__ = read.__qualname__ = name
+        _PROPERTY_READS[name] = read
+    return _PROPERTY_READS[name]
 
 
 def _record_ops(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, dict[str, str]]:

@@ -14,7 +14,7 @@ TRANSPARENT = {
     "to", "view", "reshape", "_reshape_alias", "transpose", "t", "contiguous", "unsqueeze", "squeeze", "expand",
     "clone", "permute", "type_as", "_to_copy", "alias", "detach", "flatten", "unflatten", "getitem",
     "_assert_tensor_metadata", "lift_fresh_copy", "repeat_interleave", "select", "_unsafe_view",
-    "float", "double", "half", "bfloat16", "type", "view_as", "reshape_as", "expand_as",
+    "float", "double", "half", "bfloat16", "type", "view_as", "reshape_as", "expand_as", "T", "mT",
 }
 
 

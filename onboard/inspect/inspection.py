@@ -147,6 +147,10 @@ def _inner_width(shapes, hidden: int) -> int | None:
 
 def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: int, outputs: int = 1) -> MLP:
     expert_shapes = [s for p, s in params.items() if p.startswith(m.experts.path + ".")]
+    if m.flat:  # flat (E·rows, cols) stacks: the expert count is the config's, each expert's rows its share
+        E = full.value("experts", m.experts.num_experts)
+        flat = [params[p] for p in m.expert_weights.values() if p in m.experts.flat and p in params]
+        expert_shapes = [(E, s[0] // E, s[1]) for s in flat if s[0] % E == 0]
     if m.experts.layout == "fused":
         expert_shapes = [s for s in expert_shapes if len(s) == 3]  # weights, not per-expert biases
         E = min(s[0] for s in expert_shapes) if expert_shapes else None
@@ -190,13 +194,16 @@ def _scale_moe(m: MoEMatch, params: dict[str, tuple], full: FullScale, hidden: i
                             if value and (key := full.config_field(meaning, value, seen[meaning]))}
     gate_up = params.get(m.expert_weights.get("gate_up") or m.expert_weights.get("gate") or "", ())
     transposed = len(gate_up) == 3 and gate_up[1] == hidden and gate_up[2] != hidden
+    if m.flat:  # read from how the forward multiplies each stack, not from its shape
+        transposed = m.flat.get("gate_up", m.flat.get("gate")) == "in_out"
     return MLP(
         kind="moe", path=m.path, activation=m.activation, gated=m.gated, num_experts=E,
         top_k=top_k, expert_ffn=ffn, expert_layout=m.experts.layout,
         experts_path=m.experts.path, num_shared_experts=n_shared, shared_expert_ffn=shared_ffn,
         shared_expert_gated=m.shared_gate, shared_path=",".join(m.shared_paths) or None, router=router,
         shared_gate_weight=m.shared_gate_weight, expert_weights=dict(m.expert_weights),
-        expert_interleaved=m.interleaved, expert_transposed=transposed, weight_on_input=m.weight_on_input,
+        expert_interleaved=m.interleaved, expert_transposed=transposed, expert_flat=dict(m.flat),
+        weight_on_input=m.weight_on_input,
         outputs=outputs, post_norm=m.post_norm, output_bias=m.output_bias,
         zero_experts=max(0, (router.logit_width or E or 0) - (E or 0)),
     )

@@ -19,6 +19,7 @@ class Router:
     score: str = "softmax"  # "softmax" | "sigmoid" | other op name
     order: str = "score_then_topk"  # or "topk_then_score" (softmax over the chosen logits)
     renormalize: bool = False
+    renorm_p: float | None = None  # renormalised by the chosen weights' p-norm, not their sum (DBRX: p = 2 possible)
     group_limited: bool = False
     n_group: int | None = None
     topk_group: int | None = None
@@ -56,6 +57,9 @@ class MLP:
     expert_weights: dict = field(default_factory=dict)  # role (gate_up, gate, up, down, *_bias) -> param path
     expert_interleaved: bool = False  # gate and up rows alternate instead of [gate; up]
     expert_transposed: bool = False  # stacks stored (E, in, out) rather than (E, out, in)
+    # stacks stored flat, (E·rows, cols), and viewed per expert in the forward (DBRX): role -> "out_in" | "in_out",
+    # how each expert's (rows, cols) matrix is read (DBRX reads its gate and up as (out, in), its down as (in, out))
+    expert_flat: dict = field(default_factory=dict)
     weight_on_input: bool = False  # routing weight scales the token before the experts (Llama 4)
     outputs: int = 1  # how many values the block returns (router logits ride second)
     post_norm: str | None = None  # module normalising the block's output

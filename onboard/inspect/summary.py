@@ -68,7 +68,7 @@ def describe_router(m: MLP) -> str:
     if r.bias_correction:
         steps.append("expert-bias correction")
     if r.renormalize:
-        steps.append("renormalised")
+        steps.append(f"renormalised by their {r.renorm_p:g}-norm" if r.renorm_p is not None else "renormalised")
     if r.scaling:
         steps.append(f"scaled x{r.scaling:g}")
     return "router: " + ", ".join(steps)

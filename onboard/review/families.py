@@ -20,7 +20,9 @@ COMPLETIONS = {
     "deepseek_v2": {"num_experts_per_tok": 6},  # DeepSeek-V2(-Lite): 6 routed experts per token
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2},  # dots.llm1 release
     "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
-    "dbrx": {"attn_config.rope_theta": 500000.0},  # databricks/dbrx-base config.json (the default has none)
+    # databricks/dbrx-base config.json (the default has neither; transformers 5.24 clamps q, k, v unconditionally,
+    # so a config without a clip does not run)
+    "dbrx": {"attn_config.rope_theta": 500000.0, "attn_config.clip_qkv": 8},
     # no release to read: the indexer sized as DeepSeek-V3.2-Exp's (config.json: index_n_heads 64, index_topk
     # 2048), its head as wide as the attention's (the family's validator: the rotary part must fit it), one key head,
     # blocks of 4 tokens (onboard's choice; the default leaves all None)
@@ -35,8 +37,6 @@ COMPLETIONS = {
 # Families that cannot be inspected, and why.
 UNSUPPORTED = {
     "gemma4_assistant": "transformers' default config fails its own validation",
-    "dbrx": "experts kept as flat (experts x ffn, hidden) matrices and viewed per expert inside the forward; "
-            "the expert matcher reads 3-D stacks and per-expert modules only",
 }
 
 

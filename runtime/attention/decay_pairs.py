@@ -156,6 +156,19 @@ def scalar_pairs_backward(lhs: list[torch.Tensor], b: torch.Tensor, G: torch.Ten
 LOG_GRADIENT_ZERO = -60.0
 
 
+def previous_rows(decay: torch.Tensor) -> torch.Tensor:
+    """Row t: E[t-1, :] (the decays from each earlier token to the one before t); row 0 zero, no token before it."""
+    return F.pad(decay[..., :-1, :], (0, 0, 1, 0))
+
+
+def straddling_rescaled(weights: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """R_t = sum_{i >= t > j} W[i, j] E[i, t] E[t-1, j] for W, E (..., C, C): the pairs' part of dL/dg_t with the
+    token's own decay exp(g_t) taken out, so that `straddling(W * E) = exp(g) * straddling_rescaled(W, E)` and the
+    sum keeps its digits however strong the decays (see `scalar_decay_gradient`). W must be zero on pairs that
+    may not interact (across a sequence start): the factors E[i, t] E[t-1, j] are not."""
+    return (decay * (weights @ previous_rows(decay).transpose(-1, -2))).sum(-2)
+
+
 def scalar_decay_gradient(g, G, weights, decay, after, before, carried):
     """dL/dg_t for one decay per row, with g the per-token log decays (M, C, 1) and G = cumsum g along the chunk.
     Every term of it holds the decay of token t itself, exp(g_t), since it differentiates a product of decays
@@ -173,8 +186,8 @@ def scalar_decay_gradient(g, G, weights, decay, after, before, carried):
     factor one, the pair (t, t-1)), and only the factor exp(g_t) is small; formed as a sum of decayed terms,
     as the forward's factors give them, every term of a token decayed by more than e^-24 would be an exact
     zero (`LOG_DECAY_ZERO`), and with them the whole gradient."""
-    shifted = F.pad(decay[:, :-1], (0, 0, 1, 0))  # row t: E[t-1, :]; row 0 zero (no token before the first)
-    pairs = (decay * (weights @ shifted.transpose(-1, -2))).sum(-2).unsqueeze(-1)
+    shifted = previous_rows(decay)
+    pairs = straddling_rescaled(weights, decay).unsqueeze(-1)
     previous = F.pad(G[:, :-1], (0, 0, 1, 0))  # G_{t-1}, 0 before the first token
     last = G[:, -1:]
     to_end = decay_exp(last - G)

@@ -34,10 +34,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.decay_pairs import LOG_DECAY_ZERO, before, decay_exp, from_here, straddling
+from runtime.attention.decay_pairs import (LOG_DECAY_ZERO, LOG_GRADIENT_ZERO, decay_exp, previous_rows,
+                                          straddling_rescaled)
 from runtime.attention.delta_reference import compute_dtype
 from runtime.kernels import registry
-from runtime.subnormals import exp_or_zero_
+from runtime.subnormals import exp_or_zero, exp_or_zero_
 
 OP = "linear_attention.chunk_scalar_decay"
 
@@ -70,54 +71,67 @@ class _IntraChunk(torch.autograd.Function):
     """o = (scores * D) @ v inside each chunk, D = `_pair_decay(G, allowed)` with G = cumsum(g) along the chunk:
     scores (B, Hk, 1, N, C, C) shared by the `group` heads of a key head, g (B, Hk, group, N, C) per-token log
     decays, v (B, Hk, group, N, C, V). Keeps D only (not D and the product, as autograd would) and writes the
-    gradient of g directly: with P = dM * M, dg_t sums P_ij over the pairs j < t <= i that straddle t
-    (`decay_pairs.straddling`), never the difference of a row sum and a column sum, which cancels under strong
-    decay."""
+    gradient of g directly: with W = dM * scores on the pairs that may interact, dg_t = exp(g_t) R_t, R_t the sum
+    over the pairs j < t <= i that straddle t of W_ij exp(G_i - G_t) exp(G_{t-1} - G_j)
+    (`decay_pairs.straddling_rescaled`). Formed from the decayed terms W_ij D_ij instead, every term of a token
+    decayed by more than e^-24 would be an exact zero, and with them its whole gradient (Mamba2's A_log and dt
+    would learn nothing from such tokens)."""
 
     @staticmethod
     def forward(ctx, scores, g, v, allowed):
         decay = _pair_decay(g, allowed)
-        ctx.save_for_backward(scores, decay, v)
+        ctx.save_for_backward(scores, decay, v, g, allowed)
         return (scores * decay) @ v
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_o):
-        scores, decay, v = ctx.saved_tensors
+        scores, decay, v, g, allowed = ctx.saved_tensors
         d_o = d_o.contiguous()  # an expanded gradient (loss = o.sum()) sends bmm down a very slow path
         masked = scores * decay
         d_v = masked.transpose(-1, -2) @ d_o
         d_masked = d_o @ v.transpose(-1, -2)
         d_scores = (d_masked * decay).sum(2, keepdim=True)
-        return d_scores, straddling(d_masked.mul_(masked)), d_v, None
+        if not ctx.needs_input_grad[1]:  # a constant decay (lightning attention's slopes)
+            return d_scores, None, d_v, None
+        weights = d_masked.mul_(scores).masked_fill_(~allowed, 0.0)
+        return d_scores, exp_or_zero(g, LOG_GRADIENT_ZERO) * straddling_rescaled(weights, decay), d_v, None
 
 
 class _ChunkDecays(torch.autograd.Function):
     """From per-token log decays g (B, Hk, group, N, C): exp(G_C - G_j) (what a key written at j keeps by the
-    chunk's end), exp(G_i) (what the incoming state keeps at i) and exp(G_C) (at the end), G = cumsum(g). The
-    backward sums each term over exactly the tokens it depends on: t > j (a running sum before t), t <= i (a
-    suffix sum), every token; never the difference of two running sums."""
+    chunk's end), exp(G_i) (what the incoming state keeps at i) and exp(G_C) (at the end), G = cumsum(g). Each
+    term of dL/dg_t holds exp(g_t): the backward takes it out and sums the rest, whose factors are decays of other
+    tokens (at most one), over exactly the tokens the term depends on (as `_IntraChunk` does):
+
+        dg_t = exp(g_t) [ exp(G_C - G_t) sum_{j < t} d_end_j E[t-1, j]
+                          + E_{t-1} sum_{i >= t} d_start_i E[i, t] + E_{t-1} exp(G_C - G_t) d_carry ]
+
+    with E[i, j] = exp(G_i - G_j) and E_{t-1} = exp(G_{t-1}) (1 at the chunk's first token)."""
 
     @staticmethod
     def forward(ctx, g):
         G = g.cumsum(-1)
         to_end = F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))  # sum_{t > j} g_t, summed as such
         into_end, from_start, carry = decay_exp(to_end), decay_exp(G), decay_exp(G[..., -1])
-        ctx.save_for_backward(into_end, from_start, carry)
+        ctx.save_for_backward(g, into_end, from_start)
         return into_end, from_start, carry
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_into_end, d_from_start, d_carry):
-        into_end, from_start, carry = ctx.saved_tensors
-        dg = torch.zeros_like(into_end)
+        g, into_end, from_start = ctx.saved_tensors
+        c = g.shape[-1]
+        decay = _pair_decay(g, torch.ones(c, c, dtype=torch.bool, device=g.device).tril())
+        previous = F.pad(from_start[..., :-1], (1, 0), value=1.0)  # E_{t-1}
+        rest = torch.zeros_like(g)
         if d_into_end is not None:
-            dg += before((d_into_end * into_end).unsqueeze(-1)).squeeze(-1)
+            rest += into_end * (previous_rows(decay) @ d_into_end.unsqueeze(-1)).squeeze(-1)
         if d_from_start is not None:
-            dg += from_here((d_from_start * from_start).unsqueeze(-1)).squeeze(-1)
+            rest += previous * (decay.transpose(-1, -2) @ d_from_start.unsqueeze(-1)).squeeze(-1)
         if d_carry is not None:
-            dg += (d_carry * carry).unsqueeze(-1)
-        return dg
+            rest += previous * into_end * d_carry.unsqueeze(-1)
+        return exp_or_zero(g, LOG_GRADIENT_ZERO) * rest
 
 
 def _segments(reset: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -30,21 +30,28 @@ ACTIVATIONS: dict[str, Callable] = {
 
 
 class GroupedExperts(nn.Module):
-    """Experts stored as 3-D stacks: (E, 2F, H) gate+up and (E, H, F) down, or their transposes."""
+    """Experts stored as 3-D stacks: (E, 2F, H) gate+up and (E, H, F) down, or their transposes; or stored flat,
+    (E·rows, cols) matrices viewed (E, rows, cols) at each use (DBRX), each stack read as its `layouts` entry says."""
+
+    STACKS = ("gate_up", "up", "down")
 
     def __init__(self, gate_up: nn.Parameter, down: nn.Parameter, *, activation: Callable | None, gated: bool = True,
                  num_experts: int | None = None,
                  transposed: bool = False, interleaved: bool = False, gate_up_bias: nn.Parameter | None = None,
                  down_bias: nn.Parameter | None = None, gate_fn: Callable | None = None,
-                 up: nn.Parameter | None = None):
+                 up: nn.Parameter | None = None, layouts: dict[str, str] | None = None):
         super().__init__()
         self.gate_up, self.down = gate_up, down
+        if down.dim() == 2 and not num_experts:
+            raise ValueError("experts stored flat, (experts x rows, cols), need their count (num_experts)")
         # stacks may hold extra (unused) rows for zero experts: only the first `experts` are computed
         self.experts = num_experts or down.shape[0]
         self.up = up  # separate up stack (gate_up then holds the gate alone)
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
         self.activation, self.gated = activation, gated
         self.transposed, self.interleaved = transposed, interleaved
+        # per stack, "out_in" (nn.Linear's layout) or "in_out", where the stacks differ (DBRX's down is (in, out))
+        self.layouts = dict(layouts or {})
         self.gate_fn = gate_fn  # a model-specific gating function (e.g. clamped SwiGLU), applied to gate+up
         # [gate; up] with SiLU: one fused node for the activation, the product and the routing weight
         self.fused_swiglu = gated and not interleaved and gate_fn is None and up is None and is_silu(activation)
@@ -53,17 +60,28 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.experts
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    def is_transposed(self, name: str) -> bool:
+        """Whether stack `name` is (E, in, out) rather than nn.Linear's (E, out, in)."""
+        return self.layouts.get(name, "in_out" if self.transposed else "out_in") == "in_out"
+
+    def stack(self, name: str) -> torch.Tensor:
+        """Stack `name` as (E, rows, cols): a flat (E·rows, cols) matrix is viewed so (no copy; its gradient
+        reaches the stored parameter)."""
+        w = getattr(self, name)
+        return w.view(self.experts, -1, w.shape[-1]) if w.dim() == 2 else w
+
+    def _mm(self, x: torch.Tensor, name: str, d: Dispatch) -> torch.Tensor:
         mm = registry.lookup("moe.grouped_mm", grouped_mm)
-        return mm(x, w[: self.experts] if w.shape[0] > self.experts else w, d.counts, out_in=not self.transposed)
+        w = self.stack(name)
+        return mm(x, w[: self.experts] if w.shape[0] > self.experts else w, d.counts, out_in=not self.is_transposed(name))
 
     def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Expert outputs for sorted tokens; `scale` (one per row) multiplies each row's output."""
-        h = self._mm(x, self.gate_up, d)
+        h = self._mm(x, "gate_up", d)
         if self.fused_swiglu and self.gate_up_bias is None and self.down_bias is None:
-            return self._mm(swiglu(h, scale.to(h.dtype) if scale is not None else None), self.down, d)
+            return self._mm(swiglu(h, scale.to(h.dtype) if scale is not None else None), "down", d)
         if self.up is not None:
-            h = torch.cat([h, self._mm(x, self.up, d)], dim=-1)
+            h = torch.cat([h, self._mm(x, "up", d)], dim=-1)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias.index_select(0, d.expert_ids)
         if self.gate_fn is not None:
@@ -75,8 +93,8 @@ class GroupedExperts(nn.Module):
             h = self.activation(h)
         if scale is not None and self.down_bias is None:
             # the output projection is linear: scaling its (narrower) input is the same and cheaper
-            return self._mm(h * scale.unsqueeze(-1).to(h.dtype), self.down, d)
-        y = self._mm(h, self.down, d)
+            return self._mm(h * scale.unsqueeze(-1).to(h.dtype), "down", d)
+        y = self._mm(h, "down", d)
         if self.down_bias is not None:
             y = y + self.down_bias.index_select(0, d.expert_ids)
         return y if scale is None else y * scale.unsqueeze(-1).to(y.dtype)

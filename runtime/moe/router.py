@@ -3,7 +3,8 @@
 Covers the routers of current MoE families: softmax or sigmoid scores, chosen before or after the top-k;
 group-limited top-k (DeepSeek: keep the best `topk_group` of `n_group` expert groups, each scored by the
 sum of its best `group_score_top` experts); an expert bias added for selection only (aux-loss-free
-balancing); renormalisation of the chosen weights; a routed scaling factor.
+balancing); renormalisation of the chosen weights (by their sum, or by their p-norm: DBRX's
+moe_normalize_expert_weights); a routed scaling factor.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class RouterSpec:
     group_score_top: int = 2
     scaling: float | None = None
     renormalize_eps: float = 0.0
+    renorm_p: float | None = None  # renormalise by the p-norm of the chosen weights instead of their sum
 
 
 @dataclass
@@ -86,7 +88,9 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = No
             choice = _group_mask(choice, spec)
         indices = choice.topk(spec.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
-        if spec.renormalize:
+        if spec.renormalize and spec.renorm_p is not None:
+            weights = weights / torch.linalg.vector_norm(weights, spec.renorm_p, dim=-1, keepdim=True)
+        elif spec.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + spec.renormalize_eps)
     if spec.scaling is not None:
         weights = weights * spec.scaling

@@ -171,6 +171,11 @@ def shard_experts(experts: nn.Module, num_experts: int, rank: int, size: int, sp
         experts.experts = nn.ModuleList(list(experts.experts)[lo:lo + local])
         experts.expert_shard = (rank, size, num_experts)
         return
+    flat = [n for n in getattr(experts, "STACKS", ()) if getattr(experts, n, None) is not None
+            and getattr(experts, n).dim() == 2]
+    if flat:  # the slices, their gathering and replica rows all cut a stack's first dim by expert
+        raise ValueError(f"expert parallelism needs (experts, rows, cols) stacks; these experts keep "
+                         f"{', '.join(flat)} flat, (experts x rows, cols) (DBRX's layout): run them with ep 1")
     for name in per_expert(experts, num_experts):
         p = getattr(experts, name)
         rows = p.detach()[lo:lo + local].clone()

@@ -66,16 +66,17 @@ def _lora_parts(model: nn.Module) -> dict[str, tuple[str, str, float, bool]]:
             for stack in LoRAGroupedExperts.STACKS:
                 if getattr(module, stack, None) is not None:
                     parts[f"{prefix}{stack}"] = (f"{prefix}{PREFIX}{stack}_a", f"{prefix}{PREFIX}{stack}_b",
-                                                 module.lora_scaling, module.transposed)
+                                                 module.lora_scaling, module.is_transposed(stack))
     return parts
 
 
 def _merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool) -> torch.Tensor:
-    """W + scaling * B A (per expert for a stack; an (E, in, out) stack takes the transpose)."""
+    """W + scaling * B A (per expert for a stack; an (E, in, out) stack takes the transpose, a flat one, stored
+    (E·rows, cols), the stack's rows one after another)."""
     delta = (b.float() @ a.float()) * scaling
     if transposed:
         delta = delta.transpose(-1, -2)
-    return (weight.float() + delta).to(weight.dtype)
+    return (weight.float() + delta.reshape(weight.shape)).to(weight.dtype)
 
 
 def export_hf(model: nn.Module, pretrained, out: str | Path, *, shard_bytes: int = SHARD_BYTES) -> Path | None:

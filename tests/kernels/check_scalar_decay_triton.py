@@ -16,13 +16,17 @@ from runtime.kernels.store import load_kernels
 from tests.helpers import check_close
 
 
-def problem(k, seed, decay=1.0):
-    """Grouped heads (2 key heads, 4 value heads), two chunks and a padded third."""
+def problem(k, seed, decay=1.0, every_token=None):
+    """Grouped heads (2 key heads, 4 value heads), two chunks and a padded third; `every_token` (low, high): every
+    token's log decay uniform in [-high, -low] instead."""
     gen = torch.Generator().manual_seed(seed)
     batch, length, key_heads, heads = 2, 2 * k.CHUNK + 5, 2, 4
     q, key = (torch.randn(batch, length, key_heads, k.HEAD_K, generator=gen) for _ in range(2))
     v = torch.randn(batch, length, heads, k.HEAD_V, generator=gen)
     g = -F.softplus(torch.randn(batch, length, heads, generator=gen)) * decay
+    if every_token is not None:
+        low, high = every_token
+        g = -(low + torch.rand(batch, length, heads, generator=gen) * (high - low))
     s0 = torch.randn(batch, heads, k.HEAD_K, k.HEAD_V, generator=gen)
     return [q, key, v, g, s0]
 
@@ -71,7 +75,10 @@ def main(key: str) -> None:
             # strong decay: cumulative log decays far below fp32's exp range inside a chunk
             compare(k, problem(k, 1, decay=40.0), "strong decay")
             compare(k, problem(k, 2), "no initial or final state", with_state=False)
-            cases = 3
+            # every token decayed past e^-24: each term of a decay gradient is then below fp32's exp range, and
+            # only the factor exp(g_t) taken out of all of them keeps the gradient (judged against its own scale)
+            compare(k, problem(k, 5, every_token=(24.0, 40.0)), "every token strongly decayed")
+            cases = 4
             if k.DTYPE != "fp32":  # inputs in the rendered dtype: computed in fp32, gradients rounded to it
                 low = {"bf16": torch.bfloat16, "fp16": torch.float16}[k.DTYPE]
                 compare(k, [x.to(low) for x in problem(k, 4)], k.DTYPE, grad_tol=1e-2)

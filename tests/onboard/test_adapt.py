@@ -16,7 +16,7 @@ from onboard.inspect.capture import capture
 from onboard.inspect.inspection import build_spec
 from onboard.source import resolve
 from onboard.twin import Twin
-from tests.helpers import run_cli
+from tests.helpers import run_cli, verify_rendered
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,12 +74,7 @@ def deepseek():
 
 def _verify_rendered(deepseek, tmp_path):
     """Render DeepSeek-V3's adapter and verify it with whatever runtime is in place now."""
-    from onboard.adapt.codegen import render_adapter
-
-    spec, twin, decision = deepseek
-    (tmp_path / "spec.json").write_text(spec.to_json())
-    (tmp_path / "adapter.py").write_text(render_adapter(spec, decision.taken()))
-    return verify(spec, twin, load_adapter(tmp_path).adapt, decision.taken())
+    return verify_rendered(*deepseek, tmp_path)
 
 
 def _planted(deepseek, tmp_path, monkeypatch, target: str, broken):
@@ -102,8 +97,8 @@ def test_planted_gate_up_swapped(deepseek, tmp_path, monkeypatch):
     from runtime.moe.block import GroupedExperts
 
     def swapped(self, x, d, scale=None):
-        up, gate = self._mm(x, self.gate_up, d).chunk(2, dim=-1)
-        return self._mm(self.activation(gate) * up * scale.unsqueeze(-1), self.down, d)
+        up, gate = self._mm(x, "gate_up", d).chunk(2, dim=-1)
+        return self._mm(self.activation(gate) * up * scale.unsqueeze(-1), "down", d)
 
     monkeypatch.setattr(GroupedExperts, "forward", swapped)
     assert not _verify_rendered(deepseek, tmp_path).passed

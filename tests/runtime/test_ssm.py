@@ -343,8 +343,8 @@ def test_rendered_triton_kernels_match_the_pytorch_path():
                         block_v=16, dtype="bf16")
     result = run_kernel_check("check_scalar_decay_triton.py", key)
     assert result.returncode == 0, result.stdout + result.stderr
-    for line in ("grouped heads dg: ok", "strong decay dg: ok", "bf16 dq: ok", "fallbacks: ok",
-                 "registered under the triton backend: ok"):
+    for line in ("grouped heads dg: ok", "strong decay dg: ok", "every token strongly decayed dg: ok", "bf16 dq: ok",
+                 "fallbacks: ok", "registered under the triton backend: ok"):
         assert line in result.stdout, result.stdout
 
 
@@ -397,3 +397,32 @@ def test_core_decay_gradients_stay_exact_under_strong_decay(strength):
     for ours, theirs, want in [*zip(chunked, recurrent, truth), ((chunked[3] * g).sum(1), (recurrent[3] * g).sum(1),
                                                                  (truth[3] * g).sum(1))]:
         assert rel(ours, want) <= 4 * rel(theirs, want) + 1e-7
+
+
+@pytest.mark.parametrize("weakest, strongest", [(0.0, 1e-3), (1.0, 10.0), (10.0, 24.0), (24.0, 40.0), (40.0, 58.0)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_core_decay_gradients_exact_in_every_regime(weakest, strongest, packed):
+    """Every token decayed by at least e^-weakest (issue 36), fp32 against the fp64 recurrence, each tensor
+    relative to its own largest true value: the log decays' gradient and what a decay rate receives stay exact
+    to 1e-5 in every regime, packed sequences too. Formed from the decayed terms, every term of a token decayed
+    past e^-24 is an exact zero, and so was its gradient (Mamba2's A_log and dt learned nothing from it)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 128, 1, 16, generator=gen, dtype=F64) for _ in range(2))
+    v = torch.randn(1, 128, 2, 16, generator=gen, dtype=F64)
+    g = -(weakest + torch.rand(1, 128, 2, generator=gen, dtype=F64) * (strongest - weakest))
+    reset = None
+    if packed:
+        reset = torch.zeros(1, 128, dtype=torch.bool)
+        reset[0, [0, 37, 64, 100]] = True
+
+    def grads(fn, xs, **kw):
+        xs = [x.clone().requires_grad_() for x in xs]
+        o, s = fn(*xs, output_final_state=True, reset=reset, **kw)
+        ((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() + 0.01 * (s * s).sum()).backward()
+        return [x.grad.double() for x in xs]
+
+    truth = grads(recurrent_scalar_decay, [q, k, v, g])
+    ours = grads(chunk_scalar_decay, [x.float() for x in (q, k, v, g)], chunk_size=64)
+    for name, a, t in zip(("dq", "dk", "dv", "dg"), ours, truth):
+        assert t.abs().max() > 0 and rel(a, t) < 1e-5, (name, rel(a, t))
+    assert rel((ours[3] * g).sum(1), (truth[3] * g).sum(1)) < 1e-5

@@ -44,8 +44,18 @@ class Call:
             return t
 
         self.args, self.kwargs = _map(leaf, tuple(args)), _map(leaf, dict(kwargs))
+        self.given: list[torch.Tensor] = []  # what the module was given in the last run, in the order of `inputs`
         self.outputs: list[torch.Tensor] = []  # floating outputs of the last run, for a later backward
         self.params = list(module.parameters())
+
+    def _given(self, t):
+        """A module receives activations, not leaves: a copy of a leaf that needs a gradient (which reaches the
+        leaf), so that a module that scales its input in place (PhiMoE's and DBRX's training jitter) runs as it
+        does inside a model."""
+        if isinstance(t, torch.Tensor):
+            t = t.clone() if t.requires_grad else t
+            self.given.append(t)
+        return t
 
     def run(self):
         """Forward (and backward, with cotangents); the module's output."""
@@ -53,8 +63,10 @@ class Call:
             t.grad = None
         if self.rng is not None:  # the CPU generator alone (torch.manual_seed also queues seeds for other
             torch.default_generator.manual_seed(int(self.rng))  # devices, reading the stack, which is refused)
+        self.given = []
         with torch.set_grad_enabled(self.grad):
-            out = self.module(*self.args, **self.kwargs)
+            args, kwargs = _map(self._given, self.args), _map(self._given, self.kwargs)
+            out = self.module(*args, **kwargs)
         self.outputs = floats(out)
         if self.cotangents is not None:
             self.backward(self.cotangents)
@@ -81,7 +93,7 @@ class Call:
         it was given, in place, changes its caller's: the judge holds both sides to the same)."""
         out = {f"s:{n}": p for n, p in self.module.named_parameters()}
         out.update({f"s:{n}": b for n, b in self.module.named_buffers()})
-        out.update({f"s:input {i}": t for i, t in enumerate(self.inputs)})
+        out.update({f"s:input {i}": t for i, t in enumerate(self.given or self.inputs)})
         return out
 
 

@@ -24,7 +24,8 @@ class ExpertGroup:
     path: str  # module that holds the expert weights
     num_experts: int
     layout: str  # "fused" | "modules"
-    params: dict[str, tuple] = field(default_factory=dict)
+    params: dict[str, tuple] = field(default_factory=dict)  # path -> (E, rows, cols) as the experts read it
+    flat: set[str] = field(default_factory=set)  # stacks stored (E·rows, cols) and viewed per expert (DBRX)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class MoEMatch:
     shared_gate_weight: str | None = None
     post_norm: str | None = None  # a norm module applied to the block's output
     output_bias: str | None = None  # a hidden-size vector added to the combined expert output
+    flat: dict[str, str] = field(default_factory=dict)  # role -> "out_in" | "in_out", for flat stacks
 
 
 def expert_groups(view: GraphView) -> list[ExpertGroup]:
@@ -61,6 +63,14 @@ def expert_groups(view: GraphView) -> list[ExpertGroup]:
         group.params[path] = shape
         # some models allocate extra rows for "zero" (identity) experts in one of the stacks
         group.num_experts = min(group.num_experts, shape[0])
+    for path, viewed in _viewed_stacks(view).items():
+        if path in conv_weights:
+            continue
+        owner = parent(path)
+        group = groups.setdefault(owner, ExpertGroup(owner, viewed[0], "fused"))
+        group.params[path] = viewed
+        group.flat.add(path)
+        group.num_experts = min(group.num_experts, viewed[0])
     # stacks split over sibling modules (JetMoE: input_linear.weight and output_linear.weight) form one group
     by_parent: dict[tuple[str, int], list[ExpertGroup]] = {}
     for group in groups.values():
@@ -86,6 +96,68 @@ def expert_groups(view: GraphView) -> list[ExpertGroup]:
             params = {f"{owner}.{i}.{k}": s for i, v in members.items() for k, s in v.items()}
             groups[owner] = ExpertGroup(owner, len(members), "modules", params)
     return list(groups.values())
+
+
+VIEWS = ("view", "reshape", "_unsafe_view", "unflatten", "_reshape_alias")
+
+
+PICKS = ("getitem", "select", "index", "index_select")
+
+
+def _viewed_stacks(view: GraphView) -> dict[str, tuple]:
+    """2-D parameters the forward views as E-way stacks, (E·rows, cols) read as (E, rows, cols), and then picks
+    from, one expert's matrix at a time (DBRX keeps its experts' matrices flat): path -> the viewed shape. A view
+    used whole (a grouped projection every token goes through, as DeepSeek-V4's o_a_proj) is no stack of experts."""
+    out = {}
+    for n in view.nodes:
+        if op_name(n) not in VIEWS or not n.args or getattr(n.args[0], "op", None) != "placeholder":
+            continue
+        path = view.param_of.get(n.args[0].name)
+        stored, viewed = view.param_shapes.get(path) if path else None, view.shape(n)
+        if (stored and viewed and len(stored) == 2 and len(viewed) == 3 and viewed[0] >= 2 and viewed[1] > 1
+                and viewed[0] * viewed[1] == stored[0] and viewed[2] == stored[1]
+                and n.users and all(op_name(u) in PICKS for u in n.users)):
+            out[path] = viewed
+    return out
+
+
+TRANSPOSES = ("t", "T", "mT", "transpose")
+
+
+def _reads_out_in(view: GraphView, param: str) -> bool | None:
+    """Whether the first product that reads `param` takes it as (out, in), the layout of nn.Linear: a linear of it,
+    or a matmul of its transpose; None when no product reads it. Followed through views, indexing and transposes
+    (a permute counts as one when it swaps the last two dims)."""
+    frontier = [(n, 0) for n in view.nodes if n.op == "placeholder" and view.param_of.get(n.name) == param]
+    seen = set()
+    while frontier:
+        node, flips = frontier.pop(0)
+        for user in sorted(node.users, key=lambda u: view.index[u]):
+            if user in seen:
+                continue
+            seen.add(user)
+            name = op_name(user)
+            if name == "linear":
+                return flips % 2 == 0
+            if name in ("matmul", "mm", "bmm"):
+                second = len(user.args) > 1 and user.args[1] is node
+                return (flips % 2 == 1) if second else (flips % 2 == 0)
+            if name in TRANSPOSES or (name == "permute" and _swaps_last_two(user)):
+                frontier.append((user, flips + 1))
+            elif name in TRANSPARENT_MOVES:
+                frontier.append((user, flips))
+    return None
+
+
+TRANSPARENT_MOVES = ("view", "reshape", "_unsafe_view", "unflatten", "getitem", "select", "index", "contiguous",
+                     "to", "clone", "_reshape_alias", "alias", "detach", "float", "type_as")
+
+
+def _swaps_last_two(node) -> bool:
+    dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+    dims = list(dims)
+    n = len(dims)
+    return n >= 2 and dims[:-2] == list(range(n - 2)) and [d % n for d in dims[-2:]] == [n - 1, n - 2]
 
 
 def _downstream_of(view: GraphView, params: set[str]) -> set:
@@ -204,7 +276,7 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         # one top-k picks all k experts; arg-max rounds (sparse mixers) pick one expert each
         k = view.topk_k(final) if topks else len(feeding)
         block = common_prefix([parent(router_weight), group.path])
-        router = _read_router(view, router_node, router_weight, final, E, block)
+        router = _read_router(view, router_node, router_weight, final, E, block, set(group.params))
         activation, gated = find_activation(view, view.under(group.path))
         if gated is None:
             gated = any("gate" in p for p in group.params)
@@ -216,6 +288,8 @@ def match_moe(view: GraphView) -> list[MoEMatch]:
         if group.layout == "fused":
             match.expert_weights = _expert_roles(view, group)
             match.interleaved = _interleaved(view, group)
+            match.flat = {role: "out_in" if _reads_out_in(view, p) else "in_out"
+                          for role, p in match.expert_weights.items() if p in group.flat}
         match.weight_on_input = _weight_on_input(view, final, group)
         if not topks:  # experts picked by rounds of arg-max (sparse mixer): its own weighting scheme
             router.order = "argmax_rounds"
@@ -398,7 +472,8 @@ def _routing_table(view: GraphView, block: str):
     return None, None, None
 
 
-def _read_router(view: GraphView, router_node, router_weight: str, final, E: int, block: str) -> Router:
+def _read_router(view: GraphView, router_node, router_weight: str, final, E: int, block: str,
+                 experts: set[str] = frozenset()) -> Router:
     path = view.path(router_node)
     span = view.between(router_node, final) | {final}
     region = view.descendants(router_node)
@@ -447,14 +522,20 @@ def _read_router(view: GraphView, router_node, router_weight: str, final, E: int
                 group_top = 1
     # weights that leave the router: descendants of the final top-k (values, or a gather by its indices)
     weights = view.descendants(final)
-    local = [n for n in weights if view.path(n).startswith(block) and view.index[n] < _first_expert_use(view, final)]
+    local = [n for n in weights
+             if view.path(n).startswith(block) and view.index[n] < _first_expert_use(view, final, experts)]
     renorm = order == "topk_then_score" and score == "softmax"
+    renorm_p = None
     for n in local:
         if op_name(n) == "div":
             divisor = view.inputs(n)[1:] if len(view.inputs(n)) > 1 else []
             if any(op_name(d) == "sum" or any(op_name(a) == "sum" for a in view.ancestors(d) & region)
                    for d in divisor):
                 renorm = True
+            norms = [d for d in divisor for a in view.ancestors(d) & region | {d} if op_name(a) in NORMS]
+            if norms:  # divided by a p-norm of the chosen weights (DBRX's moe_normalize_expert_weights)
+                renorm, renorm_p = True, _norm_order(next(a for a in view.ancestors(norms[0]) | {norms[0]}
+                                                          if op_name(a) in NORMS))
     scaling = None
     for n in local:
         if op_name(n) == "mul":
@@ -464,7 +545,18 @@ def _read_router(view: GraphView, router_node, router_weight: str, final, E: int
     return Router(score=score, order=order, renormalize=renorm, group_limited=group_limited,
                   n_group=n_group, topk_group=topk_group, bias_correction=bias is not None, scaling=scaling,
                   path=path, weight=router_weight, linear_bias=_linear_bias(view, router_node, router_weight),
-                  bias=bias, group_score_top=group_top)
+                  bias=bias, group_score_top=group_top, renorm_p=None if renorm_p == 1.0 else renorm_p)
+
+
+NORMS = ("norm", "linalg_vector_norm", "vector_norm")
+
+
+def _norm_order(node) -> float:
+    """The p of a p-norm node (2 when not given, as torch.norm's default)."""
+    p = node.kwargs.get("p", node.kwargs.get("ord"))
+    if p is None and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
+        p = node.args[1]
+    return float(p) if p is not None else 2.0
 
 
 def _linear_bias(view: GraphView, node, weight: str) -> str | None:
@@ -476,14 +568,15 @@ def _linear_bias(view: GraphView, node, weight: str) -> str | None:
     return None
 
 
-def _first_expert_use(view: GraphView, final) -> int:
-    """Graph position where expert weights are first touched (end of the router's region)."""
+def _first_expert_use(view: GraphView, final, experts: set[str] = frozenset()) -> int:
+    """Graph position where expert weights (3-D stacks, or `experts`) are first touched (end of the router's
+    region)."""
     positions = []
     for n in view.descendants(final):
         for arg in view.inputs(n):
             p = view.param(arg)
             shape = view.param_shapes.get(p) if p else None
-            if shape is not None and len(shape) == 3:
+            if p in experts or (shape is not None and len(shape) == 3):
                 positions.append(view.index[n])
     return min(positions) if positions else len(view.nodes)
 
