@@ -486,6 +486,7 @@ def why_not_block_in_training(layer: Layer, twin: Twin) -> str | None:
         return None
     tokens = torch.randn(2, 8, twin.hidden_size, generator=torch.Generator().manual_seed(0))
     outputs, was = [], module.training
+    state = {k: v.clone() for k, v in module.state_dict().items()}  # a training forward may update buffers
     try:
         module.train()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -497,6 +498,7 @@ def why_not_block_in_training(layer: Layer, twin: Twin) -> str | None:
         return None
     finally:
         module.train(was)
+        module.load_state_dict(state)
     if torch.equal(outputs[0], outputs[1]):
         return None
     settings = [f"`{k}` = {v}" for k, v in sorted(_flat_settings(twin.config).items())

@@ -69,13 +69,15 @@ def test_inkling2_with_a_small_vocabulary_adapts(tmp_path):
     assert verification.passed, verification.note
 
 
-def test_dbrx_is_listed_with_the_reason_it_is_not_supported():
-    """DBRX keeps its expert count in ffn_config (a nested part) and its default config lacks the rope_theta
-    its attention needs (completed from the released config): it is discovered, builds, and is listed."""
-    assert "dbrx" in discover()
-    assert "flat" in UNSUPPORTED["dbrx"]
+def test_dbrx_is_discovered_and_builds():
+    """DBRX keeps its expert count in ffn_config (a nested part) and its default config lacks the rope_theta and
+    the q, k, v clip its attention needs (completed from the released config): it is discovered, builds, and is
+    supported (its flat experts: tests/onboard/test_flat_experts.py)."""
+    assert "dbrx" in discover() and "dbrx" not in UNSUPPORTED
+    config = default_config("dbrx")
+    assert config.attn_config.clip_qkv == 8 and config.attn_config.rope_theta == 500000.0
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(default_config("dbrx"))
+        model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
