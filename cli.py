@@ -194,6 +194,12 @@ def cmd_export(args) -> int:
 def cmd_catalogue(args) -> int:
     from onboard.source import catalogue_index
 
+    if args.write_specs:
+        from onboard.inspect.cache import write_catalogue_specs
+
+        for path in write_catalogue_specs():
+            print(f"wrote {path}")
+        return 0
     index = catalogue_index()
     if args.json:
         print(json.dumps(index, indent=2, sort_keys=True))
@@ -249,12 +255,16 @@ def cmd_plan(args) -> int:
     if args.plot:
         output_file(args.plot, force=args.force, what="plot")
     hardware(args.hardware)
-    spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
+    began = time.perf_counter()
+    spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online, cache=not args.fresh)
     start = time.perf_counter()
     report = plan_model(spec, devices=args.devices, hardware_name=args.hardware, mode=args.mode,
                         seq_len=args.seq_len, global_batch=args.global_batch, predictor=args.predictor,
                         runlog=args.runlog, imbalance=args.imbalance)
     seconds = time.perf_counter() - start
+    if args.verbose:  # on stderr, so --json stays one document
+        print(f"time: since start {time.process_time():.2f}s of CPU (imports included); model spec "
+              f"{start - began:.2f}s; search {seconds:.2f}s", file=sys.stderr)
     top = report.result.ranked[:args.top]
     if report.best:
         write_plan(report.best.plan, args.out)
@@ -518,6 +528,9 @@ def _export_options(p: argparse.ArgumentParser) -> None:
 
 def _catalogue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--write-specs", action="store_true",
+                   help="inspect every catalogue model and write the spec it ships (catalogue/<slug>/spec.json, "
+                        "what `onboard plan` reads without inspecting; a development step, like `onboard check --fix`)")
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
@@ -538,6 +551,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--imbalance", type=float, metavar="X",
                    help="assume the busiest EP rank gets X times the mean tokens (default: perfect balance)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--fresh", action="store_true",
+                   help="inspect the model again rather than read its spec from the cache (~/.cache/onboard, or "
+                        "ONBOARD_CACHE_DIR; its entries are named by everything a spec is made from)")
+    p.add_argument("--verbose", action="store_true", help="print the time each phase took (on stderr)")
 
 
 def _predict_options(p: argparse.ArgumentParser) -> None:

@@ -26,8 +26,9 @@ from runtime.plan import MAX_DEGREE, LoRA, Plan
 GB = 1e9
 
 
-def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False) -> ModelSpec:
-    """A spec.json written by `onboard inspect --json` / `onboard adapt`, or any model `inspect` accepts."""
+def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False, cache: bool = True) -> ModelSpec:
+    """A spec.json written by `onboard inspect --json` / `onboard adapt`, or any model `inspect` accepts (its
+    inspection kept in the spec cache, `onboard.inspect.cache`, unless `cache` is False)."""
     path = Path(ref)
     if path.suffix == ".json" and path.is_file():
         try:
@@ -37,8 +38,14 @@ def load_spec(ref: str, *, trust_remote_code: bool = False, online: bool = False
             return ModelSpec.from_dict(data)
         except (ValueError, RecursionError) as e:
             raise OnboardError(f"{path} is not a ModelSpec JSON: {' '.join(str(e).split())}") from None
+    from onboard.inspect.cache import cached_spec, catalogue_spec
+
+    if cache and (shipped := catalogue_spec(ref)) is not None:
+        return shipped
     source = resolve(ref, trust_remote_code=trust_remote_code, online=online)  # a wrong name fails in a second
-    from onboard.inspect.inspection import inspect_source  # the twin's imports (torch, transformers) take several
+    if cache:  # the twin's imports (torch, transformers) take several seconds; inspecting it, several more
+        return cached_spec(source)[0]
+    from onboard.inspect.inspection import inspect_source
 
     return inspect_source(source)[0]
 

@@ -48,7 +48,8 @@ def catalogue_index() -> dict:
     return dict(sorted(index.items()))
 
 
-def _catalogue_lookup(ref: str) -> str | None:
+def catalogue_slug(ref: str) -> str | None:
+    """The catalogue entry `ref` names (its slug or its HuggingFace id, any case), or None."""
     wanted = ref.strip().lower()
     for slug, meta in catalogue_index().items():
         if wanted == slug.lower() or wanted == str(meta.get("hf_id", "")).lower():
@@ -255,7 +256,7 @@ def resolve(ref: str, *, trust_remote_code: bool = False, online: bool = False) 
         raise OnboardError(f"{ref} is a file: MODEL must be a directory holding config.json")
     elif looks_like_path:
         raise OnboardError(f"{ref}: no such directory")
-    elif (slug := _catalogue_lookup(ref)) is not None:
+    elif (slug := catalogue_slug(ref)) is not None:
         kind, name, path = "catalogue", slug, CATALOGUE_DIR / slug
         published = catalogue_index()[slug].get("published", {})
         # the catalogue's own remote code ships with (and is reviewed in) onboard; native types use transformers

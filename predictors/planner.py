@@ -10,7 +10,7 @@ Tensor parallelism stays inside a node, or inside the scale-up domain up to MAX_
 trays hold 4 GPUs, but tp=8 across two of them still rides NVLink). An MoE model also gets folded layouts
 (Megatron-Core's MoE parallel folding, `Plan.etp` = 1: experts not tensor-split, ep drawn from tp x dp_shard x cp
 rather than dp_shard x cp) where they add an ep the plain layouts cannot have; they are priced like any other
-and marked not runnable (`runtime.parallel.mesh.not_runnable`) until runtime.parallel lays them out.
+and marked not runnable (`runtime.parallel.runnable.not_runnable`) until runtime.parallel lays them out.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from predictors.costmodel import Estimate, estimate, fits
 from predictors.features import features
 from predictors.hardware import Hardware
 from runtime.dims import Dims
-from runtime.parallel.mesh import not_runnable
+from runtime.parallel.runnable import not_runnable
 from runtime.plan import LoRA, Plan
 
 LOSS_CHUNK = 8192  # tokens per loss chunk: the logits of a chunk stay small next to a layer's activations

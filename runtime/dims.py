@@ -201,11 +201,16 @@ class Dims:
 
     def layer_flops(self, seq_len: int) -> list[float]:
         """Forward FLOPs per token of each decoder layer of `stack` (empty when it is not known): its attention
-        projections and token mixing, and its MLP's active parameters (routed top-k, shared experts, router)."""
-        dense = 2 * 3 * self.hidden * self.ffn
-        moe = 2 * (self.top_k + self.shared_experts) * 3 * self.hidden * self.expert_ffn + 2 * self.hidden * self.experts
-        return [2 * self.attention_params_per_layer + self.mixers[i].flops(seq_len) / self.mixers[i].layers
-                + (moe if is_moe else dense) for i, is_moe in self.stack]
+        projections and token mixing, and its MLP's active parameters (routed top-k, shared experts, router).
+        Kept per sequence length on the instance (a planner prices thousands of layouts of one model)."""
+        cache = self.__dict__.setdefault("_layer_flops", {})  # frozen fields; the cache is no field
+        if seq_len not in cache:
+            dense = 2 * 3 * self.hidden * self.ffn
+            moe = (2 * (self.top_k + self.shared_experts) * 3 * self.hidden * self.expert_ffn
+                   + 2 * self.hidden * self.experts)
+            mixing = [2 * self.attention_params_per_layer + m.flops(seq_len) / m.layers for m in self.mixers]
+            cache[seq_len] = tuple(mixing[i] + (moe if is_moe else dense) for i, is_moe in self.stack)
+        return list(cache[seq_len])
 
     def routed_flops_per_token(self) -> float:
         """Forward FLOPs of the routed experts per token: 2 x 3 x hidden x expert_ffn (gate, up and down

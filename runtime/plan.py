@@ -15,7 +15,7 @@ instead: its own `etp` x `ep` x edp over the tp x dp x cp ranks, so the MoE laye
 attention's tp and ep may span tensor-parallel ranks (ep dividing tp * dp * cp / etp rather than dp * cp).
 `etp` is that expert-tensor-parallel degree, Megatron-Core's `expert_tensor_parallel_size`: None (the default)
 is the layout above; a number means the plan is folded. The cost model prices folded plans; runtime.parallel
-does not lay them out yet (`runtime.parallel.mesh.not_runnable`).
+does not lay them out yet (`runtime.parallel.runnable.not_runnable`).
 """
 
 from __future__ import annotations

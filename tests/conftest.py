@@ -7,6 +7,8 @@ import tempfile
 import warnings
 
 os.environ.setdefault("ONBOARD_KERNEL_STORE", tempfile.mkdtemp(prefix="onboard-kernel-store-"))
+# plans read inspections from a cache (onboard.inspect.cache): the session's own, never the user's
+os.environ.setdefault("ONBOARD_CACHE_DIR", tempfile.mkdtemp(prefix="onboard-cache-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -62,7 +62,7 @@ def run(request: TrainRequest, job: TrainJob) -> int:
                        for path in (job.data, job.eval_data))
     plan = Plan.from_dict(job.plan) if job.plan is not None else (
         read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file() else Plan(dtype="fp32", seq_len=32))
-    from runtime.parallel.mesh import not_runnable
+    from runtime.parallel.runnable import not_runnable
 
     problems = not_runnable(plan)  # what runtime.train would refuse on every rank, said once before it starts
     if problems:

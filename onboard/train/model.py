@@ -58,7 +58,7 @@ def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg:
     MLP (the blocks sequence parallelism gathers the sequence for). Head counts are the trained
     config's (`cfg`), read from the fields that hold the spec's at full scale (`full`), as the run log's are. The
     runtime adds the shared experts of its MoE blocks itself."""
-    from runtime.parallel.mesh import TP_ATTENTION
+    from runtime.parallel.runnable import TP_ATTENTION
     from runtime.parallel.tensor import Heads, declare
 
     prefix = spec["layers_path"]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from runtime.parallel.runnable import ep_split, not_runnable
 from runtime.plan import Plan
 
 
@@ -60,54 +61,6 @@ class ParallelMesh:
         return self.plan.world_size
 
 
-def _ep_split(plan: Plan) -> tuple[int, int]:
-    """(er, es): how the EP group splits over the replicate and the shard dimensions."""
-    ep, shard, dp = plan.ep, plan.dp_shard, plan.dp
-    if shard % ep == 0:
-        return 1, ep
-    if ep % shard == 0 and dp % ep == 0:
-        return ep // shard, shard
-    raise ValueError(f"ep={ep} must divide dp_shard={shard}, or be a multiple of it dividing "
-                     f"dp_replicate*dp_shard={dp}")
-
-
-NOT_BUILT = {"cp": "context"}  # degrees runtime.parallel does not lay out yet
-
-
-# attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA's low-rank paths, DSA's indexer
-# and linear attention's fused projections and convolutions stay whole on every tp rank
-TP_ATTENTION = ("softmax", "sliding", "chunked")
-
-
-def not_runnable(plan: Plan, model=None) -> list[str]:
-    """Why runtime.parallel cannot lay out `plan` (empty when it can): the one answer the planner, the training
-    loop and `build_mesh` all use. `model` (a `runtime.dims.Dims`, optional) adds what depends on the model:
-    tensor parallelism needs attention it splits and head counts tp divides."""
-    out = list(plan.problems())
-    if plan.tp > 1 and model is not None:
-        whole = sorted({m.kind for m in model.mixers if m.kind not in TP_ATTENTION})
-        if whole:
-            out.append(f"tensor parallelism over {', '.join(whole)} attention is not built (it splits "
-                       f"{', '.join(TP_ATTENTION)} attention by head)")
-        if model.heads % plan.tp or model.kv_heads % plan.tp:
-            out.append(f"tp={plan.tp} does not divide {model.heads} query and {model.kv_heads} key/value heads")
-    if plan.tp > 1 and plan.seq_len % plan.tp:
-        out.append(f"sequence parallelism splits each sequence over the tp ranks: tp={plan.tp} must divide "
-                   f"seq_len={plan.seq_len}")
-    if plan.pp > 1 and plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
-        out.append(f"the 1F1B schedule needs at least pp={plan.pp} micro-batches per step, the plan has "
-                   f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")
-    out += [f"{kind} parallelism ({name} > 1) is not built in runtime.parallel yet"
-            for name, kind in NOT_BUILT.items() if getattr(plan, name) != 1]
-    if plan.folded:
-        out.append(f"MoE parallel folding (etp={plan.etp}: the expert mesh over the tp*dp*cp ranks) is not built in "
-                   f"runtime.parallel yet")
-    if plan.ep > 1 and not out:
-        try:
-            _ep_split(plan)
-        except ValueError as exc:
-            out.append(str(exc))
-    return out
 
 
 def build_mesh(plan: Plan) -> ParallelMesh:
@@ -119,7 +72,7 @@ def build_mesh(plan: Plan) -> ParallelMesh:
         raise ValueError(f"the plan needs {plan.world_size} processes, this run has {world}")
     if world == 1:
         return ParallelMesh(plan, None, None, None)
-    er, es = _ep_split(plan)
+    er, es = ep_split(plan)
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     ranks = torch.arange(world).view(plan.pp, plan.dp_replicate // er, er, plan.dp_shard // es, es, plan.tp)
     dense = DeviceMesh(device, ranks.reshape(plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp),

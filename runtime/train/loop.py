@@ -216,7 +216,7 @@ def _unpack(built) -> tuple[nn.Module, dict, object | None]:
 
 def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainJob) -> TrainResult:
     check_outputs(cfg)
-    from runtime.parallel.mesh import not_runnable
+    from runtime.parallel.runnable import not_runnable
 
     if problems := not_runnable(plan):
         raise ValueError(f"the plan cannot run: {'; '.join(problems)}")

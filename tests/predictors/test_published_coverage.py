@@ -18,7 +18,7 @@ from predictors.hardware import find, identify
 from predictors.planner import search
 from predictors.published import MODEL_FLOPS, convert_file, convert_row
 from runtime.dims import Dims
-from runtime.parallel.mesh import not_runnable
+from runtime.parallel.runnable import not_runnable
 from runtime.plan import Plan
 
 # a Llama-3-70B-shaped dense row, 64 GPUs as tp 2 x pp 4 x dp 8

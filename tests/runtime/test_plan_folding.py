@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from runtime.parallel.mesh import build_mesh, not_runnable
+from runtime.parallel.mesh import build_mesh
+from runtime.parallel.runnable import not_runnable
 from runtime.plan import READABLE_VERSIONS, SCHEMA_VERSION, Plan
 
 
