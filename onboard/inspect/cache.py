@@ -56,12 +56,17 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def model_digest(folder: Path, name: str) -> str:
-    """sha256 of what a model's folder brings to its spec: config.json and the Python beside it (remote code), its
-    name, and the transformers version that reads them (looked up, not imported)."""
+def transformers_version() -> str:
+    """The installed transformers' version, looked up, not imported."""
     from importlib.metadata import version
 
-    h = hashlib.sha256(json.dumps({"name": name, "transformers": version("transformers")}).encode())
+    return version("transformers")
+
+
+def model_digest(folder: Path, name: str) -> str:
+    """sha256 of what a model's folder brings to its spec: config.json and the Python beside it (remote code), and
+    its name."""
+    h = hashlib.sha256(name.encode() + b"\0")
     for path in [folder / "config.json", *sorted(folder.glob("*.py"))]:
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -85,8 +90,9 @@ def catalogue_spec(ref: str) -> ModelSpec | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("model_digest") != model_digest(path.parent, slug):
-            return None
+        if (data.get("model_digest") != model_digest(path.parent, slug)
+                or data.get("transformers") != transformers_version()):
+            return None  # another model, or read by another transformers: inspected, not taken from here
         return ModelSpec.from_dict(data["spec"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
@@ -102,8 +108,8 @@ def write_catalogue_specs(slugs: list[str] | None = None) -> list[Path]:
     for slug in slugs or list(catalogue_index()):
         source = resolve(slug)
         spec = inspect_source(source)[0]
-        text = json.dumps({"model_digest": model_digest(Path(source.path), slug), "spec": spec.to_dict()},
-                          indent=1, sort_keys=True) + "\n"
+        text = json.dumps({"model_digest": model_digest(Path(source.path), slug), "spec": spec.to_dict(),
+                           "transformers": transformers_version()}, indent=1, sort_keys=True) + "\n"
         written.append(write_atomically(Path(source.path) / SHIPPED, text))
     return written
 
@@ -115,7 +121,8 @@ def spec_key(source: ModelSource) -> str | None:
     import torch
 
     made_from = {"model": model_digest(Path(source.path), source.name), "config": source.raw,
-                 "trust_remote_code": source.trust_remote_code, "code": code_digest(), "torch": torch.__version__}
+                 "trust_remote_code": source.trust_remote_code, "code": code_digest(), "torch": torch.__version__,
+                 "transformers": transformers_version()}
     return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=str).encode()).hexdigest()
 
 
