@@ -459,10 +459,9 @@ def _experts_module(mlp: MLP, twin: Twin, twin_layer: int) -> str | None:
     path = mlp.experts_path or ""
     while path and path != mlp.path:
         module = _twin_module(twin, path, twin_layer)
-        required = [p for p in inspect.signature(module.forward).parameters.values()
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                    ] if module is not None else []
-        if len(required) == 3:
+        if module is not None and len([p for p in inspect.signature(module.forward).parameters.values()
+                                       if p.default is p.empty
+                                       and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) == 3:
             return path
         path = path.rpartition(".")[0]
     return None
@@ -470,8 +469,8 @@ def _experts_module(mlp: MLP, twin: Twin, twin_layer: int) -> str | None:
 
 # MLP fields that make two MoE layers need different construction code
 _BUILD_FIELDS = ("path", "activation", "gated", "expert_layout", "experts_path", "shared_path", "shared_gate_weight",
-                 "expert_weights", "expert_interleaved", "expert_transposed", "expert_flat", "weight_on_input", "outputs",
-                 "top_k", "router", "post_norm", "output_bias", "zero_experts")
+                 "expert_weights", "expert_interleaved", "expert_transposed", "expert_flat", "weight_on_input",
+                 "outputs", "top_k", "router", "post_norm", "output_bias", "zero_experts")
 
 
 def why_not_block_in_training(layer: Layer, twin: Twin) -> str | None:
@@ -521,10 +520,17 @@ def _flat_settings(config) -> dict:
 def _moe_entries(spec: ModelSpec, twin: Twin) -> list[MoEEntry]:
     groups: dict[str, list[Layer]] = {}
     reasons: dict[str, tuple] = {}
+    in_training: dict[tuple[int, str], str | None] = {}  # the twin's block runs once per twin layer, not per layer
     for layer in spec.layers:
         if layer.mlp.kind != "moe":
             continue
-        why = (why_not_block(layer.mlp) or why_not_block_in_training(layer, twin), why_not_experts(layer, twin))
+        block_why = why_not_block(layer.mlp)
+        if block_why is None:
+            key = (layer.twin_layer, layer.mlp.path)
+            if key not in in_training:
+                in_training[key] = why_not_block_in_training(layer, twin)
+            block_why = in_training[key]
+        why = (block_why, why_not_experts(layer, twin))
         raw = dataclasses.asdict(layer.mlp)
         key = json.dumps({"why": why, **{f: raw[f] for f in _BUILD_FIELDS}}, sort_keys=True)
         groups.setdefault(key, []).append(layer)

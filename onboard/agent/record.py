@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from onboard.agent.candidate import Candidate, propose_in_order
+from onboard.agent.rules import Declined
 from onboard.errors import OnboardError
 
 SCHEMA_VERSION = 1
@@ -87,10 +88,10 @@ class ReplayPolicy:
         self.replies: dict[str, list[dict]] = {}
         self.interop: dict[str, dict[int, list[dict]]] = {}  # task -> {index of the reply it preceded: events}
         self.speed: dict[tuple[str, int], bool] = {}  # (task, round) -> slower: the session's timing verdicts
-        self.declined: dict[str, list[str]] = {}  # task -> what the rules' readings that declined said
+        self.declined: dict[str, list[Declined]] = {}  # task -> the rules' readings that declined, and why
         for event in events:
             if event["event"] == "declined" and "task" in event:
-                self.declined.setdefault(event["task"], []).append(f"{event.get('reading')}: {event.get('why')}")
+                self.declined.setdefault(event["task"], []).append(Declined(event.get("reading"), event.get("why")))
             if event["event"] == "chat" and "reply" in event:
                 self.replies.setdefault(event.get("task", ""), []).append(event["reply"])
             elif event["event"] == "interop":
@@ -101,11 +102,9 @@ class ReplayPolicy:
 
     def run(self, task, module, trial, record) -> list[str]:
         if self.name != "llm":
-            for why in self.declined.get(task.path, []):
-                reading, _, text = why.partition(": ")
-                record("declined", task=task.path, reading=reading, why=text)
+            said = [d.said(task.path, record) for d in self.declined.get(task.path, [])]
             propose_in_order(self.candidates.get(task.path, []), trial)
-            return list(self.declined.get(task.path, []))
+            return said
         from onboard.agent.llm import LLMPolicy, scripted_chat
 
         policy = LLMPolicy(scripted_chat(self.replies.get(task.path, []), self.interop.get(task.path)),

@@ -47,6 +47,11 @@ class Declined:
     def __str__(self) -> str:
         return f"{self.reading}: {self.why}"
 
+    def said(self, task: str, record) -> str:
+        """Record the decline for `task` (an agent.jsonl event a replay reads back); what it says."""
+        record("declined", task=task, reading=self.reading, why=self.why)
+        return str(self)
+
 
 def _forward_args(module: nn.Module) -> list[str]:
     """The names of the module forward's positional parameters (after self)."""
@@ -231,8 +236,7 @@ class RulesPolicy:
             for reading in READINGS:
                 for c in reading(task, module):
                     if isinstance(c, Declined):
-                        record("declined", task=task.path, reading=c.reading, why=c.why)
-                        declined.append(str(c))
+                        declined.append(c.said(task.path, record))
                     else:
                         yield c
         propose_in_order(candidates(), trial)

@@ -27,6 +27,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from onboard.errors import OnboardError
 from onboard.inspect.spec import ModelSpec
 from onboard.source import ModelSource
 
@@ -110,7 +111,10 @@ def write_catalogue_specs(slugs: list[str] | None = None) -> list[Path]:
         spec = inspect_source(source)[0]
         text = json.dumps({"model_digest": model_digest(Path(source.path), slug), "spec": spec.to_dict(),
                            "transformers": transformers_version()}, indent=1, sort_keys=True) + "\n"
-        written.append(write_atomically(Path(source.path) / SHIPPED, text))
+        try:
+            written.append(write_atomically(Path(source.path) / SHIPPED, text))
+        except OSError as exc:  # an installed, read-only catalogue: this is a step for a checkout of onboard
+            raise OnboardError(f"cannot write {Path(source.path) / SHIPPED}: {exc.strerror or exc}") from None
     return written
 
 

@@ -102,8 +102,8 @@ class _OpRecorder(TorchFunctionMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not any(isinstance(o, torch.Tensor) for o in outs):
             return out  # shape queries and the like
-        node = self.graph.call_function(
-            _recordable(func), tuple(self._node_for(a) for a in args), {k: self._node_for(v) for k, v in kwargs.items()})
+        node = self.graph.call_function(_recordable(func), tuple(self._node_for(a) for a in args),
+                                        {k: self._node_for(v) for k, v in kwargs.items()})
         node.meta["nn_module_stack"] = {path: (path, cls) for path, cls in self.stack}
         self.keep.append(out)  # ids stay unique while the tensors are alive
         if isinstance(out, torch.Tensor):

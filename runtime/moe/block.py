@@ -73,7 +73,8 @@ class GroupedExperts(nn.Module):
     def _mm(self, x: torch.Tensor, name: str, d: Dispatch) -> torch.Tensor:
         mm = registry.lookup("moe.grouped_mm", grouped_mm)
         w = self.stack(name)
-        return mm(x, w[: self.experts] if w.shape[0] > self.experts else w, d.counts, out_in=not self.is_transposed(name))
+        w = w[: self.experts] if w.shape[0] > self.experts else w
+        return mm(x, w, d.counts, out_in=not self.is_transposed(name))
 
     def forward(self, x: torch.Tensor, d: Dispatch, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Expert outputs for sorted tokens; `scale` (one per row) multiplies each row's output."""

@@ -50,7 +50,8 @@ def test_flat_matrices_are_read_as_experts_each_stack_as_the_forward_multiplies_
     spec, twin, decision = square
     mlp = spec.layers[0].mlp
     assert (mlp.kind, mlp.num_experts, mlp.top_k, mlp.expert_layout) == ("moe", 6, 2, "fused")
-    assert mlp.expert_weights == {"gate": "ffn.experts.mlp.w1", "up": "ffn.experts.mlp.v1", "down": "ffn.experts.mlp.w2"}
+    assert mlp.expert_weights == {"gate": "ffn.experts.mlp.w1", "up": "ffn.experts.mlp.v1",
+                                  "down": "ffn.experts.mlp.w2"}
     assert mlp.expert_flat == {"gate": "out_in", "up": "out_in", "down": "in_out"}
     assert mlp.expert_ffn == twin.config.ffn_config.ffn_hidden_size
     assert mlp.router.renormalize and mlp.router.renorm_p is None  # DBRX's default: the 1-norm, the sum
@@ -114,8 +115,8 @@ def test_expert_parallelism_refuses_flat_stacks():
     from runtime.parallel.expert import shard_experts
 
     E, F, H = 4, 8, 6
-    experts = GroupedExperts(torch.nn.Parameter(torch.randn(E * F, H)), torch.nn.Parameter(torch.randn(E * F, H)),
-                             activation=torch.nn.functional.silu, num_experts=E, up=torch.nn.Parameter(
-                                 torch.randn(E * F, H)), layouts={"gate_up": "out_in", "up": "out_in", "down": "in_out"})
+    flat = [torch.nn.Parameter(torch.randn(E * F, H)) for _ in range(3)]
+    experts = GroupedExperts(flat[0], flat[2], up=flat[1], activation=torch.nn.functional.silu, num_experts=E,
+                             layouts={"gate_up": "out_in", "up": "out_in", "down": "in_out"})
     with pytest.raises(ValueError, match="flat"):
         shard_experts(experts, E, 0, 2)

@@ -532,10 +532,10 @@ def _read_router(view: GraphView, router_node, router_weight: str, final, E: int
             if any(op_name(d) == "sum" or any(op_name(a) == "sum" for a in view.ancestors(d) & region)
                    for d in divisor):
                 renorm = True
-            norms = [d for d in divisor for a in view.ancestors(d) & region | {d} if op_name(a) in NORMS]
+            norms = sorted({a for d in divisor for a in view.ancestors(d) & region | {d} if op_name(a) in NORMS},
+                           key=lambda a: view.index[a])
             if norms:  # divided by a p-norm of the chosen weights (DBRX's moe_normalize_expert_weights)
-                renorm, renorm_p = True, _norm_order(next(a for a in view.ancestors(norms[0]) | {norms[0]}
-                                                          if op_name(a) in NORMS))
+                renorm, renorm_p = True, _norm_order(norms[0])
     scaling = None
     for n in local:
         if op_name(n) == "mul":
