@@ -362,16 +362,39 @@ def _list_predictors(directory) -> int:
     from onboard.plan import predictor_versions
 
     rows, default = predictor_versions(directory)
-    print(f"{'version':<24} {'created':<26} {'runs':>6} {'models':>6}  {'interval near/far':<18} training data")
+    print(f"{'version':<24} {'created':<26} {'runs':>6} {'models':>6}  {'interval near/far (MoE)':<25} training data")
     for label, meta in rows:
         t = meta.get("training") or {}
         band = meta.get("interval")
-        band = f"x/{math.exp(band['learned']):.2f} x/{math.exp(band['cost_model']):.2f}" if band else "-"
+        if band:
+            scale = band.get("scale", 1.0)
+            moe = band.get("moe_cost_model")
+            band = (f"x/{math.exp(scale * band['learned']):.2f} x/{math.exp(scale * band['cost_model']):.2f}"
+                    + (f" (x/{math.exp(scale * moe):.2f})" if moe is not None else ""))
+        else:
+            band = "-"
         mark = " (default)" if label == default else " (held back)" if meta.get("default") is False else ""
         files = ", ".join(f["path"] for f in t.get("files", []))
         print(f"{label + mark:<24} {str(meta.get('created', '?')):<26} {t.get('runs', '?'):>6} {t.get('models', '?'):>6}  "
-              f"{band:<18} {files}")
+              f"{band:<25} {files}")
     return 0
+
+
+def _print_scores(scores, by: str) -> None:
+    """The evaluation table: sources, then the MoE runs by model and together, then all runs."""
+    cover = by == "source"
+    head = (f"{'':<24} {'runs':>5} {'cost median':>12} {'cost mean':>10} {'learned median':>15} {'learned mean':>13}"
+            + (f" {'90% covers':>11}" if cover else ""))
+    titles = {"source": "by source", "model": "MoE runs by model", "moe": "", "all": ""}
+    shown = None
+    for s in scores:
+        if s.kind != shown and titles[s.kind]:
+            print(f"{titles[s.kind]}:")
+            print(head)
+        shown = s.kind
+        name = {"moe": "MoE runs", "all": "all runs"}.get(s.kind, s.source)
+        print(f"{name[:24]:<24} {s.runs:>5} {s.cost_median:>12.1%} {s.cost_mean:>10.1%} {s.learned_median:>15.1%} "
+              f"{s.learned_mean:>13.1%}" + (f" {s.coverage:>11.0%}" if cover and s.coverage is not None else ""))
 
 
 def cmd_predictor(args) -> int:
@@ -393,7 +416,7 @@ def cmd_predictor(args) -> int:
         return 0
     for by in ("model", "source") if args.hold_out == "both" else (args.hold_out,):
         try:
-            scores, data = evaluate_predictor(args.logs, by=by)
+            scores, data = evaluate_predictor(args.logs, by=by, measured_only=args.measured_only)
         except OnboardError as exc:
             if args.hold_out != "both" or by == "model":
                 raise
@@ -405,11 +428,7 @@ def cmd_predictor(args) -> int:
         if by == "model" or args.hold_out != "both":
             for reason, count in Counter(s.reason for s in data.skipped).most_common(5):
                 print(f"  skipped {count}: {reason}")
-        print(f"{'source':<22} {'runs':>5} {'cost median':>12} {'cost mean':>10} {'learned median':>15} "
-              f"{'learned mean':>13}")
-        for s in scores:
-            print(f"{s.source:<22} {s.runs:>5} {s.cost_median:>12.1%} {s.cost_mean:>10.1%} "
-                  f"{s.learned_median:>15.1%} {s.learned_mean:>13.1%}")
+        _print_scores(scores, by)
     return 0
 
 
@@ -573,6 +592,9 @@ def _predictor_options(p: argparse.ArgumentParser) -> None:
                         "(default)")
     p.add_argument("--logs", nargs="+", help="run-log files or directories: train: added to what ships in "
                                              "predictors/data (e.g. bundles/*/runs); eval: the runs to evaluate on")
+    p.add_argument("--measured-only", action="store_true",
+                   help="eval: leave out the runs with a value taken from elsewhere than their source (a vocabulary "
+                        "from the catalogue, a proxy's shape; meta.assumed)")
     p.add_argument("--only", action="store_true", help="train: on --logs alone, not on what ships as well")
     p.add_argument("--make-default", action="store_true",
                    help="train: make the new version the default even where it prices the shipped runs worse")

@@ -4,6 +4,12 @@ Prints times as ratios against the HuggingFace reference measured in the same ru
 this machine's fp32 matmul peak (also measured in this run). Never passes or fails on time.
 
     python bench/moe.py [--tokens 4096] [--hidden 1024] [--experts 32] [--top-k 4] [--ffn 256] [--repeats 5]
+    python bench/moe.py --curve
+
+--curve measures instead how far below a large GEMM's rate small ones run on this machine (fp32): the rate at M rows
+(K = N = 1024), at reduction depth K (M = N = 1024) and at width N (M = K = 1024) over the 1024^3 rate, and fits
+the cost model's fill factors M / (M + rows), K / (K + depth) and N / (N + width) to them (`predictors.moe_cost.gemm_efficiency`; predictors/hardware/cpu.yaml's
+gemm_fill_rows, gemm_fill_depth and gemm_fill_width).
 """
 
 from __future__ import annotations
@@ -43,6 +49,39 @@ def matmul_peak(repeats: int) -> float:
     return best
 
 
+def gemm_rate(m: int, k: int, n: int, repeats: int) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) fp32 GEMM over `repeats` timed batches of about 2 GFLOP each."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    batch = max(3, int(2e9 / (2 * m * k * n)))
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(batch):
+            a @ b
+        best = max(best, 2 * m * k * n * batch / (time.perf_counter() - start))
+    return best
+
+
+def fill(points: dict[int, float]) -> float:
+    """The c of x / (x + c) closest (least squares, on a grid of 0.5 steps) to the measured rate ratios."""
+    grid = [c / 2 for c in range(1, 2049)]
+    return min(grid, key=lambda c: sum((x / (x + c) - r) ** 2 for x, r in points.items()))
+
+
+def curve(repeats: int) -> None:
+    big = gemm_rate(1024, 1024, 1024, repeats)
+    rows = {m: gemm_rate(m, 1024, 1024, repeats) / big for m in (4, 8, 16, 32, 64, 128, 256, 512, 2048)}
+    depth = {k: gemm_rate(1024, k, 1024, repeats) / big for k in (16, 32, 64, 128, 256, 512, 2048)}
+    width = {n: gemm_rate(1024, 1024, n, repeats) / big for n in (16, 32, 64, 128, 256, 512, 2048)}
+    print(f"fp32 GEMM rate over the 1024^3 rate ({big / 1e9:.1f} GFLOP/s), {torch.get_num_threads()} threads")
+    print("  rows M (K = N = 1024): " + "  ".join(f"{m}: {r:.2f}" for m, r in rows.items()))
+    print("  depth K (M = N = 1024): " + "  ".join(f"{k}: {r:.2f}" for k, r in depth.items()))
+    print("  width N (M = K = 1024): " + "  ".join(f"{n}: {r:.2f}" for n, r in width.items()))
+    print(f"  fitted gemm_fill_rows: {fill(rows):g}   gemm_fill_depth: {fill(depth):g}   "
+          f"gemm_fill_width: {fill(width):g}")
+
+
 def hf_block(args, implementation: str) -> torch.nn.Module:
     config = Qwen3MoeConfig(hidden_size=args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
                             moe_intermediate_size=args.ffn, norm_topk_prob=True)
@@ -75,8 +114,13 @@ def main() -> None:
     parser = common.parser(__doc__, tokens=4096, hidden=1024, experts=32, top_k=4, ffn=256, repeats=5,
                            threads=(torch.get_num_threads(), "torch threads"))
     common.add_ftz(parser)
+    parser.add_argument("--curve", action="store_true",
+                        help="measure small GEMMs' share of the large-GEMM rate and fit the cost model's fill factors")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.curve:
+        curve(args.repeats)
+        return
 
     x = torch.randn(1, args.tokens, args.hidden) * 0.5
     eager = hf_block(args, "eager")

@@ -237,7 +237,7 @@ def predict_plan(spec: ModelSpec, plan_path, *, hardware_name: str, predictor: s
     hw = hardware(hardware_name)
     model = load_predictor(predictor)
     step, est, outside = model.explain(d, plan, hw, plan.dtype)
-    low, high = model.bounds([features(d, plan, hw, plan.dtype, est)], [step])
+    low, high = model.bounds([features(d, plan, hw, plan.dtype, est, model.feature_names)], [step])
     return {"model": spec.name, "hardware": hw.name, "devices": plan.world_size, "predictor": model.label,
             "extrapolates_on": outside,
             "step_time_s": step, "tokens_per_s": plan.tokens_per_step / step,
@@ -315,8 +315,8 @@ def predictor_versions(directory: str | None) -> tuple[list[tuple[str, dict]], s
     return found, default
 
 
-def evaluate_predictor(logs: list[str] | None, by: str = "model"):
+def evaluate_predictor(logs: list[str] | None, by: str = "model", measured_only: bool = False):
     try:
-        return learned.evaluate(logs or None, by=by)
+        return learned.evaluate(logs or None, by=by, measured_only=measured_only)
     except PredictorError as e:
         raise OnboardError(str(e)) from None

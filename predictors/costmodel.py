@@ -16,17 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from predictors import pipeline
+from predictors import moe_cost, pipeline
 from predictors.hardware import Hardware
 from runtime.dims import Dims
 from runtime.plan import Plan
 
-# Fraction of peak a large matmul-bound step reaches; the learned part corrects it per regime.
-MATMUL_EFFICIENCY = 0.55
+# MATMUL_EFFICIENCY (predictors.hardware): the fraction of peak a large matmul-bound step reaches
 # Share of FSDP / data-parallel traffic that hides behind compute when prefetching works.
 DP_OVERLAP = 0.8
-# Share of the All-to-All that hides behind expert compute when the plan overlaps them.
-EP_OVERLAP = 0.5
 OFFLOAD_OVERLAP = 0.7
 # CUDA/NPU context, collective buffers and allocator fragmentation, per device.
 RESERVED_BYTES = 3e9
@@ -38,6 +35,7 @@ FP32 = 4
 TRAINED_BYTES = 16
 # elementwise passes (norms, activations, residual adds, softmax) over the saved activations
 ELEMENTWISE_PASSES = 4
+FP8_CAST_BYTES = 5  # per element an FP8 GEMM's operand is cast: `fp8_cast_bytes_per_token`
 # Eager dispatch: aten operators one decoder layer issues per micro-step, (forward, backward), counted with
 # `runtime.op_count.OpCounter` on the runtime-adapted layers (`python bench/dispatch.py`: Llama-3.1-8B's dense
 # layer, Mixtral-8x7B's MoE layer). Each costs the host `Hardware.op_dispatch_us` whatever the tensors' size, which
@@ -69,6 +67,8 @@ class Estimate:
     memory: dict = field(default_factory=dict)  # bytes per device by part, "total" included
     imbalance_s: float = 0.0  # routed-expert compute the busiest EP rank adds over a balanced one
     imbalance: float = 1.0  # the busiest EP rank's tokens over the mean that was priced
+    expert_gemm_s: float = 0.0  # what the experts' small grouped GEMMs take beyond the large-GEMM rate
+    permute_s: float = 0.0  # routing, permutation and un-permutation: memory-bound passes over HBM
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,12 +115,33 @@ def lora_params(d: Dims, plan: Plan) -> tuple[int, int]:
     return dense + experts, int(dense + experts * d.top_k / d.experts if d.experts else dense)
 
 
+def fp8_cast_bytes_per_token(d: Dims) -> float:
+    """HBM bytes per token per layer (averaged over layers) that FP8 training spends casting GEMM operands.
+
+    Transformer Engine and torchao quantize every FP8 GEMM's activation operand as it runs: the inputs of each
+    linear layer in the forward and the output gradients feeding each data gradient in the backward. Each element
+    is read in bf16 and written in fp8, and read once more for its scale (current scaling's amax pass) or written
+    once more transposed for the weight gradient (block / MX scaling): FP8_CAST_BYTES = 2 + 1 + 2 per element. The
+    elements per token are the linear layers' widths in and out: attention (q, k, v in from h; o in from
+    heads x head_dim), the dense MLP (h in, ffn; 2 ffn and h out), and an MoE layer's top_k routed and shared
+    experts (h and F in; 2F and h out). Weights are cast once a step, not per token (not counted)."""
+    h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    attention = (h + q) + (q + 2 * kv + h)
+    dense = (h + d.ffn) + (2 * d.ffn + h)
+    routed = (d.top_k + d.shared_experts) * ((h + d.expert_ffn) + (2 * d.expert_ffn + h))
+    moe_share = d.moe_layers / d.layers if d.layers else 0.0
+    return FP8_CAST_BYTES * (attention + moe_share * routed + (1 - moe_share) * dense)
+
+
 def activation_bytes_per_token(d: Dims, plan: Plan) -> dict:
     """Bytes saved for backward per token per layer (averaged over layers), by what the policy keeps."""
     h = d.hidden
     attn = BF16 * (h + h + 2 * d.kv_heads * d.head_dim + d.heads * d.head_dim) + FP32 * d.heads  # in, qkv, out, lse
     moe_share = d.moe_layers / d.layers
-    moe = BF16 * (h + d.top_k * (2 * h + 3 * d.expert_ffn) + d.shared_experts * 3 * d.expert_ffn)
+    # the input, the top_k permuted copies in and out of the experts, their gate / up / activation, the shared
+    # experts', and routing's probabilities, indices and weights (`moe_cost.activation_bytes`)
+    moe = (BF16 * (h + d.top_k * (2 * h + 3 * d.expert_ffn) + d.shared_experts * 3 * d.expert_ffn)
+           + (moe_cost.activation_bytes(d)[0] if d.experts else 0.0))
     dense = BF16 * (h + 3 * d.ffn)
     mlp = moe_share * moe + (1 - moe_share) * dense
     residual = BF16 * 2 * h
@@ -170,27 +191,42 @@ def dispatch_s(device_s: float, host_s: float, hw: Hardware) -> float:
 def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0,
              gradient_overlap: bool = True) -> Estimate:
     """The step of `plan` priced piece by piece. `imbalance`: the busiest expert-parallel rank's routed tokens over
-    the mean (`predictors.imbalance`: measured, or assumed); every MoE layer waits for that rank, so its routed
-    expert compute and its All-to-All volume are charged that many times the balanced share. 1 prices perfect
-    balance; without expert parallelism (ep = 1) every rank computes its own tokens and none is charged.
+    the mean (`predictors.imbalance`: measured, or assumed; `moe_cost.default_imbalance` where neither); every MoE
+    layer waits for that rank, so its routed expert compute and its All-to-All volume are charged that many times
+    the balanced share. 1 prices perfect balance; without expert parallelism (ep = 1) every rank computes its own
+    tokens and none is charged.
     `gradient_overlap`: whether data-parallel traffic hides behind compute (DP_OVERLAP of it at most: FSDP prefetch,
     bucketed gradient all-reduce, what every framework the planner targets does); False for a run that all-reduces
-    its gradients after the whole backward (a run log's `meta.gradient_overlap`, `predictors.published`)."""
+    its gradients after the whole backward (a run log's `meta.gradient_overlap`, `predictors.published`).
+
+    MoE layers are priced by `predictors.moe_cost`: their grouped GEMMs at the efficiency their shape reaches
+    (`expert_gemm_s`), routing and permutation as HBM traffic (`permute_s`), the exchanges by where the EP group's
+    peers are (`ep_s`), hidden as far as the plan overlaps them; pipeline stages are balanced and priced with those
+    costs (`pipeline.share`'s `moe_extra`)."""
     if imbalance < 1:
         raise ValueError(f"expert load imbalance is the busiest rank over the mean: at least 1, got {imbalance}")
     skew = imbalance if plan.ep > 1 and d.moe_layers else 1.0
-    shape = _Layout.of(d, plan)
+    moe = _MoE.of(d, plan, hw, precision, skew)
+    shape = _Layout.of(d, plan, moe.extra_flops)
     compute_s, recompute_s, imbalance_s = _compute(d, plan, hw, precision, skew, shape)
-    busy = compute_s + recompute_s + imbalance_s
+    stage_moe_layers = d.moe_layers * shape.stage_share / plan.pp
+    rank_tokens = plan.micro_batch * plan.seq_len / (plan.cp * plan.tp) * plan.grad_accum  # through its stage
+    expert_gemm_s = moe.gemm_s_per_token * rank_tokens * stage_moe_layers
+    busy = compute_s + recompute_s + imbalance_s + expert_gemm_s
     memory, local, per, host = _memory(d, plan, shape)
-    tp_s, cp_s, pp_s, dp_s, ep_s = _communication(d, plan, hw, skew, shape)
+    tp_s, cp_s, pp_s, dp_s = _communication(d, plan, hw, shape)
+    ep_s = moe.exchange_s_per_token * rank_tokens * stage_moe_layers
+    permute_s = moe.permute_s_per_token * rank_tokens * stage_moe_layers
     tokens_mb = plan.micro_batch * plan.seq_len / (plan.cp * plan.tp)
     offload_s = 2 * tokens_mb * host * shape.layers_stage * plan.grad_accum / (hw.host_gbs * 1e9)
 
-    traffic = plan.tokens_per_step / plan.world_size * per["layer"] * shape.layers_stage * ELEMENTWISE_PASSES
+    # elementwise passes over what a rank's stage saves, its tokens through its layers
+    traffic = rank_tokens * per["layer"] * shape.layers_stage * ELEMENTWISE_PASSES
+    if precision == "fp8":
+        traffic += rank_tokens * fp8_cast_bytes_per_token(d) * shape.layers_stage
     trained_local = shape.n_lora / (plan.tp * shape.fsdp * plan.pp) if shape.lora else local
     traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
-    memory_s = traffic / (hw.memory_bw_gbs * 1e9)
+    memory_s = traffic / (hw.memory_bw_gbs * 1e9) + permute_s
     overhead_s = dispatch_s(busy + memory_s, host_dispatch_s(d, plan, hw, shape.layers_stage), hw)
 
     # -- overlap ------------------------------------------------------------------------------
@@ -198,7 +234,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     # side, a busier device only narrows the idle gaps, and the window stays the same.
     window = busy + overhead_s
     exposed = (tp_s + pp_s + cp_s * 0.5 + max(0.0, dp_s - (DP_OVERLAP if gradient_overlap else 0.0) * window)
-               + ep_s * ((1 - EP_OVERLAP) if plan.overlap else 1.0))
+               + ep_s * (1 - moe_cost.exchange_overlap(plan)))
     offload_exposed = max(0.0, offload_s - OFFLOAD_OVERLAP * window)
     # a stage stalls for its whole work, dispatch included, while the pipeline fills and drains
     bubble_s = window * (plan.pp - 1) / plan.grad_accum if plan.pp > 1 else 0.0
@@ -207,7 +243,45 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
                     overhead_s=overhead_s,
                     tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
                     exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=plan.tokens_per_step,
-                    memory=memory, imbalance_s=imbalance_s, imbalance=skew)
+                    memory=memory, imbalance_s=imbalance_s, imbalance=skew, expert_gemm_s=expert_gemm_s,
+                    permute_s=permute_s)
+
+
+def moe_extra_flops(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> float:
+    """What an MoE layer of `plan` takes beyond its FLOPs, as forward FLOPs per token at the dense rate: the weight
+    pipeline stages are balanced with (`pipeline.layers_per_stage`)."""
+    return _MoE.of(d, plan, hw, precision, imbalance if plan.ep > 1 else 1.0).extra_flops
+
+
+@dataclass(frozen=True)
+class _MoE:
+    """An MoE layer's costs beyond its FLOPs at the dense rate, per token a rank holds (`predictors.moe_cost`)."""
+
+    gemm_s_per_token: float  # the routed experts' GEMMs: time beyond the dense rate, the busiest rank's load
+    permute_s_per_token: float  # routing, permutation, un-permutation: HBM bytes over bandwidth
+    exchange_s_per_token: float  # dispatch + combine All-to-All, before overlap
+    extra_flops: float  # all three, exposed, as forward FLOPs per token at the dense rate (pipeline balancing)
+
+    @classmethod
+    def of(cls, d: Dims, plan: Plan, hw: Hardware, precision: str, skew: float) -> _MoE:
+        if not d.moe_layers:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        rate = hw.matmul_rate(precision)
+        train = 2 if plan.lora is not None else 3
+        passes = 2 + (1 if plan.recompute == "full" else 0)  # forward, backward, recomputed forward
+        routed = d.routed_flops_per_token() / d.moe_layers  # forward, one layer
+        efficiency = moe_cost.expert_efficiency(d, plan, hw, precision)
+        flops = routed * (train + (1 if plan.recompute == "full" else 0))
+        gemm = flops * skew / rate * (1 / efficiency - 1)
+        permute = moe_cost.permutation_bytes(d, passes) / (hw.memory_bw_gbs * 1e9)
+        # each exchange carries top_k bf16 copies of the rank's tokens: dispatch and combine, forward and backward,
+        # and again in a recomputed forward
+        sent = d.top_k * d.hidden * moe_cost.BF16 * skew
+        exchanges = 4 + (2 if plan.recompute == "full" else 0)
+        stride = plan.expert_tp if plan.folded else plan.tp
+        exchange = exchanges * moe_cost.all_to_all_s(sent, plan.ep, stride, hw)
+        exposed = gemm + permute + exchange * (1 - moe_cost.exchange_overlap(plan))
+        return cls(gemm, permute, exchange, exposed * rate / train)
 
 
 @dataclass(frozen=True)
@@ -224,10 +298,10 @@ class _Layout:
     dense_params: int
 
     @classmethod
-    def of(cls, d: Dims, plan: Plan) -> _Layout:
+    def of(cls, d: Dims, plan: Plan, moe_extra: float = 0.0) -> _Layout:
         n_lora, n_lora_active = lora_params(d, plan)
         return cls(layers_stage=max(plan.pp_layers) if plan.pp_layers else math.ceil(d.layers / plan.pp),
-                   stage_share=pipeline.share(d, plan), lora=plan.lora is not None, n_lora=n_lora,
+                   stage_share=pipeline.share(d, plan, moe_extra), lora=plan.lora is not None, n_lora=n_lora,
                    n_lora_active=n_lora_active, fsdp=plan.dp_shard * plan.cp if plan.dp_shard > 1 else 1,
                    folded=_folded(plan) if plan.folded else None, dense_params=d.params_total - d.expert_params)
 
@@ -239,13 +313,13 @@ def _compute(d: Dims, plan: Plan, hw: Hardware, precision: str, skew: float, sha
     # frozen base weights need no weight gradients: backward costs one forward instead of two
     train = (2 if shape.lora else 3) * fwd + 6 * shape.n_lora_active
     extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)
-    peak = hw.peak_flops(precision) * MATMUL_EFFICIENCY
+    peak = hw.matmul_rate(precision)
     mixing = d.mixing_flops(s)
     if precision == "fp8":
         # FP8 training (Transformer Engine, torchao float8) runs the linear layers' GEMMs in FP8; the attention
         # core (scores, softmax, weighted sum: `mixing_flops`) stays BF16 (FlashAttention), at the BF16 peak of
         # predictors/hardware/*.yaml. Before, every FLOP was priced at the FP8 peak.
-        slow = peak / (hw.peak_flops("bf16") * MATMUL_EFFICIENCY)  # how much longer a bf16 FLOP takes
+        slow = peak / hw.matmul_rate("bf16")  # how much longer a bf16 FLOP takes
         mix_share = mixing / fwd
         train_eff = train * (1 + mix_share * (slow - 1))
         extra_eff = fwd * (1 + mix_share * (slow - 1)) if plan.recompute == "full" else extra * slow
@@ -283,7 +357,9 @@ def _memory(d: Dims, plan: Plan, shape: _Layout) -> tuple[dict, float, dict, flo
     kept, host = _resident_activation(per, plan)
     tokens_mb = b * s / (plan.cp * plan.tp)
     in_flight = min(plan.pp, plan.grad_accum)
-    activations = tokens_mb * (kept * shape.layers_stage * in_flight + per["layer"])  # + one layer being worked on
+    # + one layer being worked on, and an MoE layer's dispatch and combine buffers while it runs
+    in_layer = per["layer"] + (moe_cost.activation_bytes(d)[1] if d.moe_layers else 0.0)
+    activations = tokens_mb * (kept * shape.layers_stage * in_flight + in_layer)
     logit_tokens = min(plan.loss_chunk, b * s / plan.cp) if plan.loss_chunk else b * s / plan.cp
     logits = logit_tokens * d.vocab / plan.tp * (BF16 + FP32 + FP32)  # logits, fp32 softmax, fp32 grad
     memory = {"weights": weights, "gradients": grads, "optimizer": states, "gathered": gathered,
@@ -292,8 +368,9 @@ def _memory(d: Dims, plan: Plan, shape: _Layout) -> tuple[dict, float, dict, flo
     return memory, local, per, host
 
 
-def _communication(d: Dims, plan: Plan, hw: Hardware, skew: float, shape: _Layout) -> tuple[float, ...]:
-    """Seconds of tensor-, context-, pipeline-, data- and expert-parallel traffic a step."""
+def _communication(d: Dims, plan: Plan, hw: Hardware, shape: _Layout) -> tuple[float, ...]:
+    """Seconds of tensor-, context-, pipeline- and data-parallel traffic a step (the expert-parallel exchange is
+    `_MoE`'s)."""
     b, s, m, world = plan.micro_batch, plan.seq_len, plan.grad_accum, plan.world_size
     fsdp, folded, lora, n_lora = shape.fsdp, shape.folded, shape.lora, shape.n_lora
     act_mb = b * s / plan.cp * d.hidden * BF16  # one micro-batch's hidden states on a TP group
@@ -335,13 +412,7 @@ def _communication(d: Dims, plan: Plan, hw: Hardware, skew: float, shape: _Layou
                    else (dense_local_bf16 + expert_local_bf16) / BF16 / fsdp)
         dp_s += 2 * _ring(plan.dp_replicate) * trained * FP32 / (hw.link_gbs(world // plan.pp) * 1e9)
 
-    ep_s = 0.0
-    if plan.ep > 1 and d.moe_layers:
-        routed = b * s / (plan.cp * plan.tp) * d.top_k * d.hidden * BF16
-        passes = 4 + (2 if plan.recompute == "full" else 0)  # dispatch + combine, forward and backward
-        ep_s = (d.moe_layers * shape.stage_share / plan.pp * m * passes * _ring(plan.ep) * routed * skew
-                / (hw.link_gbs(folded.ep_span if folded else plan.ep * plan.tp) * 1e9))
-    return tp_s, cp_s, pp_s, dp_s, ep_s
+    return tp_s, cp_s, pp_s, dp_s
 
 
 def fits(est: Estimate, hw: Hardware) -> bool:

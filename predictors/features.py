@@ -14,6 +14,7 @@ import numpy as np
 from predictors.costmodel import Estimate, estimate
 from predictors.errors import PredictorError
 from predictors.hardware import Hardware, identify
+from predictors.moe_cost import expert_efficiency, local_gemm
 from runtime.dims import Dims
 from runtime.plan import Plan
 from runtime.runlog import Skipped, read_runs
@@ -27,13 +28,16 @@ FEATURES = (
     "frac_recompute", "frac_bubble", "frac_memory", "frac_tp", "frac_cp", "frac_pp", "frac_dp", "frac_ep",
     "frac_offload", "log2_tp", "log2_pp", "log2_cp", "log2_ep", "fsdp", "log2_world", "recompute", "fp8",
     "attention_share", "log_seq_len", "log_vocab_over_hidden", "grad_accum_log2",
+    "frac_expert_gemm", "frac_permute", "log_tokens_per_expert", "expert_efficiency", "host_computes",
 )
 # A feature's old name -> its name now. Only the name changed (not its value or place in the vector), so
 # the models trained before the rename, whose metadata lists the old name, still load and predict as before.
 RENAMED = {"frac_swap": "frac_offload"}
 
 
-def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate) -> list[float]:
+def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate, names=FEATURES) -> list[float]:
+    """The feature vector `names` lists (FEATURES for a new model; a saved version's own list, so versions trained
+    before a feature was added still predict from what they were trained on)."""
     total = est.step_time_s
     fwd = d.forward_flops_per_token(plan.seq_len)
     values = {
@@ -52,8 +56,15 @@ def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate) -
         "attention_share": d.mixing_flops(plan.seq_len) / fwd,
         "log_seq_len": math.log(plan.seq_len), "log_vocab_over_hidden": math.log(d.vocab / d.hidden),
         "grad_accum_log2": math.log2(plan.grad_accum),
+        # MoE regime (predictors.moe_cost): what the experts' GEMMs and permutation add, and the rows each local
+        # expert's GEMM gets (0 and 1 for a dense model)
+        "frac_expert_gemm": est.expert_gemm_s / total, "frac_permute": est.permute_s / total,
+        "log_tokens_per_expert": math.log1p(local_gemm(d, plan)[0]) if d.moe_layers else 0.0,
+        "expert_efficiency": expert_efficiency(d, plan, hw, precision) if d.moe_layers else 1.0,
+        # a regime, not a chip: the device computes on the threads that dispatch (a CPU), nothing runs ahead
+        "host_computes": float(not hw.dispatch_overlaps),
     }
-    return [float(values[name]) for name in FEATURES]
+    return [float(values[name]) for name in names]
 
 
 @dataclass
@@ -66,6 +77,8 @@ class Dataset:
     skipped: list  # runtime.runlog.Skipped
     files: list
     hardware: list = field(default_factory=list)  # the hardware each run ran on (its spec's name)
+    moe: np.ndarray | None = None  # whether each run's model routes tokens to experts
+    assumed: np.ndarray | None = None  # whether a value of the run was taken from elsewhere (`meta.assumed`)
 
     @property
     def target(self) -> np.ndarray:
@@ -74,11 +87,20 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.measured)
 
+    def subset(self, keep) -> Dataset:
+        """The runs where `keep` (a boolean per run) is true."""
+        keep = np.asarray(keep, dtype=bool)
+        pick = lambda items: [x for x, k in zip(items, keep) if k]  # noqa: E731
+        return Dataset(self.X[keep], self.cost_step[keep], self.measured[keep], pick(self.groups),
+                       pick(self.sources), self.skipped, self.files, pick(self.hardware),
+                       None if self.moe is None else self.moe[keep],
+                       None if self.assumed is None else self.assumed[keep])
+
 
 def load_dataset(paths) -> Dataset:
     paths = [paths] if isinstance(paths, str) else list(paths)
     runs, skipped = read_runs(paths)
-    rows, cost, measured, groups, sources, chips = [], [], [], [], [], []
+    rows, cost, measured, groups, sources, chips, moe, assumed = [], [], [], [], [], [], [], []
     for run in runs:
         where = f"run {run.header.get('run_id')} ({run.source})"
         try:
@@ -101,5 +123,8 @@ def load_dataset(paths) -> Dataset:
         groups.append(d.name)
         sources.append(run.source)
         chips.append(hw.name)
+        moe.append(bool(d.moe_layers))
+        assumed.append(bool(meta.get("assumed")))
     X = np.array(rows, dtype=float).reshape(-1, len(FEATURES))
-    return Dataset(X, np.array(cost), np.array(measured), groups, sources, skipped, [str(p) for p in paths], chips)
+    return Dataset(X, np.array(cost), np.array(measured), groups, sources, skipped, [str(p) for p in paths], chips,
+                   np.array(moe, dtype=bool), np.array(assumed, dtype=bool))

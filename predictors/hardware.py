@@ -18,6 +18,8 @@ import yaml
 from predictors.errors import PredictorError
 
 HARDWARE_DIR = Path(__file__).parent / "hardware"
+# Fraction of peak a large matmul-bound step reaches (the cost model's rate; the learned part corrects it per regime)
+MATMUL_EFFICIENCY = 0.55
 REQUIRED = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbs",
             "devices_per_node")
 
@@ -39,6 +41,13 @@ class Hardware:
     # runtime's layers (bench/dispatch.py) plus ~2 us for cudaLaunchKernel (sources/hardware.md).
     op_dispatch_us: float = 13.0
     dispatch_overlaps: bool = True
+    # A GEMM of M rows, reduction depth K and N columns reaches M / (M + gemm_fill_rows) x K / (K + gemm_fill_depth) x
+    # N / (N + gemm_fill_width) of a large GEMM's rate (`predictors.moe_cost.gemm_efficiency`). The defaults are a
+    # GPU's tiled kernels, read from DeepGEMM's published GEMM tables (H800; derivation beside moe_cost.M_FILL); a
+    # chip whose kernels differ gives its own (the CPU's: bench/moe.py --curve)
+    gemm_fill_rows: float = 128.0  # predictors.moe_cost.M_FILL, K_FILL, N_FILL
+    gemm_fill_depth: float = 384.0
+    gemm_fill_width: float = 1500.0
     aliases: tuple = ()
     source: str = ""
     confidence: str = "high"
@@ -59,6 +68,10 @@ class Hardware:
             if table.get(key):
                 return float(table[key]) * 1e12
         raise PredictorError(f"hardware {self.name} has no peak_tflops entry")
+
+    def matmul_rate(self, dtype: str) -> float:
+        """FLOP/s a large matmul-bound step reaches in `dtype`: the peak times MATMUL_EFFICIENCY."""
+        return self.peak_flops(dtype) * MATMUL_EFFICIENCY
 
     def link_gbs(self, span: int) -> float:
         """Bandwidth of a group whose members lie within `span` consecutive devices."""
@@ -91,6 +104,9 @@ def _problems(data: dict) -> list[str]:
         value = data.get(name, low)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
             out.append(f"{name} must be a whole number of at least {low}, got {value!r}")
+    for name in ("gemm_fill_rows", "gemm_fill_depth", "gemm_fill_width"):
+        if name in data and not (_number(data[name]) and data[name] >= 0):
+            out.append(f"{name} must be a number of at least 0, got {data[name]!r}")
     if "op_dispatch_us" in data and not (_number(data["op_dispatch_us"]) and data["op_dispatch_us"] >= 0):
         out.append(f"op_dispatch_us must be a number of at least 0, got {data['op_dispatch_us']!r}")
     if "dispatch_overlaps" in data and not isinstance(data["dispatch_overlaps"], bool):

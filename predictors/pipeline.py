@@ -1,8 +1,9 @@
 """Pipeline stages balanced by cost, and the time a schedule leaves them idle.
 
 A stage's time per micro-batch is proportional to the forward FLOPs per token of its layers (`Dims.layer_flops`:
-a layer of 896 routed experts at top-16 and a dense layer are not counted alike), plus the LM head on the last
-stage. `balance` cuts the stack into contiguous stages minimising the slowest one,
+a layer of 896 routed experts at top-16 and a dense layer are not counted alike) and, for an MoE layer, what its
+grouped GEMMs, permutation and exposed exchanges take beyond its FLOPs (`layer_costs`), plus the LM head on the
+last stage. `balance` cuts the stack into contiguous stages minimising the slowest one,
 
     min over cuts of  max_k  sum_{i in stage k} c_i        (dynamic programming over prefix sums, O(pp L^2)),
 
@@ -69,22 +70,32 @@ def stage_costs(costs: list[float], counts: list[int], tail: float = 0.0) -> lis
     return out
 
 
-def layers_per_stage(d: Dims, pp: int, seq_len: int) -> list[int] | None:
+def layer_costs(d: Dims, seq_len: int, moe_extra: float = 0.0) -> list[float]:
+    """Each layer's cost in forward FLOPs per token at the dense rate: `Dims.layer_flops`, and for an MoE layer
+    `moe_extra` more, what its grouped GEMMs, permutation and exposed exchanges take beyond its FLOPs
+    (`predictors.costmodel._MoE.extra_flops`)."""
+    costs = d.layer_flops(seq_len)
+    if moe_extra:
+        costs = [c + moe_extra if is_moe else c for c, (_, is_moe) in zip(costs, d.stack)]
+    return costs
+
+
+def layers_per_stage(d: Dims, pp: int, seq_len: int, moe_extra: float = 0.0) -> list[int] | None:
     """The cost-balanced split of `d`'s stack over pp stages (None when the stack is not known, or pp is 1)."""
     if pp == 1 or not d.stack or pp > len(d.stack):
         return None
-    return balance(d.layer_flops(seq_len), pp, d.head_flops())
+    return balance(layer_costs(d, seq_len, moe_extra), pp, d.head_flops())
 
 
-def share(d: Dims, plan: Plan) -> float:
+def share(d: Dims, plan: Plan, moe_extra: float = 0.0) -> float:
     """The slowest stage's share of a step's compute over an even 1 / pp: 1 for a perfect balance. With the stack
-    known, from the layers' costs and plan.pp_layers (an even split by count when it has none); without, the
-    count-based figure the predictors were trained with (the stage with the most layers)."""
+    known, from the layers' costs (`layer_costs`) and plan.pp_layers (an even split by count when it has none);
+    without, the count-based figure the predictors were trained with (the stage with the most layers)."""
     if plan.pp == 1:
         return 1.0
     if not d.stack or len(d.stack) != d.layers:
         return math.ceil(d.layers / plan.pp) * plan.pp / d.layers
-    costs = d.layer_flops(plan.seq_len)
+    costs = layer_costs(d, plan.seq_len, moe_extra)
     counts = plan.pp_layers if plan.pp_layers and sum(plan.pp_layers) == len(costs) else even(len(costs), plan.pp)
     per_stage = stage_costs(costs, counts, d.head_flops())
     return max(per_stage) * plan.pp / sum(per_stage)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from predictors import pipeline
-from predictors.costmodel import Estimate, estimate, fits
-from predictors.features import features
+from predictors.costmodel import Estimate, estimate, fits, moe_extra_flops
+from predictors.features import FEATURES, features
 from predictors.hardware import Hardware
 from runtime.dims import Dims
 from runtime.parallel.runnable import not_runnable
@@ -119,13 +119,16 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
     for layout in layouts(d, devices, hw, seq_len, global_batch):
         result.layouts += 1
         best = None
-        stages = pipeline.layers_per_stage(d, layout["pp"], seq_len)  # balanced by cost where the stack is known
+        if imbalance is not None and layout["ep"] not in skew:
+            skew[layout["ep"]] = max(1.0, float(imbalance(layout["ep"])))
+        # balanced by cost where the stack is known, an MoE layer's costs beyond its FLOPs included
+        extra = moe_extra_flops(d, Plan(**layout, seq_len=seq_len, lora=lora), hw, precision,
+                                skew.get(layout["ep"], 1.0)) if layout["pp"] > 1 and d.moe_layers else 0.0
+        stages = pipeline.layers_per_stage(d, layout["pp"], seq_len, extra)
         for recompute, offload, chunk in POLICIES:
             plan = Plan(**layout, seq_len=seq_len, recompute=recompute, offload=offload, lora=lora, dtype=precision,
                         loss_chunk=LOSS_CHUNK if chunk else None, pp_layers=stages,
                         pp_schedule="1f1b" if layout["grad_accum"] >= layout["pp"] else "gpipe")
-            if imbalance is not None and plan.ep not in skew:
-                skew[plan.ep] = max(1.0, float(imbalance(plan.ep)))
             est = estimate(d, plan, hw, precision, skew.get(plan.ep, 1.0))
             result.estimates += 1
             if fits(est, hw):
@@ -138,7 +141,8 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
     if global_batch % devices and not result.layouts:
         result.notes.append(f"global batch {global_batch} leaves no legal data-parallel split of {devices} devices")
     if predictor is not None and result.ranked:
-        X = np.array([features(d, c.plan, hw, precision, c.estimate) for c in result.ranked])
+        names = getattr(predictor, "feature_names", FEATURES)
+        X = np.array([features(d, c.plan, hw, precision, c.estimate, names) for c in result.ranked])
         steps = np.array([c.estimate.step_time_s for c in result.ranked]) * predictor.correction(X)
         low, high = predictor.bounds(X, steps)
         for c, x, step, lo, hi in zip(result.ranked, X, steps, low, high):

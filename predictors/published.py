@@ -22,7 +22,26 @@ Step time, in order of preference, from what a row reports:
      torchtitan, llm-foundry and Megatron-Core's throughput logs also use: forward and backward of the
      active parameters, N_active without the input embedding, plus attention over the whole, non-causal
      sequence of s tokens in l layers of h heads of size d; no recompute counted).
-MFU is never used: sources define it differently. `meta.derived_from` records which rule applied.
+  6. `mfu` with the formula its source states (`mfu_formula`: "megatron" for Narayanan et al.'s Eq. 3, "palm" for
+     MODEL_FLOPS) and the per-GPU peak it divides by (`mfu_peak_tflops`): tflops_per_gpu = mfu * peak, then rule 4
+     or 5. An MFU whose formula the row does not state is never used: sources define it differently.
+`meta.derived_from` records which rule applied.
+
+The model, in order of preference:
+  - `catalogue`: a model of onboard's catalogue (onboard/catalogue/<name>/spec.json, the full-scale inspection of
+    its released config): its exact dimensions and mixers (MLA, sliding windows, linear attention, dense layers)
+    and parameter counts, checked against the row's own shape fields; a row that runs fewer layers (a PROXY) keeps
+    its own shape;
+  - the row's shape fields (layers, hidden, heads, ...; `moe_layers` and `head_dim` where the row gives them).
+A row without a vocabulary takes its catalogue model's, or its family's (`FAMILY_VOCAB`, each with its config's
+source). Every value taken from elsewhere than the row is listed in `meta.assumed`, so an evaluation can leave
+those rows out (`onboard predictor eval --measured-only`).
+
+MoE facts of the run the plan does not hold are written to `meta`: `overlap` (the plan's) is the row's
+`a2a_overlap`, false where the row does not say: Megatron-Core, which every MoE source here runs, waits on its
+All-to-All unless `--overlap-moe-expert-parallel-comm` is set (off by default); `meta.expert_balance` is "forced"
+where the source forced the routing to balance or dropped tokens over capacity (NVIDIA's benchmarks say both), so
+no imbalance is priced.
 
 The global batch (sequences per step), when a row lacks it, is derived from its throughput and step time:
 tokens_per_s (or tokens_per_s_per_gpu * num_gpus) * step_time_s / seq_len, rounded to a multiple of
@@ -50,7 +69,20 @@ from runtime.runlog import MODEL_FIELDS, RunLogWriter
 
 DATA_DIR = Path(__file__).parent / "data"
 SOURCE_DIR = Path(__file__).parent / "sources"  # the rows as published, before conversion
-FILES = ("published_runs.jsonl", "published_runs_vtrain_single_node.jsonl")
+FILES = ("published_runs.jsonl", "published_runs_vtrain_single_node.jsonl", "published_moe_runs.jsonl")
+# the catalogue's full-scale inspections; read as data (predictors never imports onboard)
+CATALOGUE_DIR = Path(__file__).resolve().parent.parent / "onboard" / "catalogue"
+# vocabulary sizes of model families, from their released config.json (vocab_size), for rows that leave it out
+FAMILY_VOCAB = (
+    ("mixtral-8x22b", 32768, "mistralai/Mixtral-8x22B-v0.1 config.json"),
+    ("mixtral", 32000, "mistralai/Mixtral-8x7B-v0.1 config.json"),
+    ("qwen3", 151936, "Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json"),
+    ("qwen2", 151936, "Qwen/Qwen2-57B-A14B config.json"),
+    ("deepseek-v3", 129280, "deepseek-ai/DeepSeek-V3 config.json"),
+    ("deepseek-v2", 102400, "deepseek-ai/DeepSeek-V2 and V2-Lite config.json"),
+    ("llama4", 202048, "meta-llama/Llama-4-Scout-17B-16E config.json"),
+    ("grok", 131072, "xai-org/grok-1 release (vocab 131072)"),
+)
 
 # (substring of the source citation, short source name); first match wins
 SOURCES = (
@@ -61,7 +93,11 @@ SOURCES = (
     ("torchtitan", "torchtitan"),
     ("NeMo docs", "nemo-performance"),
     ("NVIDIA/NeMo", "nemo-performance"),
+    ("docs.nvidia.com/nemo-framework", "nemo-performance"),
     ("dgxc-benchmarking", "dgxc-benchmarking"),
+    ("Megatron-Bridge", "megatron-bridge"),
+    ("MindSpeed", "mindspeed-llm"),
+    ("Primus", "amd-primus"),
 )
 
 
@@ -75,6 +111,7 @@ GPUS = (
     (r"GB300", "GB300"), (r"GB200", "GB200"), (r"B200", "B200"),
     (r"H200", "H200"), (r"H800", "H800"), (r"H100", "H100"), (r"\bH20\b", "H20"),
     (r"MI355X", "MI355X"), (r"MI325X", "MI325X"), (r"MI300X", "MI300X"),
+    (r"910C", "Ascend-910C"), (r"910B", "Ascend-910B"),
 )
 # how far tokens/s x step time may be from a whole global batch (the sources print both rounded)
 BATCH_TOLERANCE = 0.02
@@ -137,49 +174,128 @@ def _recompute(value) -> str:
     return "full" if text == "full" else "selective" if text.startswith("selective") else "none"
 
 
+def _tflops(row: dict) -> tuple[float | None, str]:
+    """(TFLOP/s per GPU the row reports or its MFU converts to, how)."""
+    got = row.get("measured") or {}
+    if got.get("tflops_per_gpu"):
+        return float(got["tflops_per_gpu"]), "tflops_per_gpu"
+    formula, peak = row.get("mfu_formula"), row.get("mfu_peak_tflops")
+    if got.get("mfu") and formula in MFU_FORMULAS and isinstance(peak, (int, float)) and peak > 0:
+        return float(got["mfu"]) * peak, f"mfu x {peak} TFLOP/s ({formula})"
+    return None, ""
+
+
+MFU_FORMULAS = ("megatron", "palm")
+
+
 def _step_time(row: dict, tokens_per_step: int, params_active: int) -> tuple[float, str]:
     got = row.get("measured") or {}
+    tflops, how = _tflops(row)
     if got.get("step_time_s"):
         return float(got["step_time_s"]), "step_time_s"
     if got.get("tokens_per_s"):
         return tokens_per_step / got["tokens_per_s"], "tokens_per_s"
     if got.get("tokens_per_s_per_gpu"):
         return tokens_per_step / (got["tokens_per_s_per_gpu"] * row["num_gpus"]), "tokens_per_s_per_gpu"
-    if got.get("tflops_per_gpu") and "Narayanan" in row["source"]:
+    if tflops and ("Narayanan" in row["source"] or row.get("mfu_formula") == "megatron"):
         s, layer, h, v = row["seq_len"], row["layers"], row["hidden"], row["vocab"]
-        flops = 96 * row["global_batch"] * s * layer * h * h * (1 + s / (6 * h) + v / (16 * layer * h))
-        return flops / (got["tflops_per_gpu"] * 1e12 * row["num_gpus"]), "tflops_per_gpu (Narayanan Eq. 3)"
-    if got.get("tflops_per_gpu"):
+        flops = 96 * (tokens_per_step // s) * s * layer * h * h * (1 + s / (6 * h) + v / (16 * layer * h))
+        return flops / (tflops * 1e12 * row["num_gpus"]), f"{how} (Narayanan Eq. 3)"
+    if tflops:
         flops = tokens_per_step * model_flops_per_token(row, params_active)
-        return flops / (got["tflops_per_gpu"] * 1e12 * row["num_gpus"]), f"tflops_per_gpu ({MODEL_FLOPS})"
-    raise ValueError("reports none of step_time_s, tokens_per_s, tokens_per_s_per_gpu or tflops_per_gpu (MFU alone "
-                     "is not converted: sources define it differently): add one of them from the source")
+        return flops / (tflops * 1e12 * row["num_gpus"]), f"{how} ({MODEL_FLOPS})"
+    raise ValueError("reports none of step_time_s, tokens_per_s, tokens_per_s_per_gpu or tflops_per_gpu, nor an mfu "
+                     "with the formula and peak its source states (mfu_formula, mfu_peak_tflops): add one of them "
+                     "from the source")
+
+
+def _family_vocab(name: str) -> tuple[int, str] | None:
+    key = re.sub(r"[\s_]+", "-", name.lower()).replace("×", "x")
+    key = key.replace("deepseekv3", "deepseek-v3").replace("deepseek-v3", "deepseek-v3")
+    for family, vocab, source in FAMILY_VOCAB:
+        if family in key or family.replace("-", "") in key.replace("-", ""):
+            return vocab, source
+    return None
+
+
+def _catalogue_record(slug: str) -> dict:
+    """The run-log model record of a catalogue model, from its shipped full-scale inspection."""
+    from runtime.runlog import model_record
+
+    path = CATALOGUE_DIR / slug / "spec.json"
+    try:
+        shipped = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ValueError(f"catalogue {slug!r}: no readable {path.relative_to(CATALOGUE_DIR.parent.parent)}; name a "
+                         f"model of onboard's catalogue or leave catalogue null") from None
+    record = model_record(shipped["spec"])
+    record["name"] = slug
+    return record
+
+
+def _model(row: dict, assumed: list) -> dict:
+    """The run's model record: its catalogue model's, or rebuilt from the row's shape fields."""
+    slug = row.get("catalogue")
+    if slug:
+        record = _catalogue_record(slug)
+        if record["layers"] == row["layers"]:
+            mismatched = [k for k in ("hidden", "experts", "top_k", "expert_ffn") if row.get(k) is not None
+                          and record.get(k) is not None and row[k] != record[k]]
+            if mismatched:
+                raise ValueError(f"{', '.join(mismatched)} differ from catalogue model {slug}'s: fix the row or its "
+                                 f"catalogue name")
+            return record
+        assumed.append(f"a {row['layers']}-layer PROXY of {slug} ({record['layers']} layers): its shape from the row")
+    name = row["model"]
+    gated = any(k in name.lower() for k in ("llama", "grok")) or bool(row.get("experts"))
+    dims = {k: row.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "top_k",
+                                    "expert_ffn", "shared_experts")}
+    dims = {k: v or 0 for k, v in dims.items()}
+    dims["kv_heads"] = dims["kv_heads"] or dims["heads"]
+    dims["head_dim"] = row.get("head_dim") or dims["hidden"] // dims["heads"]
+    moe_layers = row.get("moe_layers")
+    dims["moe_layers"] = (moe_layers if isinstance(moe_layers, int) else dims["layers"]) if dims["experts"] else 0
+    total, active = count_params(**dims, gated=gated, tied=not gated)
+    model = {k: None for k in MODEL_FIELDS}
+    model.update({k: v or None for k, v in dims.items()}, name=name, model_type="published",
+                 params_total=total, params_active=active, linear_attention_layers=0, sparse_attention_layers=0)
+    model["moe_layers"] = dims["moe_layers"]
+    return model
+
+
+def _fill_vocab(row: dict, assumed: list) -> dict:
+    """The row with a vocabulary from its catalogue model or family where it gives none."""
+    if row.get("vocab"):
+        return row
+    if row.get("catalogue"):
+        vocab, where = _catalogue_record(row["catalogue"])["vocab"], f"catalogue model {row['catalogue']}"
+    else:
+        found = _family_vocab(str(row.get("model") or ""))
+        if found is None:
+            return row
+        vocab, where = found
+    assumed.append(f"vocab {vocab} from {where}")
+    return {**row, "vocab": vocab}
 
 
 def convert_row(row: dict) -> dict:
     """Header fields and the one step of a published row; ValueError when it cannot be converted, saying what to
     fix."""
+    assumed: list[str] = [str(a) for a in row.get("assumed") or []]  # what the transcription itself assumed
+    row = _fill_vocab(row, assumed)
     missing = [k for k in REQUIRED if not (isinstance(row.get(k), int) and not isinstance(row.get(k), bool)
                                            and row[k] >= 1)]
     missing += [k for k in ("model", "source", "gpu") if not (isinstance(row.get(k), str) and row[k].strip())]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing, or not a positive whole number / a name: fill in from the "
                          f"source")
-    name = row["model"]
     text = f"{row['source']} {row.get('notes', '')} {row.get('framework') or ''}"
-    gated = any(k in name.lower() for k in ("llama", "grok"))
-    dims = {k: row.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "top_k",
-                                    "expert_ffn", "shared_experts")}
-    dims = {k: v or 0 for k, v in dims.items()}
-    dims["kv_heads"] = dims["kv_heads"] or dims["heads"]
-    dims["head_dim"] = dims["hidden"] // dims["heads"]
-    dims["moe_layers"] = dims["layers"] if dims["experts"] else 0
-    total, active = count_params(**dims, gated=gated, tied=not gated)
-    model = {k: None for k in MODEL_FIELDS}
-    model.update({k: v or None for k, v in dims.items()}, name=name, model_type="published",
-                 params_total=total, params_active=active, linear_attention_layers=0, sparse_attention_layers=0)
-    model["moe_layers"] = dims["moe_layers"]
-    fsdp = "FSDP" in text or ("ZeRO-3" in text and row["tp"] * row["pp"] == 1)
+    model = _model(row, assumed)
+    active = model["params_active"]
+    if isinstance(row.get("fsdp"), bool):
+        fsdp = row["fsdp"]
+    else:
+        fsdp = ("FSDP" in text and "FSDP column=0" not in text) or ("ZeRO-3" in text and row["tp"] * row["pp"] == 1)
     dp, mb, cp = row["dp"], row.get("micro_batch") or 1, row.get("cp") or 1
     hardware = hardware_name(str(row.get("gpu") or ""))
     global_batch, batch_rule = _global_batch(row, mb * dp)
@@ -190,7 +306,8 @@ def convert_row(row: dict) -> dict:
     precision = "fp8" if any(k in str(row.get("precision")).lower() for k in ("fp8", "float8")) else "bf16"
     plan = Plan(dp_replicate=1 if fsdp else dp, dp_shard=dp if fsdp else 1, tp=row["tp"], pp=row["pp"],
                 cp=cp, ep=row.get("ep") or 1, micro_batch=mb, grad_accum=global_batch // (mb * dp),
-                seq_len=row["seq_len"], recompute=_recompute(row.get("recompute")), dtype=precision, etp=etp)
+                seq_len=row["seq_len"], recompute=_recompute(row.get("recompute")), dtype=precision, etp=etp,
+                overlap=row.get("a2a_overlap") is True if row.get("experts") else True)
     problems = plan.problems(row.get("experts"))
     if problems and expert_note:
         problems.append(f"({expert_note}; check the row's ep, etp, tp and dp)")
@@ -206,6 +323,11 @@ def convert_row(row: dict) -> dict:
         meta["global_batch"] = batch_rule
     if expert_note:
         meta["expert_layout"] = expert_note
+    if assumed:
+        meta["assumed"] = assumed
+    if row.get("experts") and re.search(r"force-balance|token-?drop|capacity.factor", text, re.I):
+        # NVIDIA's dropless benchmarks force-balance the routing; token-dropping runs cap every expert at its capacity
+        meta["expert_balance"] = "forced"
     if re.search(r"no gradient bucketing", text, re.I):
         # gradients all-reduced in one go after the whole backward (vTrain's Megatron-DeepSpeed validation runs):
         # nothing hides the data-parallel traffic. runtime.plan.Plan has no field for it (its `overlap` is the MoE

@@ -183,3 +183,15 @@ def test_plan_prints_which_plans_run_and_writes_a_runnable_one(tmp_path, capsys)
     assert "runs" in text.splitlines()[1] and "runs no: context parallelism (cp > 1) is not built" in text
     plan = Plan.from_dict(json.loads(out.read_text()))
     assert (plan.tp, plan.pp, plan.cp) == (1, 1, 1) and plan.world_size == 128
+
+
+def test_predictor_eval_reports_moe_runs_and_coverage_held_out_by_source(tmp_path, capsys):
+    """Issue 37: the MoE runs by model and together, and the 90 % interval's coverage, held out by source."""
+    moe = (DATA_DIR / "published_moe_runs.jsonl").read_text().splitlines()
+    dense = (DATA_DIR / "published_runs.jsonl").read_text().splitlines()[:60]
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("\n".join(moe + dense) + "\n")
+    assert main(["predictor", "eval", "--logs", str(logs), "--hold-out", "source", "--measured-only"]) == 0
+    table = capsys.readouterr().out
+    assert "90% covers" in table and "MoE runs by model:" in table and "\nMoE runs " in table
+    assert "qwen3-30b-a3b" in table and table.rstrip().splitlines()[-1].startswith("all runs")

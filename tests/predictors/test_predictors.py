@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from predictors import learned, published
+from predictors import learned, moe_cost, published
 from predictors.costmodel import OPS_PER_LAYER, estimate, host_dispatch_s
 from predictors.errors import PredictorError
 from predictors.features import FEATURES, load_dataset
@@ -104,13 +104,17 @@ def test_communication_terms():
     assert tp.tp_s > 0
     pp = estimate(d, Plan(pp=4, dp_shard=4, grad_accum=8, seq_len=4096), hw)
     # a stage idles for 3 of its 8 micro-steps' work, host dispatch it does not hide included
-    assert pp.bubble_s == pytest.approx((pp.compute_s + pp.recompute_s + pp.overhead_s) * 3 / 8)
+    busy = pp.compute_s + pp.recompute_s + pp.imbalance_s + pp.expert_gemm_s
+    assert pp.bubble_s == pytest.approx((busy + pp.overhead_s) * 3 / 8)
     no_overlap = estimate(d, Plan(dp_shard=16, ep=16, seq_len=4096, overlap=False), hw)
     assert no_overlap.step_time_s > ep16.step_time_s
     # topology: 64-way EP leaves an 8-GPU NVLink node but stays on a CloudMatrix384 super-node's UB plane
     wide = Plan(dp_shard=64, ep=64, seq_len=4096)
     ratio = estimate(d, wide, find("H100")).ep_s / estimate(d, wide, find("Ascend-910C")).ep_s
-    assert ratio == pytest.approx(find("Ascend-910C").scale_up_gbs / find("H100").scale_out_gbs)
+    # on the H100s 7 of a rank's 63 peers share its NVLink board and 56 are reached over its NIC, which sets the
+    # pace; on the super-node all 63 are on the UB plane, at the share of its line rate an All-to-All reaches
+    up = find("Ascend-910C").scale_up_gbs * moe_cost.A2A_SCALE_UP_SHARE
+    assert ratio == pytest.approx(56 / 63 * up / find("H100").scale_out_gbs)
 
 
 def test_host_dispatch_adds_on_a_cpu_and_hides_behind_long_kernels_on_an_accelerator():
@@ -128,7 +132,7 @@ def test_host_dispatch_adds_on_a_cpu_and_hides_behind_long_kernels_on_an_acceler
         host * (2 * moe_forward + moe_backward) / (moe_forward + moe_backward))
     # the tiny model's kernels take next to nothing on an H100: the host is the step
     h100 = estimate(tiny, plan, find("H100"))
-    device = h100.compute_s + h100.recompute_s + h100.imbalance_s + h100.memory_s
+    device = h100.compute_s + h100.recompute_s + h100.imbalance_s + h100.expert_gemm_s + h100.memory_s
     assert h100.overhead_s == pytest.approx(host_dispatch_s(tiny, plan, find("H100"), 8) - device)
     assert h100.overhead_s > 10 * device
     # a real model's kernels hide the host entirely
@@ -178,7 +182,11 @@ def test_shipped_runs_keep_the_mixing_flops_the_bundled_models_were_trained_on()
     predictor models were trained (features depend on it): every layer at the first attention's shape,
     full causal softmax, linear layers with a head_dim x head_dim state."""
     runs, _ = read_runs(learned.default_training_paths())
-    assert len(runs) == 2089 and not any("mixers" in run.model for run in runs)
+    # the published MoE runs of a catalogue model carry its inspected mixers (issue 37); every other run has none
+    listed = [run for run in runs if "mixers" in run.model]
+    assert listed and all(run.header["run_id"].startswith("published_moe_runs") for run in listed)
+    runs = [run for run in runs if "mixers" not in run.model]
+    assert len(runs) == 2089 + sum(1 for r in runs if r.header["run_id"].startswith("published_moe_runs"))
     for run in runs:
         d, s = Dims.from_record(run.model), run.plan["seq_len"]
         softmax = d.layers - d.linear_layers - d.sparse_layers
@@ -285,7 +293,8 @@ def test_models_trained_before_the_offload_rename_load_and_predict_the_same():
     for path in sorted(learned.MODELS_DIR.glob("throughput-v*.joblib")):
         model = learned.load(path)
         ranges = model.meta.get("feature_range", {})  # v1 has none
-        assert model.meta["features"] == list(FEATURES) and set(ranges) <= set(FEATURES)
+        # a version lists the features it was trained on: FEATURES as they were then, a prefix of today's
+        assert list(FEATURES[:len(model.meta["features"])]) == model.meta["features"] and set(ranges) <= set(FEATURES)
         assert math.isfinite(model.predict(d, plan, hw)[0])
     # v5 is v4 retrained on the same runs, rewritten with the plan key `offload`: the same estimator
     v4, v5 = (learned.load(learned.MODELS_DIR / f"throughput-v{v}.joblib") for v in (4, 5))
@@ -306,7 +315,7 @@ def test_each_version_keeps_the_reach_it_was_trained_with(tmp_path):
     (tmp_path / "throughput-v1.json").write_text(json.dumps(meta))
     unrecorded = learned.load(tmp_path / "throughput-v1.joblib")
     assert unrecorded.reach.factor == learned.OLD_REACH == 4.0
-    x = load_dataset(learned.default_training_paths()).X[:1] + 3 * v10.reach.scale * v10.reach.radius
+    x = v10._columns(load_dataset(learned.default_training_paths()).X[:1]) + 3 * v10.reach.scale * v10.reach.radius
     assert v10.reach.distance(x)[0] == pytest.approx(8 * unrecorded.reach.distance(x)[0])
 
 
@@ -356,8 +365,10 @@ def test_leave_one_source_out_holds_a_whole_source_back(tmp_path, monkeypatch):
     monkeypatch.setattr(learned, "fit", spy)
     scores, data = learned.evaluate([_head(40, tmp_path)], by="source")
     names = sorted(set(data.sources))
-    assert len(names) >= 2 and len(seen) == len(names)
+    # first one fit per source, then each held-out source's interval calibrated on the others alone
+    assert len(names) >= 2 and len(seen) > len(names)
     assert all(set(names) - trained == {held} for trained, held in zip(seen, names))
+    assert all(set(names) - trained for trained in seen[len(names):])
     assert scores[-1].runs == len(data) and all(np.isfinite(s.learned_mean) for s in scores)
     with pytest.raises(learned.PredictorError, match="hold out by"):
         learned.evaluate([_head(40, tmp_path)], by="chip")
@@ -367,9 +378,10 @@ def test_the_correction_fades_as_a_run_leaves_the_training_runs():
     """Issue 19: a run among the training runs keeps the whole correction; one moved away from all of them
     (another chip's figures, 100x the devices) keeps less and less, down to the cost model's answer."""
     model = learned.load()
-    assert model.reach is not None and model.label == "throughput-v10"
+    assert model.reach is not None and model.label == "throughput-v11"
     data = load_dataset(learned.default_training_paths())
     x = data.X[len(data) // 2]
+    assert not data.moe[len(data) // 2]  # a dense run: far away, its correction falls back to none (`Fallback`)
     assert model.reach.weight(x[None])[0] == pytest.approx(1.0)
     far = [model.reach.weight((x + k * model.reach.scale * model.reach.radius)[None])[0] for k in (1, 3, 10, 100)]
     assert far == sorted(far, reverse=True) and far[0] < 1 and far[-1] < 1e-6
@@ -386,8 +398,13 @@ def test_held_out_sources_are_never_priced_worse_than_by_the_cost_model():
     thousandth of a percentage point, what a correction faded to a millionth still moves a median by."""
     scores, _ = learned.evaluate(by="source")
     for s in scores:
-        assert s.learned_median <= s.cost_median + 1e-5, s
+        if s.kind == "source":  # the bar is per source (a model's runs may fall either side of it)
+            assert s.learned_median <= s.cost_median + 1e-5, s
     assert scores[-1].source == "all" and scores[-1].learned_median <= 0.15
+    # issue 37: the MoE runs gain from the fallback, and the 90 % intervals cover 80-95 % of the held-out runs
+    moe = next(s for s in scores if s.kind == "moe")
+    assert moe.learned_median < moe.cost_median
+    assert 0.80 <= scores[-1].coverage <= 0.95 and 0.80 <= moe.coverage <= 0.95
 
 
 def test_every_prediction_has_an_interval_that_widens_away_from_the_training_runs():
@@ -417,13 +434,14 @@ def test_every_prediction_has_an_interval_that_widens_away_from_the_training_run
         return float(np.log(high[0] / step[0]))
 
     here = width(d, plan, hw)
-    assert here == pytest.approx(model.interval.learned, rel=0.05)
+    interval = model.interval
+    assert here == pytest.approx(interval.scale * interval.learned, rel=0.05)
     moved = {"another chip": width(d, plan, find("Ascend-910C")),
              "100x the devices": width(d, dataclasses.replace(plan, dp_replicate=plan.dp_replicate * 100), hw),
              "unseen MoE shape": width(dataclasses.replace(d, experts=896, top_k=16, expert_ffn=2048, moe_layers=d.layers),
                                        plan, hw)}
-    for why, h in moved.items():
-        assert here < h <= model.interval.cost_model + 1e-9, why
+    for why, h in moved.items():  # an MoE plan's far end is the cost model's typical error on MoE runs
+        assert here < h <= interval.scale * max(interval.cost_model, interval.moe_cost_model) + 1e-9, why
 
 
 def test_the_planner_ranks_by_the_slow_end_of_each_interval():
@@ -446,7 +464,7 @@ def test_the_planner_ranks_by_the_slow_end_of_each_interval():
         @staticmethod
         def bounds(X, step):
             low, high = model.bounds(X, step)
-            wide = np.isclose(step, first.step_time_s)
+            wide = step == first.step_time_s  # exactly: plans of other micro-batches may tie to 1e-12
             return np.where(wide, low / 10, low), np.where(wide, high * 10, high)
 
     doubted = search(d, 8, find("H100"), seq_len=4096, predictor=Doubtful())

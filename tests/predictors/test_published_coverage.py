@@ -116,8 +116,68 @@ def test_tflops_per_gpu_from_any_source_through_model_flops():
 def test_tflops_alone_without_a_global_batch_or_mfu_alone_is_refused():
     with pytest.raises(ValueError, match="add the source's global batch"):
         convert_row({**DENSE, "global_batch": None, "measured": {"tflops_per_gpu": 900.0}})
-    with pytest.raises(ValueError, match="MFU alone is not converted.*add one of them from the source"):
+    with pytest.raises(ValueError, match="nor an mfu with the formula and peak its source states.*add one of them"):
         convert_row({**DENSE, "measured": {"mfu": 0.41}})
+    # a formula without the peak it divides by is not enough either
+    with pytest.raises(ValueError, match="nor an mfu with the formula"):
+        convert_row({**DENSE, "measured": {"mfu": 0.41}, "mfu_formula": "palm"})
+
+
+def test_an_mfu_under_its_stated_formula_converts_as_the_tflops_it_stands_for():
+    """Issue 37 item 3: MFU x the peak the source divides by is the TFLOP/s the formula counted, so the row prices as
+    the same figure given in TFLOP/s would (PaLM's formula: MODEL_FLOPS; Megatron's: Narayanan et al.'s Eq. 3)."""
+    as_tflops = convert_row({**DENSE, "measured": {"tflops_per_gpu": 400.0}})
+    for formula in ("palm", "megatron"):
+        row = {**DENSE, "measured": {"mfu": 0.4}, "mfu_formula": formula, "mfu_peak_tflops": 1000}
+        run = convert_row(row)
+        assert f"mfu x 1000 TFLOP/s ({formula})" in run["meta"]["derived_from"]
+        if formula == "palm":
+            assert run["step"]["step_time_s"] == pytest.approx(as_tflops["step"]["step_time_s"], rel=1e-12)
+        else:  # Eq. 3 counts the recompute forward: more FLOPs for the same rate, a longer step
+            narayanan = convert_row({**DENSE, "source": "Narayanan et al. 2021", "measured": {"tflops_per_gpu": 400.0}})
+            assert run["step"]["step_time_s"] == pytest.approx(narayanan["step"]["step_time_s"], rel=1e-12)
+    with pytest.raises(ValueError, match="nor an mfu"):
+        convert_row({**DENSE, "measured": {"mfu": 0.4}, "mfu_formula": "our own", "mfu_peak_tflops": 1000})
+
+
+def test_a_catalogue_model_takes_its_inspected_dimensions_and_says_what_it_assumed():
+    """A row naming a catalogue model is priced with its full-scale inspection (Qwen3's head_dim 128, not hidden /
+    heads = 64; its real parameter counts); a row without a vocabulary takes the catalogue's and says so; a row that
+    runs fewer layers (a proxy) keeps its own shape; a shape that contradicts the catalogue is refused."""
+    run = convert_row({**MOE, "catalogue": "qwen3-30b-a3b", "vocab": None})
+    model = run["model"]
+    assert model["name"] == "qwen3-30b-a3b" and model["head_dim"] == 128 and model["mixers"]
+    assert model["params_active"] == 3041867776 and model["vocab"] == 151936
+    assert run["meta"]["assumed"] == ["vocab 151936 from catalogue model qwen3-30b-a3b"]
+    priced(run)
+    own = convert_row(MOE)
+    assert own["model"]["head_dim"] == 64 and "assumed" not in own["meta"]
+    proxy = convert_row({**MOE, "catalogue": "qwen3-30b-a3b", "layers": 4})
+    assert proxy["model"]["layers"] == 4 and "PROXY" in proxy["meta"]["assumed"][0]
+    with pytest.raises(ValueError, match="expert_ffn differ from catalogue model qwen3-30b-a3b"):
+        convert_row({**MOE, "catalogue": "qwen3-30b-a3b", "expert_ffn": 1536})
+    with pytest.raises(ValueError, match="catalogue 'no-such-model'"):
+        convert_row({**MOE, "catalogue": "no-such-model"})
+    # a family's vocabulary, for a model the catalogue does not hold
+    mixtral = convert_row({**MOE, "model": "Mixtral-8x22B", "vocab": None, "experts": 8, "top_k": 2, "ep": 4})
+    assert mixtral["model"]["vocab"] == 32768 and "mistralai/Mixtral-8x22B" in mixtral["meta"]["assumed"][0]
+    with pytest.raises(ValueError, match="vocab missing"):
+        convert_row({**MOE, "model": "Unknown-MoE", "vocab": None})
+
+
+def test_an_moe_row_says_whether_its_exchange_overlapped_and_whether_its_routing_was_balanced():
+    """Megatron-Core waits on its All-to-All unless told to overlap it: a row is priced without overlap unless it
+    says `a2a_overlap`; a benchmark that forced the routing to balance (or dropped tokens over capacity) says so."""
+    plain = convert_row(MOE)
+    assert plain["plan"]["overlap"] is False and "expert_balance" not in plain["meta"]
+    assert convert_row({**MOE, "a2a_overlap": True})["plan"]["overlap"] is True
+    forced = convert_row({**MOE, "notes": "we force-balance the token distribution among experts"})
+    assert forced["meta"]["expert_balance"] == "forced"
+    # a dense row's plan keeps the default (it has no exchange to overlap)
+    assert convert_row(DENSE)["plan"]["overlap"] is True
+    # the notes of a table that has an FSDP column set to 0 do not make the run FSDP
+    assert convert_row({**MOE, "notes": "FSDP column=0 (DDP)"})["plan"]["dp_shard"] == 1
+    assert convert_row({**MOE, "fsdp": True})["plan"]["dp_shard"] == 4
 
 
 # -- EP folded across tp x dp ------------------------------------------------------------------------------------
@@ -142,7 +202,9 @@ def test_a_folded_ep_group_is_priced_over_its_own_ranks():
     assert folded["plan"]["etp"] == 1 and "etp" not in plain["plan"] and plain["plan"]["schema_version"] == 3
     *_, f = priced(folded)
     *_, p = priced(plain)
-    assert f.ep_s < p.ep_s / 5  # 450 GB/s NVLink against 50 GB/s scale-out
+    # folded, all 3 peers are on the board's NVLink; unfolded, 1 of its 3 peers is (members 4 apart, 2 to a board)
+    # and the other 2 are reached at 50 GB/s
+    assert f.ep_s < p.ep_s / 4
     assert f.memory["weights"] > p.memory["weights"]
     # etp = tp with ep inside dp is Megatron-Core's default layout: the plain plan
     assert "etp" not in convert_row({**row, "etp": 4})["plan"]
