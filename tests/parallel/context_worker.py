@@ -1,0 +1,57 @@
+"""One rank of the context-parallel linear attention checks (tests/runtime/test_context_parallel.py).
+
+Usage: python context_worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every rank
+draws the same whole sequence from the job's seed, keeps its segments (contiguous or zig-zag), runs
+`runtime.parallel.context.context_parallel_gated_delta` on them, backpropagates the loss sum(out * weights) and
+writes its segments' outputs and input gradients, with their token positions, for the test to compare with one
+process over the whole sequence.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+
+def inputs(job: dict):
+    """The whole sequence's inputs and the loss weights, the same on every rank and in the test."""
+    gen = torch.Generator().manual_seed(job["seed"])
+    t, hk, h, kd, vd = job["tokens"], job["key_heads"], job["heads"], job["key_dim"], job["value_dim"]
+    q = torch.randn(1, t, hk, kd, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, t, hk, kd, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, t, h, vd, generator=gen, dtype=torch.float64)
+    shape = (1, t, h, kd) if job["per_channel"] else (1, t, h)
+    g = -torch.rand(*shape, generator=gen, dtype=torch.float64) * 0.5
+    beta = torch.rand(1, t, h, generator=gen, dtype=torch.float64)
+    weights = torch.randn(1, t, h, vd, generator=gen, dtype=torch.float64)
+    return [q, k, v, g, beta], weights
+
+
+def main() -> None:
+    from runtime.parallel.context import context_parallel_gated_delta, zigzag
+
+    job = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts, weights = inputs(job)
+    n_segments = 2 * world if job["zigzag"] else world
+    segments = zigzag(world)[rank] if job["zigzag"] else [rank]
+    segments = sorted(segments)
+    per = job["tokens"] // n_segments
+    positions = torch.cat([torch.arange(s * per, (s + 1) * per) for s in segments])
+    mine = [x[:, positions].clone().requires_grad_(True) for x in parts]
+    starts = [[d - s * per for d in job["documents"] if s * per < d < (s + 1) * per] for s in segments]
+    out = context_parallel_gated_delta(*mine, group=dist.group.WORLD, segments=segments, n_segments=n_segments,
+                                       starts=starts, chunk_size=job["chunk"], use_qk_l2norm_in_kernel=True)
+    (out * weights[:, positions]).sum().backward()
+    torch.save({"positions": positions, "out": out.detach(), "grads": [x.grad for x in mine]},
+               Path(job["out"]) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
