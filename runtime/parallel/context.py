@@ -1,4 +1,8 @@
-"""Context parallelism for linear attention: each rank runs its shares of the sequence, and the states are carried.
+"""Context parallelism: each rank holds segments of every sequence; attention is computed across them exactly.
+
+Softmax attention (causal, sliding window, chunked, packed documents) all-gathers the keys and values of the cp
+group and masks by global positions (`context_parallel_attention`). Linear attention carries its state
+(`carry`, for the gated delta rule and scalar-decay cores):
 
 The gated delta rule (Gated DeltaNet; KDA with a decay per key channel) keeps a (K x V) state per head,
 
@@ -73,7 +77,50 @@ def _segment(query, key, value, g, beta, bounds, *, initial_state, **kw):
         states = torch.cat([initial_state, *[zero] * len(bounds)])
     out, finals = chunk_gated_delta_rule(query, key, value, g, beta, initial_state=states, output_final_state=True,
                                          cu_seqlens=cu, **kw)
-    return out, finals[-1:]
+    return out, finals[-1:]  # the last document's: a document start inside passes no earlier state on
+
+
+def carry(run, *, group, segments: list[int], n_segments: int, key_dim: int, heads: int) -> torch.Tensor:
+    """This rank's outputs of a linear recurrence over a sequence cut into `n_segments` segments, of which it holds
+    `segments` (increasing), given `run(i, zero_values, initial_state) -> (outputs, final state (1, H, K, V))` for
+    its i-th segment: with its own values or zeros, from `initial_state` (None: zero). The recurrence must be linear
+    in the state and the values together (module docstring); steps 1-4 there."""
+    owners = _segment_owners(group, segments, n_segments)
+    outputs, finals, moves = [], [], []
+    for i in range(len(segments)):
+        out, final = run(i, False, None)
+        eye = torch.eye(key_dim, dtype=final.dtype).expand(1, heads, key_dim, key_dim)
+        _, move = run(i, True, eye)  # the transition: from the identity, values zero (width K)
+        outputs.append(out)
+        finals.append(final)
+        moves.append(move)
+    # one gather of both (ranks, segments of a rank, 1, H, K, V + K): a single collective in the backward as well,
+    # so no two ranks can meet different ones
+    gathered = _gather(torch.cat([torch.stack(finals), torch.stack(moves)], -1), group)
+    all_finals, all_moves = gathered.split([finals[0].shape[-1], key_dim], -1)
+    state = torch.zeros_like(finals[0])
+    incoming = {}
+    for s in range(n_segments):  # the exclusive scan over segments
+        rank, i = owners[s]
+        incoming[s] = state
+        state = torch.einsum("bhkj,bhjv->bhkv", all_moves[rank, i], state) + all_finals[rank, i]
+    # every rank's backward must reach the gather's (an all-reduce), also a rank whose outputs take no state
+    result, anchor = [], 0 * gathered.sum()
+    for i, (segment, out) in enumerate(zip(segments, outputs)):
+        if segment == 0:
+            result.append(out + anchor)
+        else:
+            result.append(out + run(i, True, incoming[segment])[0])
+    return torch.cat(result, 1)
+
+
+def _pieces(length: int, segments: list[int], n_segments: int, group) -> int:
+    """Tokens per segment; ValueError unless this rank's tokens are equal segments of a sequence the group shares."""
+    per = length // len(segments)
+    if per * len(segments) != length or n_segments % dist.get_world_size(group):
+        raise ValueError(f"{length} tokens in {len(segments)} segments of {n_segments} over "
+                         f"{dist.get_world_size(group)} ranks: the segments must be equal")
+    return per
 
 
 def context_parallel_gated_delta(query, key, value, g, beta, *, group, segments: list[int], n_segments: int,
@@ -85,49 +132,78 @@ def context_parallel_gated_delta(query, key, value, g, beta, *, group, segments:
     rank's i-th segment (packed documents). Every rank of `group` calls it with the same n_segments."""
     if query.shape[0] != 1:
         raise ValueError(f"context parallelism takes one (packed) sequence per call, got batch {query.shape[0]}")
-    per = query.shape[1] // len(segments)
-    if per * len(segments) != query.shape[1] or n_segments % dist.get_world_size(group):
-        raise ValueError(f"{query.shape[1]} tokens in {len(segments)} segments of {n_segments} over "
-                         f"{dist.get_world_size(group)} ranks: the segments must be equal")
+    per = _pieces(query.shape[1], segments, n_segments, group)
     starts = starts or [[] for _ in segments]
-    pieces = [slice(i * per, (i + 1) * per) for i in range(len(segments))]
-    heads, kd = value.shape[2], query.shape[-1]
-    outputs, finals, moves = [], [], []
-    for piece, bounds in zip(pieces, starts):
-        args = [x[:, piece] for x in (query, key, value, g, beta)]
-        out, final = _segment(*args, bounds, initial_state=None, **kw)
-        # the transition: the same tokens from the identity with zero values; a document start inside cuts it
-        q, k, _, gate, b = args
-        eye = torch.eye(kd, dtype=final.dtype).expand(1, heads, kd, kd)
-        zeros = value.new_zeros(1, per, heads, kd)
-        _, move = _segment(q, k, zeros, gate, b, bounds, initial_state=eye, **kw)
-        if bounds:
-            move = torch.zeros_like(move)
-        outputs.append(out)
-        finals.append(final)
-        moves.append(move)
-    # one gather of both (ranks, segments of a rank, 1, H, K, V + K): a single collective in the backward as well,
-    # so no two ranks can meet different ones
-    gathered = _gather(torch.cat([torch.stack(finals), torch.stack(moves)], -1), group)
-    all_finals, all_moves = gathered.split([value.shape[-1], kd], -1)
-    order = _segment_owners(group, segments, n_segments)
-    state = torch.zeros_like(finals[0])
-    incoming = {}
-    for s in range(n_segments):  # the exclusive scan over segments
-        rank, i = order[s]
-        incoming[s] = state
-        state = torch.einsum("bhkj,bhjv->bhkv", all_moves[rank, i], state) + all_finals[rank, i]
-    # every rank's backward must reach the gather's (an all-reduce), also a rank whose outputs take no state
-    result, anchor = [], 0 * gathered.sum()
-    for segment, piece, bounds, out in zip(segments, pieces, starts, outputs):
-        if segment == 0:
-            result.append(out + anchor)
-            continue
-        q, k, _, gate, b = (x[:, piece] for x in (query, key, value, g, beta))
-        carried, _ = _segment(q, k, torch.zeros_like(value[:, piece]), gate, b, bounds,
-                              initial_state=incoming[segment], **kw)
-        result.append(out + carried)
-    return torch.cat(result, 1)
+
+    def run(i, zero_values, initial_state):
+        piece = slice(i * per, (i + 1) * per)
+        q, k, v, gate, b = (x[:, piece] for x in (query, key, value, g, beta))
+        if zero_values:
+            v = v.new_zeros(*v.shape[:-1], initial_state.shape[-1])
+        return _segment(q, k, v, gate, b, starts[i], initial_state=initial_state, **kw)
+
+    return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=query.shape[-1],
+                 heads=value.shape[2])
+
+
+def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_segments: int,
+                                  reset: torch.Tensor | None = None, chunk_size: int = 64) -> torch.Tensor:
+    """The same for linear attention with one decay per head and token (Mamba2's SSD, lightning attention:
+    `runtime.attention.scalar_decay.chunk_scalar_decay`'s q, k (1, T, Hk, K), v (1, T, H, V), g (1, T, H) and
+    `reset` (1, T): a document starts at this token). Its transition is exp(sum g) I until the last reset, 0 after
+    one; `carry` finds it as for any recurrence linear in state and values."""
+    from runtime.attention.scalar_decay import chunk_scalar_decay
+
+    if q.shape[0] != 1:
+        raise ValueError(f"context parallelism takes one (packed) sequence per call, got batch {q.shape[0]}")
+    per = _pieces(q.shape[1], segments, n_segments, group)
+
+    def run(i, zero_values, initial_state):
+        piece = slice(i * per, (i + 1) * per)
+        values = v[:, piece]
+        if zero_values:
+            values = values.new_zeros(*values.shape[:-1], initial_state.shape[-1])
+        return chunk_scalar_decay(q[:, piece], k[:, piece], values, g[:, piece], chunk_size=chunk_size,
+                                  initial_state=initial_state, output_final_state=True,
+                                  reset=None if reset is None else reset[:, piece])
+
+    return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=q.shape[-1], heads=v.shape[2])
+
+
+def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor,
+                               documents: torch.Tensor | None = None, window: int | None = None,
+                               chunk: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of this rank's queries over the keys of the whole sequence, the keys and values
+    all-gathered from the cp group (Llama 3's all-gather context parallelism: one exchange per layer, forward and
+    backward, O(T) keys on each rank while the layer runs; the ranks' queries, whose cost grows with their
+    positions, are balanced by holding zig-zag segments).
+
+    query (B, H, Tl, D), key / value (B, Hkv, Tl, D) at this rank's tokens, whose global positions are `positions`
+    (Tl,); equal Tl on every rank. The mask is computed from global positions as on the unsplit sequence:
+    causal (key position <= query position), within `window` tokens (sliding: query - key < window), within the
+    same `chunk` (chunked attention: position // chunk equal), and within the same document (`documents` (T,):
+    each global position's document id, for packed sequences). Rotary embeddings are the caller's, applied at
+    `positions` before this."""
+    # keys and values in one collective (forward and backward): flattened side by side
+    both = _gather(torch.cat([key.flatten(), value.flatten()]), group)  # (ranks, key size + value size)
+    where = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(where, positions.contiguous(), group=group)
+    keys, values = both.split([key.numel(), value.numel()], -1)
+    k = torch.cat([x.view(key.shape) for x in keys], dim=2)
+    v = torch.cat([x.view(value.shape) for x in values], dim=2)
+    kpos = torch.cat(where)
+    if query.shape[1] != k.shape[1]:  # grouped-query attention: each key head serves a group of query heads
+        k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
+    qpos = positions[:, None]
+    mask = kpos[None, :] <= qpos
+    if window is not None:
+        mask &= qpos - kpos[None, :] < window
+    if chunk is not None:
+        mask &= qpos // chunk == kpos[None, :] // chunk
+    if documents is not None:
+        mask &= documents[positions][:, None] == documents[kpos][None, :]
+    return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
 
 
 def _segment_owners(group, segments: list[int], n_segments: int) -> dict[int, tuple[int, int]]:

@@ -1,10 +1,10 @@
 """One rank of the context-parallel linear attention checks (tests/runtime/test_context_parallel.py).
 
 Usage: python context_worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every rank
-draws the same whole sequence from the job's seed, keeps its segments (contiguous or zig-zag), runs
-`runtime.parallel.context.context_parallel_gated_delta` on them, backpropagates the loss sum(out * weights) and
-writes its segments' outputs and input gradients, with their token positions, for the test to compare with one
-process over the whole sequence.
+draws the same whole sequence from the job's seed, keeps its segments (contiguous or zig-zag), runs the job's core
+under `runtime.parallel.context` (the gated delta rule, or scalar-decay linear attention: SSD, lightning) on them,
+backpropagates the loss sum(out * weights) and writes its segments' outputs and input gradients, with their token
+positions, for the test to compare with one process over the whole sequence.
 """
 
 import json
@@ -28,11 +28,35 @@ def inputs(job: dict):
     g = -torch.rand(*shape, generator=gen, dtype=torch.float64) * 0.5
     beta = torch.rand(1, t, h, generator=gen, dtype=torch.float64)
     weights = torch.randn(1, t, h, vd, generator=gen, dtype=torch.float64)
+    if job.get("core") == "scalar_decay":
+        return [q, k, v, g], weights
+    if job.get("core") == "softmax":  # (B, H, T, D) as attention takes them
+        return [q.transpose(1, 2).repeat_interleave(h // hk, 1), k.transpose(1, 2), v.transpose(1, 2)[:, :hk]], \
+            weights.transpose(1, 2)
     return [q, k, v, g, beta], weights
 
 
+def documents_of(job: dict) -> torch.Tensor | None:
+    """Each position's document id (softmax attention's mask)."""
+    if not job["documents"]:
+        return None
+    ids = torch.zeros(job["tokens"], dtype=torch.long)
+    ids[job["documents"]] = 1
+    return ids.cumsum(0)
+
+
+def reset_of(job: dict) -> torch.Tensor | None:
+    """Scalar-decay cores mark packed documents by the tokens where the state restarts."""
+    if not job["documents"]:
+        return None
+    reset = torch.zeros(1, job["tokens"], dtype=torch.bool)
+    reset[0, job["documents"]] = True
+    return reset
+
+
 def main() -> None:
-    from runtime.parallel.context import context_parallel_gated_delta, zigzag
+    from runtime.parallel.context import (context_parallel_attention, context_parallel_gated_delta,
+                                          context_parallel_scalar_decay, zigzag)
 
     job = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
@@ -43,11 +67,23 @@ def main() -> None:
     segments = sorted(segments)
     per = job["tokens"] // n_segments
     positions = torch.cat([torch.arange(s * per, (s + 1) * per) for s in segments])
-    mine = [x[:, positions].clone().requires_grad_(True) for x in parts]
+    seq = 2 if job.get("core") == "softmax" else 1  # the sequence dim
+    mine = [x.index_select(seq, positions).clone().requires_grad_(True) for x in parts]
     starts = [[d - s * per for d in job["documents"] if s * per < d < (s + 1) * per] for s in segments]
-    out = context_parallel_gated_delta(*mine, group=dist.group.WORLD, segments=segments, n_segments=n_segments,
-                                       starts=starts, chunk_size=job["chunk"], use_qk_l2norm_in_kernel=True)
-    (out * weights[:, positions]).sum().backward()
+    if job.get("core") == "softmax":
+        out = context_parallel_attention(*mine, group=dist.group.WORLD, positions=positions,
+                                         documents=documents_of(job), window=job.get("window"),
+                                         chunk=job.get("attention_chunk"))
+    elif job.get("core") == "scalar_decay":
+        reset = reset_of(job)
+        out = context_parallel_scalar_decay(*mine, group=dist.group.WORLD, segments=segments, n_segments=n_segments,
+                                            reset=None if reset is None else reset[:, positions],
+                                            chunk_size=job["chunk"])
+    else:
+        out = context_parallel_gated_delta(*mine, group=dist.group.WORLD, segments=segments,
+                                           n_segments=n_segments, starts=starts, chunk_size=job["chunk"],
+                                           use_qk_l2norm_in_kernel=True)
+    (out * weights.index_select(seq, positions)).sum().backward()
     torch.save({"positions": positions, "out": out.detach(), "grads": [x.grad for x in mine]},
                Path(job["out"]) / f"rank{rank}.pt")
     dist.destroy_process_group()

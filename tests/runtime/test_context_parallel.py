@@ -1,13 +1,14 @@
-"""Issue 38 item 3: the gated delta rule (Gated DeltaNet, KDA) under context parallelism matches one process.
+"""Issue 38 items 2-3: attention under context parallelism matches one process: the gated delta rule (Gated
+DeltaNet, KDA), scalar-decay linear attention (Mamba2's SSD, lightning attention), and softmax attention (causal,
+sliding window, chunked) over all-gathered keys.
 
 Two gloo ranks (one thread each) each run their segments of one sequence with the states carried between them
 (`runtime.parallel.context`); their outputs and the gradients of every input (queries, keys, values, decays,
 betas) at their tokens must equal one process running the whole sequence, in fp64 to 1e-9: contiguous shares and
-zig-zag ones, a decay per head (Gated DeltaNet) and per key channel (KDA), and documents packed across a share
-boundary.
+zig-zag ones, a decay per head (Gated DeltaNet, SSD) and per key channel (KDA), and documents packed across share
+boundaries; the softmax reference builds the unsplit sequence's mask itself.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,10 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from context_worker import inputs  # noqa: E402
+from context_worker import documents_of, inputs, reset_of  # noqa: E402
 from test_parallel import ROOT, launch  # noqa: E402
 
 from runtime.attention.gated_delta import chunk_gated_delta_rule  # noqa: E402
+from runtime.attention.scalar_decay import chunk_scalar_decay  # noqa: E402
 
 WORKER = ROOT / "tests" / "parallel" / "context_worker.py"
 
@@ -28,6 +30,27 @@ WORKER = ROOT / "tests" / "parallel" / "context_worker.py"
 def _reference(job: dict):
     parts, weights = inputs(job)
     parts = [x.clone().requires_grad_(True) for x in parts]
+    if job.get("core") == "scalar_decay":
+        out, _ = chunk_scalar_decay(*parts, chunk_size=job["chunk"], reset=reset_of(job))
+        (out * weights).sum().backward()
+        return out.detach(), [x.grad for x in parts]
+    if job.get("core") == "softmax":  # the unsplit sequence's mask, written out independently
+        t = job["tokens"]
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        mask = j <= i
+        if job.get("window"):
+            mask &= i - j < job["window"]
+        if job.get("attention_chunk"):
+            mask &= i // job["attention_chunk"] == j // job["attention_chunk"]
+        docs = documents_of(job)
+        if docs is not None:
+            mask &= docs[:, None] == docs[None, :]
+        q, k, v = parts
+        group = q.shape[1] // k.shape[1]
+        scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) / q.shape[-1] ** 0.5
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(group, 1)
+        (out * weights).sum().backward()
+        return out.detach(), [x.grad for x in parts]
     cu = None
     if job["documents"]:
         cu = torch.tensor([0, *job["documents"], job["tokens"]])
@@ -40,12 +63,19 @@ CASES = {
     "contiguous, decay per head": {"zigzag": False, "per_channel": False, "documents": []},
     "zig-zag, decay per key channel (KDA)": {"zigzag": True, "per_channel": True, "documents": []},
     "documents packed across share boundaries": {"zigzag": True, "per_channel": False, "documents": [5, 21, 40]},
+    "scalar decay (SSD, lightning), zig-zag, packed": {"core": "scalar_decay", "zigzag": True, "per_channel": False,
+                                                      "documents": [7, 30]},
+    "softmax, causal, zig-zag, packed": {"core": "softmax", "zigzag": True, "per_channel": False,
+                                         "documents": [9, 33]},
+    "sliding window": {"core": "softmax", "zigzag": True, "per_channel": False, "documents": [], "window": 7},
+    "chunked attention": {"core": "softmax", "zigzag": False, "per_channel": False, "documents": [],
+                          "attention_chunk": 16},
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
-def test_gated_delta_under_context_parallelism_matches_one_process(case, tmp_path):
+def test_attention_under_context_parallelism_matches_one_process(case, tmp_path):
     job = {"seed": 3, "tokens": 48, "key_heads": 2, "heads": 4, "key_dim": 8, "value_dim": 6, "chunk": 4,
            **CASES[case], "out": str(tmp_path)}
     launch(2, job, tmp_path, script=WORKER, timeout=300)
@@ -55,9 +85,12 @@ def test_gated_delta_under_context_parallelism_matches_one_process(case, tmp_pat
         got = torch.load(tmp_path / f"rank{rank}.pt")
         at = got["positions"]
         covered[at] = True
-        torch.testing.assert_close(got["out"], want[:, at], rtol=1e-9, atol=1e-9)
+        seq = 2 if job.get("core") == "softmax" else 1  # attention takes (B, H, T, D)
+        torch.testing.assert_close(got["out"], want.index_select(seq, at), rtol=1e-9, atol=1e-9)
+        assert len(got["grads"]) == len(want_grads)
         for name, g, w in zip(("query", "key", "value", "g", "beta"), got["grads"], want_grads):
-            torch.testing.assert_close(g, w[:, at], rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(g, w.index_select(seq, at), rtol=1e-9, atol=1e-9,
+                                       msg=lambda m, n=name: f"{n}: {m}")
     assert covered.all()
 
 
