@@ -1,7 +1,9 @@
 """Context parallelism: each rank holds segments of every sequence; attention is computed across them exactly.
 
 Softmax attention (causal, sliding window, chunked, packed documents) all-gathers the keys and values of the cp
-group and masks by global positions (`context_parallel_attention`). Linear attention carries its state
+group and masks by global positions (`context_parallel_attention`); DeepSeek sparse attention likewise gathers the
+index keys and picks each query's global top-k (`context_parallel_sparse_attention`). Linear attention carries its
+state
 (`carry`, for the gated delta rule and scalar-decay cores):
 
 The gated delta rule (Gated DeltaNet; KDA with a decay per key channel) keeps a (K x V) state per head,
@@ -170,6 +172,56 @@ def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_s
     return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=q.shape[-1], heads=v.shape[2])
 
 
+def _gathered(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> list[torch.Tensor]:
+    """Each tensor's pieces from every rank of `group`, concatenated along its sequence dim: one collective for all
+    of them, forward and backward (flattened side by side)."""
+    both = _gather(torch.cat([t.flatten() for t in tensors]), group)  # (ranks, total size)
+    parts = both.split([t.numel() for t in tensors], -1)
+    return [torch.cat([x.view(t.shape) for x in part], dim=dim) for part, t, dim in zip(parts, tensors, seq_dims)]
+
+
+def _positions_of(positions: torch.Tensor, group) -> torch.Tensor:
+    where = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(where, positions.contiguous(), group=group)
+    return torch.cat(where)
+
+
+def _visible(positions, kpos, documents=None, window=None, chunk=None) -> torch.Tensor:
+    """(queries, keys) True where a query at global position p sees the key at position j, as on the unsplit
+    sequence: j <= p, within `window` (p - j < window), in the same `chunk` and the same document."""
+    qpos = positions[:, None]
+    mask = kpos[None, :] <= qpos
+    if window is not None:
+        mask &= qpos - kpos[None, :] < window
+    if chunk is not None:
+        mask &= qpos // chunk == kpos[None, :] // chunk
+    if documents is not None:
+        mask &= documents[positions][:, None] == documents[kpos][None, :]
+    return mask
+
+
+def context_parallel_sparse_attention(query, key, value, index_query, index_key, index_weights, *, group,
+                                      positions: torch.Tensor, top_k: int, scale: float,
+                                      index_scale: float | None = None,
+                                      documents: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek sparse attention (DSA) of this rank's queries: the lightning indexer scores them against the index
+    keys of the whole sequence (all-gathered with the attention's keys and values, one collective), keeps each
+    query's global top-k among the keys it may see (causal and same-document, by global positions), and attends
+    to those wherever they lived. query (B, H, Tl, Dk), key / value (B, Hkv, Tl, D), index_query (B, Tl, Hi, Di),
+    index_key (B, Tl, Di), index_weights (B, Tl, Hi) fp32, at this rank's tokens (`positions`, (Tl,)). Returns
+    (B, H, Tl, Dv). Per rank it holds the sequence's keys (as softmax context parallelism does) and
+    Tl x top_k picks."""
+    from runtime.attention.dsa import visible_picks
+    from runtime.attention.indexer import indexer_topk
+    from runtime.attention.sparse import sparse_attention
+
+    k, v, ik = _gathered([key, value, index_key], group, [2, 2, 1])
+    kpos = _positions_of(positions, group)
+    mask = _visible(positions, kpos, documents)[None]  # (1, Tl, T)
+    picks = indexer_topk(index_query, ik, index_weights, mask, top_k, index_scale)
+    return sparse_attention(query, k, v, visible_picks(picks, mask[:, None], k.shape[2]), scale)
+
+
 def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor,
                                documents: torch.Tensor | None = None, window: int | None = None,
                                chunk: int | None = None, scale: float | None = None) -> torch.Tensor:
@@ -184,25 +236,12 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     same `chunk` (chunked attention: position // chunk equal), and within the same document (`documents` (T,):
     each global position's document id, for packed sequences). Rotary embeddings are the caller's, applied at
     `positions` before this."""
-    # keys and values in one collective (forward and backward): flattened side by side
-    both = _gather(torch.cat([key.flatten(), value.flatten()]), group)  # (ranks, key size + value size)
-    where = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(where, positions.contiguous(), group=group)
-    keys, values = both.split([key.numel(), value.numel()], -1)
-    k = torch.cat([x.view(key.shape) for x in keys], dim=2)
-    v = torch.cat([x.view(value.shape) for x in values], dim=2)
-    kpos = torch.cat(where)
+    k, v = _gathered([key, value], group, [2, 2])
+    kpos = _positions_of(positions, group)
     if query.shape[1] != k.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
-    qpos = positions[:, None]
-    mask = kpos[None, :] <= qpos
-    if window is not None:
-        mask &= qpos - kpos[None, :] < window
-    if chunk is not None:
-        mask &= qpos // chunk == kpos[None, :] // chunk
-    if documents is not None:
-        mask &= documents[positions][:, None] == documents[kpos][None, :]
+    mask = _visible(positions, kpos, documents, window, chunk)
     return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
 
 

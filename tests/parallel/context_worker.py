@@ -30,6 +30,14 @@ def inputs(job: dict):
     weights = torch.randn(1, t, h, vd, generator=gen, dtype=torch.float64)
     if job.get("core") == "scalar_decay":
         return [q, k, v, g], weights
+    if job.get("core") == "dsa":  # attention (B, H, T, D), one key head (MLA's); the indexer's own inputs
+        # positive index queries and keys: relu leaves no zero scores, so no two keys tie for a place in the top-k
+        # (whose order among equals follows the keys' order, which the gather changes)
+        iq = torch.rand(1, t, 2, 4, generator=gen, dtype=torch.float64)
+        ik = torch.rand(1, t, 4, generator=gen, dtype=torch.float64)
+        iw = torch.rand(1, t, 2, generator=gen, dtype=torch.float32)  # the indexer takes fp32 weights
+        return [q.transpose(1, 2).repeat_interleave(h // hk, 1), k.transpose(1, 2)[:, :1], v.transpose(1, 2)[:, :1],
+                iq, ik, iw], weights.transpose(1, 2)
     if job.get("core") == "softmax":  # (B, H, T, D) as attention takes them
         return [q.transpose(1, 2).repeat_interleave(h // hk, 1), k.transpose(1, 2), v.transpose(1, 2)[:, :hk]], \
             weights.transpose(1, 2)
@@ -56,7 +64,7 @@ def reset_of(job: dict) -> torch.Tensor | None:
 
 def main() -> None:
     from runtime.parallel.context import (context_parallel_attention, context_parallel_gated_delta,
-                                          context_parallel_scalar_decay, zigzag)
+                                          context_parallel_scalar_decay, context_parallel_sparse_attention, zigzag)
 
     job = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
@@ -67,10 +75,16 @@ def main() -> None:
     segments = sorted(segments)
     per = job["tokens"] // n_segments
     positions = torch.cat([torch.arange(s * per, (s + 1) * per) for s in segments])
-    seq = 2 if job.get("core") == "softmax" else 1  # the sequence dim
-    mine = [x.index_select(seq, positions).clone().requires_grad_(True) for x in parts]
+    attention = job.get("core") in ("softmax", "dsa")
+    seq = 2 if attention else 1  # the sequence dim
+    dsa = job.get("core") == "dsa"  # the indexer's inputs (after the first three) are (B, T, ...) and take no gradient
+    mine = [x.index_select(seq if i < 3 or not attention else 1, positions).clone().requires_grad_(i < 3 or not dsa)
+            for i, x in enumerate(parts)]
     starts = [[d - s * per for d in job["documents"] if s * per < d < (s + 1) * per] for s in segments]
-    if job.get("core") == "softmax":
+    if job.get("core") == "dsa":
+        out = context_parallel_sparse_attention(*mine, group=dist.group.WORLD, positions=positions, top_k=job["top_k"],
+                                                scale=job["key_dim"] ** -0.5, documents=documents_of(job))
+    elif job.get("core") == "softmax":
         out = context_parallel_attention(*mine, group=dist.group.WORLD, positions=positions,
                                          documents=documents_of(job), window=job.get("window"),
                                          chunk=job.get("attention_chunk"))
@@ -84,7 +98,7 @@ def main() -> None:
                                            n_segments=n_segments, starts=starts, chunk_size=job["chunk"],
                                            use_qk_l2norm_in_kernel=True)
     (out * weights.index_select(seq, positions)).sum().backward()
-    torch.save({"positions": positions, "out": out.detach(), "grads": [x.grad for x in mine]},
+    torch.save({"positions": positions, "out": out.detach(), "grads": [x.grad for x in mine[:5]]},
                Path(job["out"]) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

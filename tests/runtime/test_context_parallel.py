@@ -34,6 +34,21 @@ def _reference(job: dict):
         out, _ = chunk_scalar_decay(*parts, chunk_size=job["chunk"], reset=reset_of(job))
         (out * weights).sum().backward()
         return out.detach(), [x.grad for x in parts]
+    if job.get("core") == "dsa":  # the single-process DSA: indexer top-k, then sparse attention, on the whole sequence
+        from runtime.attention.dsa import visible_picks
+        from runtime.attention.indexer import indexer_topk
+        from runtime.attention.sparse import sparse_attention
+
+        q, k, v, iq, ik, iw = parts
+        docs = documents_of(job)
+        t = job["tokens"]
+        mask = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+        if docs is not None:
+            mask &= docs[:, None] == docs[None, :]
+        picks = indexer_topk(iq.detach(), ik.detach(), iw.detach(), mask[None], job["top_k"], None)
+        out = sparse_attention(q, k, v, visible_picks(picks, mask[None, None], t), job["key_dim"] ** -0.5)
+        (out * weights).sum().backward()
+        return out.detach(), [q.grad, k.grad, v.grad]
     if job.get("core") == "softmax":  # the unsplit sequence's mask, written out independently
         t = job["tokens"]
         i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
@@ -70,6 +85,8 @@ CASES = {
     "sliding window": {"core": "softmax", "zigzag": True, "per_channel": False, "documents": [], "window": 7},
     "chunked attention": {"core": "softmax", "zigzag": False, "per_channel": False, "documents": [],
                           "attention_chunk": 16},
+    "DeepSeek sparse attention, zig-zag, packed": {"core": "dsa", "zigzag": True, "per_channel": False,
+                                                   "documents": [17], "top_k": 6},
 }
 
 
@@ -85,8 +102,9 @@ def test_attention_under_context_parallelism_matches_one_process(case, tmp_path)
         got = torch.load(tmp_path / f"rank{rank}.pt")
         at = got["positions"]
         covered[at] = True
-        seq = 2 if job.get("core") == "softmax" else 1  # attention takes (B, H, T, D)
+        seq = 2 if job.get("core") in ("softmax", "dsa") else 1  # attention takes (B, H, T, D)
         torch.testing.assert_close(got["out"], want.index_select(seq, at), rtol=1e-9, atol=1e-9)
+        got["grads"] = [g for g in got["grads"] if g is not None]  # the indexer's inputs take no gradient
         assert len(got["grads"]) == len(want_grads)
         for name, g, w in zip(("query", "key", "value", "g", "beta"), got["grads"], want_grads):
             torch.testing.assert_close(g, w.index_select(seq, at), rtol=1e-9, atol=1e-9,
