@@ -310,6 +310,10 @@ def _compute(d: Dims, plan: Plan, hw: Hardware, precision: str, skew: float, sha
     """(compute, recompute, the busiest EP rank's extra routed-expert compute) in seconds."""
     s, world, tokens_step = plan.seq_len, plan.world_size, plan.tokens_per_step
     fwd = d.forward_flops_per_token(s)
+    # under context parallelism a linear-attention core runs about twice more on each segment: its transition (from
+    # the identity) and what the incoming state adds (`runtime.parallel.context.carry`)
+    if plan.cp > 1:
+        fwd += 2 * sum(m.flops(s) for m in d.mixers if m.linear)
     # frozen base weights need no weight gradients: backward costs one forward instead of two
     train = (2 if shape.lora else 3) * fwd + 6 * shape.n_lora_active
     extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)
@@ -380,6 +384,8 @@ def _communication(d: Dims, plan: Plan, hw: Hardware, shape: _Layout) -> tuple[f
     # attention core only, inside the tp group, with no all-reduce. Before, the recompute's two were not charged.
     n_ar = 4 + (2 if plan.recompute == "full" else 0)
     tp_s = shape.layers_stage * m * n_ar * 2 * _ring(plan.tp) * act_mb / (hw.link_gbs(plan.tp) * 1e9)
+    # softmax and sparse layers all-gather their keys and values (the backward all-reduces their gradients);
+    # linear layers exchange a state per segment, (K x (V + K)) per head, which this leaves out
     softmax_layers = d.layers - d.linear_layers
     kv_local = b * s / plan.cp * 2 * d.kv_heads * d.head_dim * BF16 / plan.tp
     cp_s = (softmax_layers * shape.stage_share / plan.pp * m * 3 * (plan.cp - 1) * kv_local
