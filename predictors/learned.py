@@ -120,10 +120,11 @@ class Interval:
 
     `learned` and `cost_model` are a typical new model's: per source, the COVERAGE quantile of |log(measured /
     predicted)| (each run predicted by a model fitted without its model's runs, FOLDS folds by model) or of
-    |log(measured / cost model)|; then the median over sources. The cost model is further off on MoE runs than on
-    dense ones, so from v11 an MoE plan far from the training runs takes the MoE runs' own (`moe_cost_model`). A plan unlike every training run gets the cost
+    |log(measured / cost model)|; then the median over sources. A plan unlike every training run gets the cost
     model's typical error on a cluster or framework it has not seen, not the error of the worst-modelled source
-    (the CPU run logs and single-node vTrain GPTs, where the cost model is off by up to 30x). `scale` is fitted
+    (the CPU run logs and single-node vTrain GPTs, where the cost model is off by up to 30x). The cost model is
+    further off on MoE runs than on dense ones, so from v11 an MoE plan far from the training runs takes the MoE
+    runs' own (`moe_cost_model`). `scale` is fitted
     held out a source at a time (`calibrate`): 1 before v11."""
     learned: float
     cost_model: float

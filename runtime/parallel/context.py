@@ -245,6 +245,46 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
 
 
+def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None, *, group, segments: list[int],
+                            n_segments: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The short depthwise causal convolution of linear attention and Mamba blocks (`runtime.attention.conv.
+    causal_conv1d`: x (B, C, Tl), weight (C, W)) over this rank's segments, each seeing the W - 1 tokens before it
+    wherever they live: every segment's last W - 1 tokens are all-gathered (one collective, forward and backward)
+    and each segment runs with its predecessor's in front, whose outputs are dropped. `documents` (T,): each global
+    position's document id; a tap never reaches into the previous document, nor before the sequence's start."""
+    from runtime.attention.conv import causal_conv1d
+
+    width = (weight.squeeze(1) if weight.dim() == 3 else weight).shape[-1]
+    per = _pieces(x.shape[-1], segments, n_segments, group)
+    halo = width - 1
+    if halo > per:
+        raise ValueError(f"segments of {per} tokens are shorter than the convolution's {halo} earlier taps")
+    owners = _segment_owners(group, segments, n_segments)
+    tails = _gathered([torch.stack([x[..., (i + 1) * per - halo:(i + 1) * per] for i in range(len(segments))])],
+                      group, [0])[0] if halo else None  # (ranks * segments of a rank, B, C, halo)
+    out = []
+    for i, segment in enumerate(segments):
+        own = x[..., i * per:(i + 1) * per]
+        if not halo:
+            out.append(causal_conv1d(own, weight, bias, activation))
+            continue
+        start = segment * per
+        if segment == 0:
+            before, before_ids = torch.zeros_like(own[..., :halo]), torch.full((halo,), -1, dtype=torch.long)
+        else:
+            rank, j = owners[segment - 1]
+            before = tails[rank * len(segments) + j]
+            before_ids = (documents[start - halo:start] if documents is not None
+                          else torch.zeros(halo, dtype=torch.long))
+        ids = torch.cat([before_ids, documents[start:start + per] if documents is not None
+                         else torch.zeros(per, dtype=torch.long)])
+        extended = torch.cat([before, own], -1)
+        seq_idx = ids.unsqueeze(0).expand(x.shape[0], -1)
+        out.append(causal_conv1d(extended, weight, bias, activation, seq_idx=seq_idx)[..., halo:])
+    anchor = 0 * tails.sum() if halo else 0  # every rank's backward meets the gather's all-reduce
+    return torch.cat(out, -1) + anchor
+
+
 def _segment_owners(group, segments: list[int], n_segments: int) -> dict[int, tuple[int, int]]:
     """Segment -> (rank, index among that rank's segments), from every rank's own list (all-gathered)."""
     mine = torch.tensor(segments, dtype=torch.long)

@@ -30,6 +30,11 @@ def inputs(job: dict):
     weights = torch.randn(1, t, h, vd, generator=gen, dtype=torch.float64)
     if job.get("core") == "scalar_decay":
         return [q, k, v, g], weights
+    if job.get("core") == "conv":  # (B, C, T) channels first, a (C, W) depthwise filter and its bias
+        x = torch.randn(1, 6, t, generator=gen, dtype=torch.float64)
+        w = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+        b = torch.randn(6, generator=gen, dtype=torch.float64)
+        return [x, w, b], torch.randn(1, 6, t, generator=gen, dtype=torch.float64)
     if job.get("core") == "dsa":  # attention (B, H, T, D), one key head (MLA's); the indexer's own inputs
         # positive index queries and keys: relu leaves no zero scores, so no two keys tie for a place in the top-k
         # (whose order among equals follows the keys' order, which the gather changes)
@@ -63,8 +68,9 @@ def reset_of(job: dict) -> torch.Tensor | None:
 
 
 def main() -> None:
-    from runtime.parallel.context import (context_parallel_attention, context_parallel_gated_delta,
-                                          context_parallel_scalar_decay, context_parallel_sparse_attention, zigzag)
+    from runtime.parallel.context import (context_parallel_attention, context_parallel_conv1d,
+                                          context_parallel_gated_delta, context_parallel_scalar_decay,
+                                          context_parallel_sparse_attention, zigzag)
 
     job = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
@@ -75,13 +81,20 @@ def main() -> None:
     segments = sorted(segments)
     per = job["tokens"] // n_segments
     positions = torch.cat([torch.arange(s * per, (s + 1) * per) for s in segments])
-    attention = job.get("core") in ("softmax", "dsa")
+    attention = job.get("core") in ("softmax", "dsa", "conv")
     seq = 2 if attention else 1  # the sequence dim
     dsa = job.get("core") == "dsa"  # the indexer's inputs (after the first three) are (B, T, ...) and take no gradient
-    mine = [x.index_select(seq if i < 3 or not attention else 1, positions).clone().requires_grad_(i < 3 or not dsa)
-            for i, x in enumerate(parts)]
+    if job.get("core") == "conv":  # the filter and bias are whole on every rank (their gradients summed below)
+        mine = [parts[0].index_select(2, positions).clone().requires_grad_(True),
+                parts[1].clone().requires_grad_(True), parts[2].clone().requires_grad_(True)]
+    else:
+        mine = [x.index_select(seq if i < 3 or not attention else 1, positions).clone().requires_grad_(i < 3 or not dsa)
+                for i, x in enumerate(parts)]
     starts = [[d - s * per for d in job["documents"] if s * per < d < (s + 1) * per] for s in segments]
-    if job.get("core") == "dsa":
+    if job.get("core") == "conv":
+        out = context_parallel_conv1d(*mine, activation="silu", group=dist.group.WORLD, segments=segments,
+                                      n_segments=n_segments, documents=documents_of(job))
+    elif job.get("core") == "dsa":
         out = context_parallel_sparse_attention(*mine, group=dist.group.WORLD, positions=positions, top_k=job["top_k"],
                                                 scale=job["key_dim"] ** -0.5, documents=documents_of(job))
     elif job.get("core") == "softmax":
@@ -98,6 +111,9 @@ def main() -> None:
                                            n_segments=n_segments, starts=starts, chunk_size=job["chunk"],
                                            use_qk_l2norm_in_kernel=True)
     (out * weights.index_select(seq, positions)).sum().backward()
+    if job.get("core") == "conv":  # parameters' gradients: each rank has its tokens' share; the sum is the whole
+        for p in mine[1:]:
+            dist.all_reduce(p.grad)
     torch.save({"positions": positions, "out": out.detach(), "grads": [x.grad for x in mine[:5]]},
                Path(job["out"]) / f"rank{rank}.pt")
     dist.destroy_process_group()

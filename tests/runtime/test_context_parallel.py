@@ -34,6 +34,13 @@ def _reference(job: dict):
         out, _ = chunk_scalar_decay(*parts, chunk_size=job["chunk"], reset=reset_of(job))
         (out * weights).sum().backward()
         return out.detach(), [x.grad for x in parts]
+    if job.get("core") == "conv":
+        from runtime.attention.conv import causal_conv1d
+
+        docs = documents_of(job)
+        out = causal_conv1d(*parts, activation="silu", seq_idx=None if docs is None else docs[None])
+        (out * weights).sum().backward()
+        return out.detach(), [x.grad for x in parts]
     if job.get("core") == "dsa":  # the single-process DSA: indexer top-k, then sparse attention, on the whole sequence
         from runtime.attention.dsa import visible_picks
         from runtime.attention.indexer import indexer_topk
@@ -87,6 +94,10 @@ CASES = {
                           "attention_chunk": 16},
     "DeepSeek sparse attention, zig-zag, packed": {"core": "dsa", "zigzag": True, "per_channel": False,
                                                    "documents": [17], "top_k": 6},
+    "short causal convolution, zig-zag, packed": {"core": "conv", "zigzag": True, "per_channel": False,
+                                                  "documents": [13, 26]},
+    "short causal convolution, contiguous": {"core": "conv", "zigzag": False, "per_channel": False,
+                                             "documents": []},
 }
 
 
@@ -102,13 +113,14 @@ def test_attention_under_context_parallelism_matches_one_process(case, tmp_path)
         got = torch.load(tmp_path / f"rank{rank}.pt")
         at = got["positions"]
         covered[at] = True
-        seq = 2 if job.get("core") in ("softmax", "dsa") else 1  # attention takes (B, H, T, D)
+        seq = 2 if job.get("core") in ("softmax", "dsa", "conv") else 1  # attention takes (B, H, T, D)
         torch.testing.assert_close(got["out"], want.index_select(seq, at), rtol=1e-9, atol=1e-9)
         got["grads"] = [g for g in got["grads"] if g is not None]  # the indexer's inputs take no gradient
         assert len(got["grads"]) == len(want_grads)
-        for name, g, w in zip(("query", "key", "value", "g", "beta"), got["grads"], want_grads):
-            torch.testing.assert_close(g, w.index_select(seq, at), rtol=1e-9, atol=1e-9,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+        whole = 1 if job.get("core") == "conv" else len(want_grads)  # the filter's and bias's gradients are whole
+        for index, (g, w) in enumerate(zip(got["grads"], want_grads)):
+            torch.testing.assert_close(g, w.index_select(seq, at) if index < whole else w, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m, n=index: f"input {n}: {m}")
     assert covered.all()
 
 
