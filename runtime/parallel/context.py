@@ -1,7 +1,8 @@
 """Context parallelism: each rank holds segments of every sequence; attention is computed across them exactly.
 
 Softmax attention (causal, sliding window, chunked, packed documents) all-gathers the keys and values of the cp
-group and masks by global positions (`context_parallel_attention`); DeepSeek sparse attention likewise gathers the
+group (`context_parallel_attention`): plain causal attention as flash passes merged by log-sum-exp
+(`_MergedCausal`), the rest with a mask from global positions; DeepSeek sparse attention likewise gathers the
 index keys and picks each query's global top-k (`context_parallel_sparse_attention`). Linear attention carries its
 state
 (`carry`, for the gated delta rule and scalar-decay cores):
@@ -222,6 +223,50 @@ def context_parallel_sparse_attention(query, key, value, index_query, index_key,
     return sparse_attention(query, k, v, visible_picks(picks, mask[:, None], k.shape[2]), scale)
 
 
+class _MergedCausal(torch.autograd.Function):
+    """Softmax attention of one segment's queries over the keys of every earlier segment (all visible) and its own
+    (causal), as two flash-attention passes merged by their log-sum-exps: no (queries x keys) score or mask is
+    ever materialised. The backward runs each pass's flash backward with the merged output and log-sum-exp, which
+    is exactly each key block's share of the gradient (the blocks of ring attention's backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k_before, v_before, k_own, v_own, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(q, k_own, v_own, 0.0, True, scale=scale)
+        if k_before.shape[2]:
+            out_b, lse_b = flash(q, k_before, v_before, 0.0, False, scale=scale)
+            merged = torch.logaddexp(lse, lse_b)
+            out = out * torch.exp(lse - merged).unsqueeze(-1) + out_b * torch.exp(lse_b - merged).unsqueeze(-1)
+            lse = merged
+        ctx.save_for_backward(q, k_before, v_before, k_own, v_own, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_before, v_before, k_own, v_own, out, lse = ctx.saved_tensors
+        back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq, dk_own, dv_own = back(grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
+        dk_before = dv_before = None
+        if k_before.shape[2]:
+            dq_b, dk_before, dv_before = back(grad, q, k_before, v_before, out, lse, 0.0, False, scale=ctx.scale)
+            dq = dq + dq_b
+        else:
+            dk_before, dv_before = torch.zeros_like(k_before), torch.zeros_like(v_before)
+        return dq, dk_before, dv_before, dk_own, dv_own, None
+
+
+def _whole_segments(positions: torch.Tensor) -> list[tuple[int, int]] | None:
+    """(segment, tokens) of each run of consecutive positions, when they are equal whole segments; else None."""
+    breaks = [0, *((positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1).tolist(), len(positions)]
+    runs = [(int(positions[a]), b - a) for a, b in zip(breaks, breaks[1:])]
+    per = runs[0][1]
+    if any(n != per or start % per for start, n in runs):
+        return None
+    return [(start // per, per) for start, _ in runs]
+
+
 def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor,
                                documents: torch.Tensor | None = None, window: int | None = None,
                                chunk: int | None = None, scale: float | None = None) -> torch.Tensor:
@@ -238,6 +283,10 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     `positions` before this."""
     k, v = _gathered([key, value], group, [2, 2])
     kpos = _positions_of(positions, group)
+    runs = _whole_segments(positions)
+    if (runs and query.device.type == "cpu" and documents is None and window is None and chunk is None
+            and value.shape[-1] == query.shape[-1]):  # the flash pass takes one head size
+        return _by_segments(query, key, value, k, v, kpos, runs, scale)
     if query.shape[1] != k.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
@@ -283,6 +332,26 @@ def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None,
         out.append(causal_conv1d(extended, weight, bias, activation, seq_idx=seq_idx)[..., halo:])
     anchor = 0 * tails.sum() if halo else 0  # every rank's backward meets the gather's all-reduce
     return torch.cat(out, -1) + anchor
+
+
+def _by_segments(query, key, value, k, v, kpos, runs, scale):
+    """Plain causal attention of whole segments (`_MergedCausal` per local segment): each over the gathered keys of
+    the segments before it and its own, causal; O(tokens) memory per rank, no mask."""
+    group = query.shape[1] // key.shape[1]
+
+    def heads(x):  # grouped-query attention: the flash pass takes as many key heads as query heads
+        return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+    per = runs[0][1]
+    out, at = [], 0
+    for segment, _ in runs:
+        q = query[:, :, at:at + per]
+        earlier = (kpos < segment * per).nonzero().flatten()
+        k_before, v_before = (heads(x.index_select(2, earlier)) for x in (k, v))
+        k_own, v_own = (heads(x[:, :, at:at + per]) for x in (key, value))
+        out.append(_MergedCausal.apply(q, k_before, v_before, k_own, v_own, scale))
+        at += per
+    return torch.cat(out, 2)
 
 
 def _segment_owners(group, segments: list[int], n_segments: int) -> dict[int, tuple[int, int]]:

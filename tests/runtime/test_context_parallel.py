@@ -89,6 +89,11 @@ CASES = {
                                                       "documents": [7, 30]},
     "softmax, causal, zig-zag, packed": {"core": "softmax", "zigzag": True, "per_channel": False,
                                          "documents": [9, 33]},
+    # plain causal with one head size: the flash passes merged by log-sum-exp, no mask (`_MergedCausal`)
+    "softmax, causal, zig-zag (flash passes merged)": {"core": "softmax", "zigzag": True, "per_channel": False,
+                                                       "documents": [], "value_dim": 8},
+    "softmax, causal, contiguous (flash passes merged)": {"core": "softmax", "zigzag": False, "per_channel": False,
+                                                          "documents": [], "value_dim": 8},
     "sliding window": {"core": "softmax", "zigzag": True, "per_channel": False, "documents": [], "window": 7},
     "chunked attention": {"core": "softmax", "zigzag": False, "per_channel": False, "documents": [],
                           "attention_chunk": 16},
@@ -132,3 +137,29 @@ def test_the_carry_is_what_makes_it_right(tmp_path, monkeypatch):
     whole, _ = chunk_gated_delta_rule(*parts, chunk_size=4, use_qk_l2norm_in_kernel=True)
     alone, _ = chunk_gated_delta_rule(*[x[:, 24:] for x in parts], chunk_size=4, use_qk_l2norm_in_kernel=True)
     assert not torch.allclose(alone, whole[:, 24:], atol=1e-3)
+
+
+def test_two_flash_passes_merged_by_their_log_sum_exps_are_one_attention():
+    """`_MergedCausal`: a segment's queries over earlier keys (all visible) and its own (causal), as two flash
+    passes merged by log-sum-exp, with each pass's backward run on the merged output: the same outputs and
+    gradients as one masked attention over all the keys."""
+    from runtime.parallel.context import _MergedCausal
+
+    gen = torch.Generator().manual_seed(0)
+    q, kb, vb, ko, vo = (torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+                         for n in (8, 12, 12, 8, 8))
+    out = _MergedCausal.apply(q, kb, vb, ko, vo, 0.5)
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), (q, kb, vb, ko, vo))
+    k, v = torch.cat([kb, ko], 2), torch.cat([vb, vo], 2)
+    mask = torch.cat([torch.ones(8, 12, dtype=torch.bool), torch.ones(8, 8, dtype=torch.bool).tril()], 1)
+    want = ((q @ k.transpose(-1, -2)) * 0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, kb, vb, ko, vo))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    # the first segment has no earlier keys: its own causal pass alone
+    empty = torch.zeros(1, 2, 0, 4, dtype=torch.float64)
+    first = _MergedCausal.apply(q, empty, empty, ko, vo, 0.5)
+    torch.testing.assert_close(first, torch.nn.functional.scaled_dot_product_attention(q, ko, vo, is_causal=True,
+                                                                                      scale=0.5))
