@@ -2,7 +2,7 @@
 
 Softmax attention (causal, sliding window, chunked, packed documents) all-gathers the keys and values of the cp
 group (`context_parallel_attention`): plain causal attention as flash passes merged by log-sum-exp
-(`_MergedCausal`), the rest with a mask from global positions; DeepSeek sparse attention likewise gathers the
+(`MergedCausal`), the rest with a mask from global positions; DeepSeek sparse attention likewise gathers the
 index keys and picks each query's global top-k (`context_parallel_sparse_attention`). Linear attention carries its
 state
 (`carry`, for the gated delta rule and scalar-decay cores):
@@ -223,7 +223,7 @@ def context_parallel_sparse_attention(query, key, value, index_query, index_key,
     return sparse_attention(query, k, v, visible_picks(picks, mask[:, None], k.shape[2]), scale)
 
 
-class _MergedCausal(torch.autograd.Function):
+class MergedCausal(torch.autograd.Function):
     """Softmax attention of one segment's queries over the keys of every earlier segment (all visible) and its own
     (causal), as two flash-attention passes merged by their log-sum-exps: no (queries x keys) score or mask is
     ever materialised. The backward runs each pass's flash backward with the merged output and log-sum-exp, which
@@ -335,7 +335,7 @@ def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None,
 
 
 def _by_segments(query, key, value, k, v, kpos, runs, scale):
-    """Plain causal attention of whole segments (`_MergedCausal` per local segment): each over the gathered keys of
+    """Plain causal attention of whole segments (`MergedCausal` per local segment): each over the gathered keys of
     the segments before it and its own, causal; O(tokens) memory per rank, no mask."""
     group = query.shape[1] // key.shape[1]
 
@@ -349,7 +349,7 @@ def _by_segments(query, key, value, k, v, kpos, runs, scale):
         earlier = (kpos < segment * per).nonzero().flatten()
         k_before, v_before = (heads(x.index_select(2, earlier)) for x in (k, v))
         k_own, v_own = (heads(x[:, :, at:at + per]) for x in (key, value))
-        out.append(_MergedCausal.apply(q, k_before, v_before, k_own, v_own, scale))
+        out.append(MergedCausal.apply(q, k_before, v_before, k_own, v_own, scale))
         at += per
     return torch.cat(out, 2)
 

@@ -89,7 +89,7 @@ CASES = {
                                                       "documents": [7, 30]},
     "softmax, causal, zig-zag, packed": {"core": "softmax", "zigzag": True, "per_channel": False,
                                          "documents": [9, 33]},
-    # plain causal with one head size: the flash passes merged by log-sum-exp, no mask (`_MergedCausal`)
+    # plain causal with one head size: the flash passes merged by log-sum-exp, no mask (`MergedCausal`)
     "softmax, causal, zig-zag (flash passes merged)": {"core": "softmax", "zigzag": True, "per_channel": False,
                                                        "documents": [], "value_dim": 8},
     "softmax, causal, contiguous (flash passes merged)": {"core": "softmax", "zigzag": False, "per_channel": False,
@@ -140,15 +140,15 @@ def test_the_carry_is_what_makes_it_right(tmp_path, monkeypatch):
 
 
 def test_two_flash_passes_merged_by_their_log_sum_exps_are_one_attention():
-    """`_MergedCausal`: a segment's queries over earlier keys (all visible) and its own (causal), as two flash
+    """`MergedCausal`: a segment's queries over earlier keys (all visible) and its own (causal), as two flash
     passes merged by log-sum-exp, with each pass's backward run on the merged output: the same outputs and
     gradients as one masked attention over all the keys."""
-    from runtime.parallel.context import _MergedCausal
+    from runtime.parallel.context import MergedCausal
 
     gen = torch.Generator().manual_seed(0)
     q, kb, vb, ko, vo = (torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64, requires_grad=True)
                          for n in (8, 12, 12, 8, 8))
-    out = _MergedCausal.apply(q, kb, vb, ko, vo, 0.5)
+    out = MergedCausal.apply(q, kb, vb, ko, vo, 0.5)
     weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     grads = torch.autograd.grad((out * weights).sum(), (q, kb, vb, ko, vo))
     k, v = torch.cat([kb, ko], 2), torch.cat([vb, vo], 2)
@@ -160,6 +160,6 @@ def test_two_flash_passes_merged_by_their_log_sum_exps_are_one_attention():
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
     # the first segment has no earlier keys: its own causal pass alone
     empty = torch.zeros(1, 2, 0, 4, dtype=torch.float64)
-    first = _MergedCausal.apply(q, empty, empty, ko, vo, 0.5)
+    first = MergedCausal.apply(q, empty, empty, ko, vo, 0.5)
     torch.testing.assert_close(first, torch.nn.functional.scaled_dot_product_attention(q, ko, vo, is_causal=True,
                                                                                       scale=0.5))
