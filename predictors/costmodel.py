@@ -69,6 +69,7 @@ class Estimate:
     imbalance: float = 1.0  # the busiest EP rank's tokens over the mean that was priced
     expert_gemm_s: float = 0.0  # what the experts' small grouped GEMMs take beyond the large-GEMM rate
     permute_s: float = 0.0  # routing, permutation and un-permutation: memory-bound passes over HBM
+    expert_efficiency: float = 1.0  # share of the dense rate the experts' GEMMs reach (`moe_cost.expert_efficiency`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,9 +192,8 @@ def dispatch_s(device_s: float, host_s: float, hw: Hardware) -> float:
 def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0,
              gradient_overlap: bool = True) -> Estimate:
     """The step of `plan` priced piece by piece. `imbalance`: the busiest expert-parallel rank's routed tokens over
-    the mean (`predictors.imbalance`: measured, or assumed; `moe_cost.default_imbalance` where neither); every MoE
-    layer waits for that rank, so its routed expert compute and its All-to-All volume are charged that many times
-    the balanced share. 1 prices perfect balance; without expert parallelism (ep = 1) every rank computes its own
+    the mean (`predictors.imbalance`: measured, or assumed); every MoE layer waits for that rank, so its routed
+    expert compute and its All-to-All volume are charged that many times the balanced share. 1 prices perfect balance; without expert parallelism (ep = 1) every rank computes its own
     tokens and none is charged.
     `gradient_overlap`: whether data-parallel traffic hides behind compute (DP_OVERLAP of it at most: FSDP prefetch,
     bucketed gradient all-reduce, what every framework the planner targets does); False for a run that all-reduces
@@ -244,7 +244,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
                     tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
                     exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=plan.tokens_per_step,
                     memory=memory, imbalance_s=imbalance_s, imbalance=skew, expert_gemm_s=expert_gemm_s,
-                    permute_s=permute_s)
+                    permute_s=permute_s, expert_efficiency=moe.efficiency)
 
 
 def moe_extra_flops(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> float:
@@ -261,6 +261,7 @@ class _MoE:
     permute_s_per_token: float  # routing, permutation, un-permutation: HBM bytes over bandwidth
     exchange_s_per_token: float  # dispatch + combine All-to-All, before overlap
     extra_flops: float  # all three, exposed, as forward FLOPs per token at the dense rate (pipeline balancing)
+    efficiency: float = 1.0  # the experts' GEMMs' share of the dense rate
 
     @classmethod
     def of(cls, d: Dims, plan: Plan, hw: Hardware, precision: str, skew: float) -> _MoE:
@@ -281,7 +282,7 @@ class _MoE:
         stride = plan.expert_tp if plan.folded else plan.tp
         exchange = exchanges * moe_cost.all_to_all_s(sent, plan.ep, stride, hw)
         exposed = gemm + permute + exchange * (1 - moe_cost.exchange_overlap(plan))
-        return cls(gemm, permute, exchange, exposed * rate / train)
+        return cls(gemm, permute, exchange, exposed * rate / train, efficiency)
 
 
 @dataclass(frozen=True)

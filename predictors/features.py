@@ -14,7 +14,7 @@ import numpy as np
 from predictors.costmodel import Estimate, estimate
 from predictors.errors import PredictorError
 from predictors.hardware import Hardware, identify
-from predictors.moe_cost import expert_efficiency, local_gemm
+from predictors.moe_cost import local_gemm
 from runtime.dims import Dims
 from runtime.plan import Plan
 from runtime.runlog import Skipped, read_runs
@@ -60,7 +60,7 @@ def features(d: Dims, plan: Plan, hw: Hardware, precision: str, est: Estimate, n
         # expert's GEMM gets (0 and 1 for a dense model)
         "frac_expert_gemm": est.expert_gemm_s / total, "frac_permute": est.permute_s / total,
         "log_tokens_per_expert": math.log1p(local_gemm(d, plan)[0]) if d.moe_layers else 0.0,
-        "expert_efficiency": expert_efficiency(d, plan, hw, precision) if d.moe_layers else 1.0,
+        "expert_efficiency": est.expert_efficiency,
         # a regime, not a chip: the device computes on the threads that dispatch (a CPU), nothing runs ahead
         "host_computes": float(not hw.dispatch_overlaps),
     }

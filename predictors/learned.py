@@ -124,8 +124,7 @@ class Interval:
     model's typical error on a cluster or framework it has not seen, not the error of the worst-modelled source
     (the CPU run logs and single-node vTrain GPTs, where the cost model is off by up to 30x). The cost model is
     further off on MoE runs than on dense ones, so from v11 an MoE plan far from the training runs takes the MoE
-    runs' own (`moe_cost_model`). `scale` is fitted
-    held out a source at a time (`calibrate`): 1 before v11."""
+    runs' own (`moe_cost_model`). `scale` is fitted held out a source at a time (`calibrate`): 1 before v11."""
     learned: float
     cost_model: float
     scale: float = 1.0
@@ -209,8 +208,8 @@ class Fallback:
     accelerator falls back to the median log(measured / cost model) of the accelerator MoE runs the version was
     trained on: every source of them runs MoE models slower than the cost model's physics says (measured / cost
     model at the median: 1.30 in NVIDIA's dgxc-benchmarking and Megatron-Bridge tables, 1.26 in NeMo's, 1.73 on
-    Ascend), and a new one is likelier to as well. A median
-    over runs, not over sources: the MoE sources are few and some hold two runs, whose own median would swing it.
+    Ascend), and a new one is likelier to as well. A median over runs, not over sources: the MoE sources are few
+    and some hold two runs, whose own median would swing it.
     (A line in log hidden, fitted by Theil-Sen, priced the narrowest models far worse held out by source: Qwen3-30B
     at 41 % against 17 %; the CPU's MoE runs are their own regime, and the cost model keeps them.)"""
     moe: float = 0.0

@@ -45,6 +45,8 @@ A2A_SCALE_UP_SHARE = 370 / 450
 # (runtime.parallel.expert) splits the local experts in two and runs the first half while the remote tokens are in
 # flight, so at most about half the exchange can hide; bench/overlap.py measures what it hides on this machine.
 RUNTIME_OVERLAP = 0.5
+
+
 def local_gemm(d: Dims, plan: Plan) -> tuple[float, int, int]:
     """(M, K, N) of one local expert's GEMM in one micro-batch: M tokens routed to it, K = hidden, N its width.
 

@@ -73,7 +73,7 @@ def stage_costs(costs: list[float], counts: list[int], tail: float = 0.0) -> lis
 def layer_costs(d: Dims, seq_len: int, moe_extra: float = 0.0) -> list[float]:
     """Each layer's cost in forward FLOPs per token at the dense rate: `Dims.layer_flops`, and for an MoE layer
     `moe_extra` more, what its grouped GEMMs, permutation and exposed exchanges take beyond its FLOPs
-    (`predictors.costmodel._MoE.extra_flops`)."""
+    (`predictors.costmodel.moe_extra_flops`)."""
     costs = d.layer_flops(seq_len)
     if moe_extra:
         costs = [c + moe_extra if is_moe else c for c, (_, is_moe) in zip(costs, d.stack)]

@@ -58,6 +58,7 @@ what to fix in the row or in predictors/hardware/.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -174,6 +175,9 @@ def _recompute(value) -> str:
     return "full" if text == "full" else "selective" if text.startswith("selective") else "none"
 
 
+MFU_FORMULAS = ("megatron", "palm")
+
+
 def _tflops(row: dict) -> tuple[float | None, str]:
     """(TFLOP/s per GPU the row reports or its MFU converts to, how)."""
     got = row.get("measured") or {}
@@ -183,9 +187,6 @@ def _tflops(row: dict) -> tuple[float | None, str]:
     if got.get("mfu") and formula in MFU_FORMULAS and isinstance(peak, (int, float)) and peak > 0:
         return float(got["mfu"]) * peak, f"mfu x {peak} TFLOP/s ({formula})"
     return None, ""
-
-
-MFU_FORMULAS = ("megatron", "palm")
 
 
 def _step_time(row: dict, tokens_per_step: int, params_active: int) -> tuple[float, str]:
@@ -211,7 +212,6 @@ def _step_time(row: dict, tokens_per_step: int, params_active: int) -> tuple[flo
 
 def _family_vocab(name: str) -> tuple[int, str] | None:
     key = re.sub(r"[\s_]+", "-", name.lower()).replace("×", "x")
-    key = key.replace("deepseekv3", "deepseek-v3").replace("deepseek-v3", "deepseek-v3")
     for family, vocab, source in FAMILY_VOCAB:
         if family in key or family.replace("-", "") in key.replace("-", ""):
             return vocab, source
@@ -219,7 +219,13 @@ def _family_vocab(name: str) -> tuple[int, str] | None:
 
 
 def _catalogue_record(slug: str) -> dict:
-    """The run-log model record of a catalogue model, from its shipped full-scale inspection."""
+    """The run-log model record of a catalogue model, from its shipped full-scale inspection (a copy of the one
+    read: a file converts dozens of rows of the same model, some twice: vocabulary, then shape)."""
+    return dict(_read_catalogue_record(slug))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_catalogue_record(slug: str) -> dict:
     from runtime.runlog import model_record
 
     path = CATALOGUE_DIR / slug / "spec.json"

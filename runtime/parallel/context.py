@@ -3,9 +3,9 @@
 Softmax attention (causal, sliding window, chunked, packed documents) all-gathers the keys and values of the cp
 group (`context_parallel_attention`): plain causal attention as flash passes merged by log-sum-exp
 (`MergedCausal`), the rest with a mask from global positions; DeepSeek sparse attention likewise gathers the
-index keys and picks each query's global top-k (`context_parallel_sparse_attention`). Linear attention carries its
-state
-(`carry`, for the gated delta rule and scalar-decay cores):
+index keys and picks each query's global top-k (`context_parallel_sparse_attention`); the short convolutions before
+linear attention gather each segment's predecessor's tail (`context_parallel_conv1d`). Linear attention carries its
+state (`carry`, for the gated delta rule and scalar-decay cores):
 
 The gated delta rule (Gated DeltaNet; KDA with a decay per key channel) keeps a (K x V) state per head,
 
@@ -248,7 +248,6 @@ class MergedCausal(torch.autograd.Function):
         back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         grad = grad.contiguous()
         dq, dk_own, dv_own = back(grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
-        dk_before = dv_before = None
         if k_before.shape[2]:
             dq_b, dk_before, dv_before = back(grad, q, k_before, v_before, out, lse, 0.0, False, scale=ctx.scale)
             dq = dq + dq_b
