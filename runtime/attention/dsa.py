@@ -36,6 +36,7 @@ from torch import nn
 
 from runtime.attention.indexer import LightningIndexer
 from runtime.attention.sparse import sparse_attention
+from runtime.sequence_split import active
 from runtime.swap import SPARSE_ATTENTION, Swap
 
 ATTENTION = "onboard_dsa"
@@ -80,6 +81,12 @@ def dsa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     """transformers attention interface: query (B, H, S, Dk), key / value (B, Hkv, T, D) -> (B, S, H, Dv);
     `s_aux` (H,): attention-sink logits, when the module has them."""
     sinks = kwargs.pop("s_aux", None)
+    if (split := active()) is not None:  # context parallelism: the picks are global key positions
+        if indices is None or dropout:
+            raise ValueError("DSA under context parallelism needs the runtime's indexer and no attention dropout")
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        _count(module, "sparse")
+        return split.sparse_attention(query, key, value, indices, scale, sinks).transpose(1, 2), None
     dense = indices is None
     if dense and sinks is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

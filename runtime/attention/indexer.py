@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from runtime.sequence_split import active
+
 CHUNK_BYTES = 256 * 2**20  # one chunk of (B, C, H, T) fp32 scores
 
 
@@ -125,10 +127,12 @@ class LightningIndexer(nn.Module):
         if cache is not None:
             k = cache.update_indexer(k, self.layer_idx)
         weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        scale = self.softmax_scale
         if self.scale_at == "weights":
-            weights = weights * self.softmax_scale
-            return indexer_topk(q, k, weights, attention_mask, self.index_topk, None)
-        return indexer_topk(q, k, weights, attention_mask, self.index_topk, self.softmax_scale)
+            weights, scale = weights * self.softmax_scale, None
+        if (split := active()) is not None:  # context parallelism: global picks among every rank's keys
+            return split.index_topk(q, k, weights, self.index_topk, scale)
+        return indexer_topk(q, k, weights, attention_mask, self.index_topk, scale)
 
     @classmethod
     def adopt(cls, hf: nn.Module) -> LightningIndexer:

@@ -50,6 +50,7 @@ import torch
 from runtime.attention.conv import causal_conv1d
 from runtime.attention.gated_delta import chunk_gated_delta_rule
 from runtime.attention.probes import agrees
+from runtime.sequence_split import active
 from runtime.swap import LINEAR_CORE, Swap, forward_with_globals
 
 _CHUNK_PARAMS = {"g", "beta", "initial_state", "chunk_size"}
@@ -97,6 +98,11 @@ def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mi
         def chunk_core(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=False, scale=None, cu_seqlens=None, **kwargs):
             swap.count(kind)
+            if (split := active()) is not None:  # context parallelism: the state carried across the cp ranks
+                if initial_state is not None or output_final_state:
+                    raise ValueError("context parallelism trains from a zero state and keeps no final state")
+                return split.gated_delta(query, key, value, g, beta, chunk_size=override_chunk or chunk_size,
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale), None
             # transformers passes packed-sequence boundaries under either name, depending on the family
             cu = cu_seqlens if cu_seqlens is not None else kwargs.get("cu_seq_lens_q")
             return chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=override_chunk or chunk_size,
@@ -126,6 +132,8 @@ def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mi
 
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
         swap.count(label)
+        if (split := active()) is not None:  # each segment sees its predecessor's last taps
+            return split.conv1d(hidden_states, weight, bias, activation)
         return causal_conv1d(hidden_states, weight, bias, activation, seq_idx=kwargs.get("seq_idx"),
                              cu_seqlens=kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q")))
     return conv

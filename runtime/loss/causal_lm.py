@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.sequence_split import active
 from runtime.loss.head import lm_head_loss
 from runtime.swap import LOSS, Swap
 
@@ -61,6 +62,16 @@ def _aux_coef(model: nn.Module) -> float:
     return 0.0
 
 
+def _routing(model: nn.Module) -> tuple[int, int]:
+    """(experts, picks per token) of HuggingFace's load-balancing loss, as the model's forward passes them."""
+    experts = getattr(model, "num_experts", None)
+    top_k = getattr(model, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int):
+        raise ValueError(f"{type(model).__name__} adds a router loss but names no num_experts / num_experts_per_tok: "
+                         f"its load-balancing loss under context parallelism is not built")
+    return experts, top_k
+
+
 def _last_hidden(output):
     if isinstance(output, torch.Tensor):
         return output
@@ -80,12 +91,16 @@ def _forward_with_loss(model, options, args, labels, kwargs):
     finally:
         hook.remove()
     head = model.get_submodule(options["head_path"])
-    loss = lm_head_loss(captured["hidden"], head.weight, labels, bias=getattr(head, "bias", None),
-                        softcap=options["softcap"], logit_scale=options["logit_scale"],
-                        num_items_in_batch=kwargs.get("num_items_in_batch"),
-                        chunk_tokens=options["chunk_tokens"], chunk_vocab=options["chunk_vocab"])
+    shifted = kwargs.get("shift_labels")  # already shifted on the whole sequence (context parallelism)
+    loss = lm_head_loss(captured["hidden"], head.weight, labels if shifted is None else shifted,
+                        bias=getattr(head, "bias", None), softcap=options["softcap"],
+                        logit_scale=options["logit_scale"], num_items_in_batch=kwargs.get("num_items_in_batch"),
+                        shift_labels=shifted is None, chunk_tokens=options["chunk_tokens"],
+                        chunk_vocab=options["chunk_vocab"])
     aux = getattr(out, "aux_loss", None)
     if aux is not None:  # the model adds its router load-balancing loss to the training loss
+        if (split := active()) is not None:  # its statistics over the whole sequence, every cp rank's tokens
+            aux = split.balance_loss(out.router_logits, *_routing(model))
         loss = loss + options["aux_loss_coef"] * aux.to(loss.device)
     out.loss = loss
     return out

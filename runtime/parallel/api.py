@@ -71,6 +71,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         blocks = {path: here[path] for path in declared(model)["blocks"] if path in here}
         apply_tensor_parallel(model, mesh.tp, splits, sequence=set(blocks))
         apply_sequence_parallel(decoder_layers(model), blocks, {s.path for s in splits} & set(blocks), mesh.tp)
+    if plan.cp > 1:  # softmax attention through the context-parallel attention function
+        from runtime.parallel.context_split import prepare
+
+        prepare(model)
     blocks = moe_blocks(model)  # this rank's (a pipeline stage may hold none)
     if plan.ep > 1:
         unsplit = _experts_outside_blocks(model)
@@ -89,7 +93,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
             fully_shard(block.experts, mesh=mesh.experts, **shard)
             # each rank's expert gradients already sum the tokens of its whole EP group: divide by every
             # data-parallel rank, not only by those FSDP reduces over
-            block.experts.set_gradient_divide_factor(float(plan.dp))
+            block.experts.set_gradient_divide_factor(float(plan.dp * plan.cp))
             if dist.get_backend() == "gloo" and mesh.experts.size(1) > 1:
                 # a custom factor makes FSDP2 reduce-scatter with PREMUL_SUM, which gloo lacks: plain SUM
                 # plus a separate division gives the same gradients. Not with one rank per shard group:

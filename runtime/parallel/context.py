@@ -132,17 +132,22 @@ def context_parallel_gated_delta(query, key, value, g, beta, *, group, segments:
     holds `segments` (in increasing order; their tokens concatenated in that order along dim 1, equal lengths).
     query/key (1, T, Hk, K), value (1, T, H, V), g (1, T, H[, K]), beta (1, T, H), as `chunk_gated_delta_rule`
     takes them (`kw`: chunk_size, scale, use_qk_l2norm_in_kernel). `starts[i]`: the document starts inside this
-    rank's i-th segment (packed documents). Every rank of `group` calls it with the same n_segments."""
+    rank's i-th segment (packed documents; 0 when one starts with the segment, which then takes no state). Every
+    rank of `group` calls it with the same n_segments."""
     if query.shape[0] != 1:
         raise ValueError(f"context parallelism takes one (packed) sequence per call, got batch {query.shape[0]}")
     per = _pieces(query.shape[1], segments, n_segments, group)
     starts = starts or [[] for _ in segments]
+    fresh = [0 in s for s in starts]  # a document starts with the segment: no earlier state enters it
+    starts = [[b for b in s if b > 0] for s in starts]
 
     def run(i, zero_values, initial_state):
         piece = slice(i * per, (i + 1) * per)
         q, k, v, gate, b = (x[:, piece] for x in (query, key, value, g, beta))
         if zero_values:
             v = v.new_zeros(*v.shape[:-1], initial_state.shape[-1])
+            if fresh[i]:  # what the incoming state adds, and its transition, are zero
+                return v, v.new_zeros(*initial_state.shape)
         return _segment(q, k, v, gate, b, starts[i], initial_state=initial_state, **kw)
 
     return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=query.shape[-1],
@@ -173,7 +178,7 @@ def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_s
     return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=q.shape[-1], heads=v.shape[2])
 
 
-def _gathered(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> list[torch.Tensor]:
+def gathered_along(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> list[torch.Tensor]:
     """Each tensor's pieces from every rank of `group`, concatenated along its sequence dim: one collective for all
     of them, forward and backward (flattened side by side)."""
     both = _gather(torch.cat([t.flatten() for t in tensors]), group)  # (ranks, total size)
@@ -181,13 +186,13 @@ def _gathered(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> list[t
     return [torch.cat([x.view(t.shape) for x in part], dim=dim) for part, t, dim in zip(parts, tensors, seq_dims)]
 
 
-def _positions_of(positions: torch.Tensor, group) -> torch.Tensor:
+def positions_of(positions: torch.Tensor, group) -> torch.Tensor:
     where = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
     dist.all_gather(where, positions.contiguous(), group=group)
     return torch.cat(where)
 
 
-def _visible(positions, kpos, documents=None, window=None, chunk=None) -> torch.Tensor:
+def visible(positions, kpos, documents=None, window=None, chunk=None) -> torch.Tensor:
     """(queries, keys) True where a query at global position p sees the key at position j, as on the unsplit
     sequence: j <= p, within `window` (p - j < window), in the same `chunk` and the same document."""
     qpos = positions[:, None]
@@ -216,9 +221,9 @@ def context_parallel_sparse_attention(query, key, value, index_query, index_key,
     from runtime.attention.indexer import indexer_topk
     from runtime.attention.sparse import sparse_attention
 
-    k, v, ik = _gathered([key, value, index_key], group, [2, 2, 1])
-    kpos = _positions_of(positions, group)
-    mask = _visible(positions, kpos, documents)[None]  # (1, Tl, T)
+    k, v, ik = gathered_along([key, value, index_key], group, [2, 2, 1])
+    kpos = positions_of(positions, group)
+    mask = visible(positions, kpos, documents)[None]  # (1, Tl, T)
     picks = indexer_topk(index_query, ik, index_weights, mask, top_k, index_scale)
     return sparse_attention(query, k, v, visible_picks(picks, mask[:, None], k.shape[2]), scale)
 
@@ -280,8 +285,8 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     same `chunk` (chunked attention: position // chunk equal), and within the same document (`documents` (T,):
     each global position's document id, for packed sequences). Rotary embeddings are the caller's, applied at
     `positions` before this."""
-    k, v = _gathered([key, value], group, [2, 2])
-    kpos = _positions_of(positions, group)
+    k, v = gathered_along([key, value], group, [2, 2])
+    kpos = positions_of(positions, group)
     runs = _whole_segments(positions)
     if (runs and query.device.type == "cpu" and documents is None and window is None and chunk is None
             and value.shape[-1] == query.shape[-1]):  # the flash pass takes one head size
@@ -289,7 +294,7 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     if query.shape[1] != k.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
-    mask = _visible(positions, kpos, documents, window, chunk)
+    mask = visible(positions, kpos, documents, window, chunk)
     return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
 
 
@@ -308,7 +313,7 @@ def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None,
     if halo > per:
         raise ValueError(f"segments of {per} tokens are shorter than the convolution's {halo} earlier taps")
     owners = _segment_owners(group, segments, n_segments)
-    tails = _gathered([torch.stack([x[..., (i + 1) * per - halo:(i + 1) * per] for i in range(len(segments))])],
+    tails = gathered_along([torch.stack([x[..., (i + 1) * per - halo:(i + 1) * per] for i in range(len(segments))])],
                       group, [0])[0] if halo else None  # (ranks * segments of a rank, B, C, halo)
     out = []
     for i, segment in enumerate(segments):

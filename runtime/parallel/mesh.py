@@ -3,7 +3,10 @@ expert-parallel view for experts.
 
 Expert parallelism is carved out of the data-parallel ranks (see `runtime.plan`). Ranks are laid out as
 
-    (pp, dp_replicate / er, er, dp_shard / es, es, tp)      ep = er * es
+    (pp, dp_replicate / er, er, dp_shard * cp / es, es, tp)      ep = er * es
+
+where the shard dimension holds dp_shard groups of cp ranks (context parallelism: the cp ranks of one group hold
+segments of the same sequences, `cp_group`); FSDP2 shards dense weights over all dp_shard * cp of them.
 
 tensor parallelism innermost (the ranks of a tp group are neighbours: one node's devices, where the all-reduce
 after every split module is cheapest), pipeline stages outermost (one activation send per micro-batch crosses
@@ -36,6 +39,7 @@ class ParallelMesh:
     ep_rank: int = 0
     dp_rank: int = 0  # which data-parallel slice of each batch this rank reads (the same across tp and pp)
     pp_rank: int = 0  # this rank's pipeline stage
+    cp_group: dist.ProcessGroup | None = None  # the ranks holding segments of the same sequences (cp > 1)
 
     @property
     def data_parallel(self) -> DeviceMesh | None:
@@ -61,8 +65,6 @@ class ParallelMesh:
         return self.plan.world_size
 
 
-
-
 def build_mesh(plan: Plan) -> ParallelMesh:
     """The meshes for `plan` on the initialised default process group (CPU/gloo or GPU/nccl)."""
     if why := not_runnable(plan):
@@ -74,15 +76,20 @@ def build_mesh(plan: Plan) -> ParallelMesh:
         return ParallelMesh(plan, None, None, None)
     er, es = ep_split(plan)
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    ranks = torch.arange(world).view(plan.pp, plan.dp_replicate // er, er, plan.dp_shard // es, es, plan.tp)
-    dense = DeviceMesh(device, ranks.reshape(plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp),
+    shard = plan.dp_shard * plan.cp  # FSDP2 shards over the cp ranks too (each holds different tokens)
+    ranks = torch.arange(world).view(plan.pp, plan.dp_replicate // er, er, shard // es, es, plan.tp)
+    dense = DeviceMesh(device, ranks.reshape(plan.pp, plan.dp_replicate, shard, plan.tp),
                        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    where = {"dp_rank": dense["dp_replicate"].get_local_rank() * plan.dp_shard + dense["dp_shard"].get_local_rank(),
-             "pp_rank": dense["pp"].get_local_rank()}
+    where = {"dp_rank": dense["dp_replicate"].get_local_rank() * plan.dp_shard
+             + dense["dp_shard"].get_local_rank() // plan.cp, "pp_rank": dense["pp"].get_local_rank()}
+    if plan.cp > 1:  # cp innermost within the shard ranks: the ranks of one sequence
+        by_sequence = DeviceMesh(device, ranks.reshape(plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        where["cp_group"] = by_sequence["cp"].get_group()
     if plan.ep == 1:
         return ParallelMesh(plan, dense, None, None, **where)
     # experts are replicated over tp and live in one stage: each (stage, tp position) has its own expert mesh
-    by_expert = ranks.permute(0, 1, 3, 2, 4, 5).reshape(plan.pp, plan.dp_replicate // er, plan.dp_shard // es,
+    by_expert = ranks.permute(0, 1, 3, 2, 4, 5).reshape(plan.pp, plan.dp_replicate // er, shard // es,
                                                         plan.ep, plan.tp)
     full = DeviceMesh(device, by_expert, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep", "tp"))
     return ParallelMesh(plan, dense, full["edp_replicate", "edp_shard"], full["ep"].get_group(),

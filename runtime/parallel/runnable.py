@@ -8,17 +8,24 @@ from runtime.plan import Plan
 
 
 def ep_split(plan: Plan) -> tuple[int, int]:
-    """(er, es): how the EP group splits over the replicate and the shard dimensions."""
-    ep, shard, dp = plan.ep, plan.dp_shard, plan.dp
+    """(er, es): how the EP group splits over the replicate and the shard dimensions. Context parallelism's ranks
+    count as shard ranks (FSDP2 shards over dp_shard x cp, and the EP group may take cp ranks: their tokens are
+    tokens like any other), so the shard dimension is dp_shard * cp."""
+    ep, shard, dp = plan.ep, plan.dp_shard * plan.cp, plan.dp * plan.cp
     if shard % ep == 0:
         return 1, ep
     if ep % shard == 0 and dp % ep == 0:
         return ep // shard, shard
-    raise ValueError(f"ep={ep} must divide dp_shard={shard}, or be a multiple of it dividing "
-                     f"dp_replicate*dp_shard={dp}")
+    raise ValueError(f"ep={ep} must divide dp_shard*cp={shard}, or be a multiple of it dividing "
+                     f"dp_replicate*dp_shard*cp={dp}")
 
 
-NOT_BUILT = {"cp": "context"}  # degrees runtime.parallel does not lay out yet
+NOT_BUILT: dict[str, str] = {}  # degrees runtime.parallel does not lay out yet
+
+# attention kinds context parallelism computes across its ranks (runtime.parallel.context_split): softmax attention
+# (causal, sliding windows, packed documents; MLA is softmax attention), the gated delta rule (Gated DeltaNet, KDA)
+# with its short convolutions, and DSA
+CP_ATTENTION = ("softmax", "sliding", "mla", "linear:gated_deltanet", "linear:kda", "sparse:dsa")
 
 
 # attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA's low-rank paths, DSA's indexer
@@ -41,6 +48,18 @@ def not_runnable(plan: Plan, model=None) -> list[str]:
     if plan.tp > 1 and plan.seq_len % plan.tp:
         out.append(f"sequence parallelism splits each sequence over the tp ranks: tp={plan.tp} must divide "
                    f"seq_len={plan.seq_len}")
+    if plan.cp > 1:
+        if model is not None:
+            other = sorted({m.kind for m in model.mixers if m.kind not in CP_ATTENTION})
+            if other:
+                out.append(f"context parallelism over {', '.join(other)} attention is not built (it runs "
+                           f"{', '.join(CP_ATTENTION)})")
+        if plan.seq_len % (2 * plan.cp):
+            out.append(f"context parallelism cuts each sequence into 2*cp={2 * plan.cp} segments: it must divide "
+                       f"seq_len={plan.seq_len}")
+        if plan.tp > 1 or plan.pp > 1:
+            out.append("context parallelism with tensor or pipeline parallelism is not built (cp composes with "
+                       "FSDP2 and EP)")
     if plan.pp > 1 and plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
         out.append(f"the 1F1B schedule needs at least pp={plan.pp} micro-batches per step, the plan has "
                    f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")

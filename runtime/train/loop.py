@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.sequence_split import running
 from runtime.dims import Dims
 from runtime.memory import ActivationOffload, apply_recompute
 from runtime.plan import Plan
@@ -136,7 +137,7 @@ def _on(inputs: dict, device: torch.device) -> dict:
 
 
 def _evaluate(model, source, plan: Plan, cfg: TrainJob, dp_rank: int, world: int, device, autocast,
-              pipeline=None) -> tuple[float, int]:
+              pipeline=None, mesh=None) -> tuple[float, int]:
     """(mean loss over the held-out target tokens of every rank, their count): `cfg.eval_batches` micro-batches
     per rank (under a pipeline, rounded up to whole schedules), each window read once (they are indexed as the
     micro-steps of one step)."""
@@ -147,7 +148,11 @@ def _evaluate(model, source, plan: Plan, cfg: TrainJob, dp_rank: int, world: int
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad(), autocast:
         if pipeline is None:
-            losses = [float(model(**inputs, use_cache=False).loss) for inputs in batches]
+            losses = []
+            for inputs in batches:
+                split, inputs = _split(inputs, mesh)
+                with running(split):
+                    losses.append(float(model(**inputs, use_cache=False).loss))
         else:
             losses = [loss for i in range(0, count, plan.grad_accum)
                       for loss in pipeline.evaluate(batches[i:i + plan.grad_accum])]
@@ -155,7 +160,8 @@ def _evaluate(model, source, plan: Plan, cfg: TrainJob, dp_rank: int, world: int
         total += torch.tensor([sum(a * n for a, n in zip(losses, targets)), sum(targets)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(total)
-        total /= plan.tp  # the ranks of a tp group read the same tokens
+        # the ranks of a tp group read the same tokens; so do a cp group's, each loss cp x its part of the mean
+        total /= plan.tp * plan.cp
     model.train()
     return float(total[0] / total[1].clamp_min(1)), int(total[1])
 
@@ -233,7 +239,7 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainJob) -
     _record_job(cfg, plan, rank)
     torch.manual_seed(cfg.seed)  # every rank builds the same initial weights
     model, record, pretrained = _unpack(factory())
-    if plan.tp > 1 and record and (problems := not_runnable(plan, Dims.from_record(record))):
+    if (plan.tp > 1 or plan.cp > 1) and record and (problems := not_runnable(plan, Dims.from_record(record))):
         raise ValueError(f"the plan cannot run on this model: {'; '.join(problems)}")  # as the planner said
     vocab = record.get("vocab") or getattr(getattr(model, "config", None), "vocab_size", None)
     if pretrained is None:
@@ -312,7 +318,8 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainJob) -
                 bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
             done = step + 1
             if held_out is not None and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
-                loss, tokens = _evaluate(model, held_out, plan, cfg, dp_rank, world, device, autocast, pipeline)
+                loss, tokens = _evaluate(model, held_out, plan, cfg, dp_rank, world, device, autocast, pipeline,
+                                         mesh)
                 if writer:
                     writer.eval(done, loss=loss, tokens=tokens)
             if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -343,6 +350,15 @@ def _export(model, pretrained, cfg: TrainJob) -> None:
     model.train()
 
 
+def _split(inputs: dict, mesh) -> tuple[object | None, dict]:
+    """(this rank's context-parallel split, its model inputs); (None, inputs) without context parallelism."""
+    if mesh is None or mesh.cp_group is None:
+        return None, inputs
+    from runtime.parallel.context_split import split_inputs
+
+    return split_inputs(inputs, mesh.cp_group)
+
+
 def _micro_batches(source, step: int, dp_rank: int, plan: Plan, device, count: int) -> list[dict]:
     """This rank's `count` micro-batches of a step (every rank of a tp group and of a pipeline reads the same)."""
     return [_on(data.model_inputs(source, step, micro, dp_rank, grad_accum=count, dp=plan.dp,
@@ -365,9 +381,11 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
     else:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for inputs in micro_batches:
-            with offload, autocast:
-                loss = model(**inputs, use_cache=False).loss / plan.grad_accum
-            loss.backward()
+            split, inputs = _split(inputs, mesh)
+            with running(split):  # the backward too: a recomputed layer runs its forward again in it
+                with offload, autocast:
+                    loss = model(**inputs, use_cache=False).loss / plan.grad_accum
+                loss.backward()
             loss_sum += loss.detach().double().cpu()
             for name, block in blocks.items():
                 counted = block.tokens_per_expert

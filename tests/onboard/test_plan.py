@@ -10,6 +10,7 @@ from onboard.errors import OnboardError
 from onboard.inspect.accounting import dims_of
 from onboard.plan import plan_model, predict_plan
 from predictors.published import DATA_DIR
+from runtime.parallel.runnable import not_runnable
 from runtime.plan import Plan
 
 GB = 1e9
@@ -139,6 +140,7 @@ import json, sys
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from runtime.parallel import build_mesh
+from runtime.parallel.runnable import not_runnable
 from runtime.plan import Plan
 plans = [Plan.from_dict(d) for d in json.loads(sys.stdin.read())]
 world = plans[0].world_size
@@ -146,7 +148,7 @@ dist.init_process_group("fake", rank=world - 1, world_size=world, store=FakeStor
 for plan in plans:
     mesh = build_mesh(plan)
     assert mesh.world_size == world and (mesh.ep_group is not None) == (plan.ep > 1)
-    assert (mesh.tp is not None) == (plan.tp > 1)
+    assert (mesh.tp is not None) == (plan.tp > 1) and (mesh.cp_group is not None) == (plan.cp > 1)
 print("accepted", len(plans))
 """
 
@@ -180,9 +182,13 @@ def test_plan_prints_which_plans_run_and_writes_a_runnable_one(tmp_path, capsys)
     assert main(["plan", "onboard-flagship-2.8t", "--devices", "128", "--hardware", "Ascend-910C", "--mode", "lora",
                  "--seq-len", "8192", "--trust-remote-code", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "runs" in text.splitlines()[1] and "runs no: context parallelism (cp > 1) is not built" in text
+    assert "runs" in text.splitlines()[1]
+    # issue 38: context parallelism runs over KDA and DSA, so the fastest runnable plan splits each sequence
+    rows = [line.split() for line in text.splitlines()[2:12]]
+    assert any(row[2] != "1" and row[-1] == "yes" for row in rows)
     plan = Plan.from_dict(json.loads(out.read_text()))
-    assert (plan.tp, plan.pp, plan.cp) == (1, 1, 1) and plan.world_size == 128
+    assert (plan.tp, plan.pp) == (1, 1) and plan.cp > 1 and plan.world_size == 128
+    assert not not_runnable(plan)
 
 
 def test_predictor_eval_reports_moe_runs_and_coverage_held_out_by_source(tmp_path, capsys):

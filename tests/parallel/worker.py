@@ -63,6 +63,8 @@ def prepared(case: dict, plan, mesh, trace=None):
     from runtime.parallel import parallelize
 
     model = load_model(case["model"])
+    if case.get("router_loss"):  # HuggingFace adds its load-balancing loss (config.router_aux_loss_coef)
+        model.config.output_router_logits = True
     if plan.lora is not None:
         apply_lora(model, plan.lora)
         init_lora(model, case["lora_seed"])
@@ -90,8 +92,31 @@ def every(ok: bool) -> bool:
     return bool(flag)
 
 
+def rows_of(ids: torch.Tensor, case: dict) -> list[dict]:
+    """The model inputs of each sequence of `ids`: plain (input_ids = labels), or with `case["packed"]` documents
+    starting at those offsets (positions restarting at each, no target across a start, packed-sequence bounds), as
+    runtime.train.data.model_inputs gives a packed corpus's windows."""
+    if not case.get("packed"):
+        return [{"input_ids": ids, "labels": ids}]
+    starts = case["packed"]
+    length = ids.shape[1]
+    bounds = torch.tensor([*starts, length], dtype=torch.int32)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+    rows = []
+    for row in ids:
+        labels = row.clone()
+        labels[starts[1:]] = -100
+        rows.append({"input_ids": row[None], "labels": labels[None], "position_ids": positions[None],
+                     "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+                     "max_length_q": int((bounds[1:] - bounds[:-1]).max()),
+                     "max_length_k": int((bounds[1:] - bounds[:-1]).max())})
+    return rows
+
+
 def run_case(case: dict) -> dict:
+    from runtime.sequence_split import running
     from runtime.lora import load_lora_state_dict, lora_state_dict
+    from runtime.parallel.context_split import split_inputs
     from runtime.parallel import (
         build_mesh,
         gather_experts,
@@ -122,10 +147,14 @@ def run_case(case: dict) -> dict:
                    for p in child.parameters(recurse=False)):
                 child.register_forward_hook(lambda m, a, o: out["norm_tokens"].add(o.shape[1]))
     for step in range(case["steps"]):
-        if pipe is None:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            mean = loss.detach().clone()
+        if pipe is None:  # (under context parallelism, this rank's segments of each sequence)
+            mean, rows = torch.zeros(()), rows_of(ids, case)
+            for inputs in rows:
+                split, inputs = split_inputs(inputs, mesh.cp_group)
+                with running(split):
+                    loss = model(**inputs, use_cache=False).loss / len(rows)
+                    loss.backward()
+                mean += loss.detach()
         else:  # micro-batches through the stages; the loss is on the last stage
             micro = [{"input_ids": m, "labels": m} for m in ids.split(plan.micro_batch)]
             mean = torch.tensor(pipe.step(micro))

@@ -200,6 +200,17 @@ def results(models, tmp_path_factory):
     return get
 
 
+def assert_trains_as_reference(got: dict, want_losses: list, want_grads: dict) -> None:
+    """A worker's losses (1e-5 relative), first-step gradients and their norm against one process's."""
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert sorted(got["grads"]) == sorted(want_grads)
+    for key, want in want_grads.items():
+        torch.testing.assert_close(got["grads"][key], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"grad {key}: {m}")
+    want_norm = sum(g.double().pow(2).sum() for g in want_grads.values()).sqrt().item()
+    assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("world", "name", "layout", "lora"), CASES, ids=[case_id(*c) for c in CASES])
 def test_matches_single_process(results, models, world, name, layout, lora):
@@ -215,13 +226,7 @@ def test_matches_single_process(results, models, world, name, layout, lora):
         assert not any(".experts." in n for n in split)
         assert any(".lora_" in n for n in split) == lora
         assert got["norm_tokens"] == {SEQ // plan.tp}  # sequence parallelism: each rank's norms see its tokens
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
-    assert sorted(got["grads"]) == sorted(want_grads)
-    for key, want in want_grads.items():
-        torch.testing.assert_close(got["grads"][key], want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, key=key: f"grad {key}: {m}")
-    want_norm = sum(g.double().pow(2).sum() for g in want_grads.values()).sqrt().item()
-    assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-5)
+    assert_trains_as_reference(got, want_losses, want_grads)
     assert got.get("state_reloaded", layout not in ROUND_TRIP)
     if plan.ep > 1:
         assert got["comm_seconds"] > 0
@@ -350,8 +355,10 @@ def test_grouped_lora_equals_merged_expert_weights(qwen3):
 def test_plan_problems_are_clear_errors():
     from runtime.parallel import build_mesh
 
-    with pytest.raises(ValueError, match=r"context parallelism \(cp > 1\) is not built"):
-        build_mesh(Plan(cp=2))
+    with pytest.raises(ValueError, match=r"context parallelism with tensor or pipeline parallelism is not built"):
+        build_mesh(Plan(cp=2, tp=2))
+    with pytest.raises(ValueError, match=r"2\*cp=4 segments: it must divide seq_len=4098"):
+        build_mesh(Plan(cp=2, seq_len=4098))
     with pytest.raises(ValueError, match="needs 4 processes"):
         build_mesh(Plan(dp_shard=4))
     with pytest.raises(ValueError, match="ep=3"):

@@ -1,0 +1,236 @@
+"""Context parallelism at the model level: each cp rank runs the model on its segments of every sequence.
+
+    split = Split.of(inputs, group)          # this rank's zig-zag segments of one micro-batch
+    local = split.inputs(inputs)             # the model's keyword arguments for them
+    with running(split):                     # runtime.sequence_split: the cores compute across the cp ranks
+        loss = model(**local, use_cache=False).loss
+        loss.backward()
+
+A sequence of T tokens is cut into 2 cp equal segments; rank r holds segments r and 2 cp - 1 - r
+(`runtime.parallel.context.zigzag`), one cheap early part and one costly late one for causal attention. What the
+model needs to compute as on the unsplit sequence:
+
+- rotary positions: `position_ids` are the tokens' global positions (per document for packed sequences), so the
+  decoder's rotary tables are the unsplit sequence's;
+- the labels are shifted on the whole sequence before the cut (the token at a segment's end predicts the first
+  token of the next segment, which another rank holds) and passed as `shift_labels`;
+- the loss: rank r returns cp * (its tokens' summed cross-entropy) / (the sequence's target count), so the mean
+  over the cp ranks, which FSDP2's gradient reduction over (dp_shard x cp) takes, is the unsplit sequence's mean
+  loss and gradient, also when the ranks hold different numbers of targets (packed documents, masked prompts);
+- the router's load-balancing loss (`balance_loss`): HuggingFace's E * sum_e f_e P_e over every token, with f
+  (the share of picks per expert) all-reduced over the cp group and P split into each rank's share, so the
+  ranks' terms add up to the unsplit sequence's loss and gradient;
+- attention (`runtime.sequence_split`): softmax attention runs as `ATTENTION`, registered with transformers'
+  attention interface; the linear cores carry their states across segments; DSA picks global top-k.
+
+Every rank of the cp group reads the same micro-batch (`ParallelMesh.dp_rank` does not count cp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from runtime.parallel.context import (
+    context_parallel_attention,
+    context_parallel_conv1d,
+    context_parallel_gated_delta,
+    gathered_along,
+    positions_of,
+    visible,
+    zigzag,
+)
+
+ATTENTION = "onboard_cp"  # softmax attention under context parallelism, in transformers' attention interface
+IGNORE = -100
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # the whole sequence's: dropped
+
+
+@dataclass
+class Split:
+    """Where this rank's tokens lie in the unsplit sequence."""
+
+    group: object
+    size: int
+    segments: list[int]  # this rank's segments, increasing
+    n_segments: int
+    positions: torch.Tensor  # (Tl,) the global index of each of this rank's tokens
+    documents: torch.Tensor | None  # (T,) the document of every global position (packed sequences), else None
+    targets: int  # tokens of the whole micro-batch with a label (every rank's)
+
+    @classmethod
+    def of(cls, inputs: dict, group) -> Split:
+        """This rank's split of the micro-batch `inputs` (input_ids (B, T), labels, optional position_ids)."""
+        ids = inputs["input_ids"]
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        n_segments = 2 * size
+        length = ids.shape[-1]
+        if length % n_segments:
+            raise ValueError(f"context parallelism cuts each sequence into 2*cp={n_segments} equal segments: "
+                             f"seq_len={length} is not a multiple")
+        per = length // n_segments
+        segments = zigzag(size)[rank]
+        positions = torch.cat([torch.arange(s * per, (s + 1) * per) for s in segments]).to(ids.device)
+        documents = None
+        if "cu_seq_lens_q" in inputs or "position_ids" in inputs:  # packed: documents restart their positions
+            if ids.shape[0] != 1:
+                raise ValueError("packed sequences come one row per micro-batch")
+            documents = torch.cumsum(inputs["position_ids"][0] == 0, 0) - 1
+        labels = inputs.get("labels")
+        targets = ids.numel() - ids.shape[0] if labels is None else int((_shifted(labels) != IGNORE).sum())
+        return cls(group, size, segments, n_segments, positions, documents, max(targets, 1))
+
+    @property
+    def per(self) -> int:
+        return len(self.positions) // len(self.segments)
+
+    def inputs(self, inputs: dict) -> dict:
+        """The model's keyword arguments for this rank's tokens (see the module docstring)."""
+        ids = inputs["input_ids"]
+        local = {k: v for k, v in inputs.items() if k not in PACKING_KEYS}
+        local["input_ids"] = ids[:, self.positions]
+        if "position_ids" in inputs:
+            local["position_ids"] = inputs["position_ids"][:, self.positions]
+        else:
+            local["position_ids"] = self.positions.unsqueeze(0).expand(ids.shape[0], -1)
+        if "labels" in inputs:
+            local["labels"] = local["shift_labels"] = _shifted(inputs["labels"])[:, self.positions]
+            # cp * (this rank's summed loss) / (every rank's targets): the cp ranks' mean is the sequence's loss
+            local["num_items_in_batch"] = self.targets / self.size
+        return local
+
+    def starts(self) -> list[list[int]]:
+        """The document starts inside each of this rank's segments (offsets in the segment; 0 where one starts
+        with it)."""
+        if self.documents is None:
+            return [[] for _ in self.segments]
+        per = self.per
+        first = torch.ones_like(self.documents, dtype=torch.bool)
+        first[1:] = self.documents[1:] != self.documents[:-1]
+        return [[int(i) for i in first[s * per:(s + 1) * per].nonzero().flatten()] for s in self.segments]
+
+    # the cores, across the cp group ------------------------------------------------------------------------
+
+    def gated_delta(self, query, key, value, g, beta, **kw) -> torch.Tensor:
+        """`chunk_gated_delta_rule` of this rank's tokens, each row carried across the segments."""
+        rows = [context_parallel_gated_delta(*(x[b:b + 1] for x in (query, key, value, g, beta)), group=self.group,
+                                             segments=self.segments, n_segments=self.n_segments,
+                                             starts=self.starts(), **kw) for b in range(query.shape[0])]
+        return torch.cat(rows)
+
+    def conv1d(self, x, weight, bias=None, activation=None) -> torch.Tensor:
+        """The short causal convolution (x (B, C, Tl)) with each segment's predecessor's last taps."""
+        return context_parallel_conv1d(x, weight, bias, activation, group=self.group, segments=self.segments,
+                                       n_segments=self.n_segments, documents=self.documents)
+
+    def attention(self, query, key, value, *, window=None, scale=None) -> torch.Tensor:
+        """Softmax attention (B, H, Tl, D) of this rank's queries over the whole sequence's keys."""
+        return context_parallel_attention(query, key, value, group=self.group, positions=self.positions,
+                                          documents=self.documents, window=window, scale=scale)
+
+    def _in_order(self, tensors: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+        """Every rank's `tensors` all-gathered and put in the unsplit sequence's order along `dims`."""
+        order = torch.argsort(positions_of(self.positions, self.group))
+        return [x.index_select(d, order.to(x.device)) for x, d in zip(gathered_along(tensors, self.group, dims), dims)]
+
+    def visible(self) -> torch.Tensor:
+        """(Tl, T) True where this rank's query sees the key at global position j: causal, within its document."""
+        return visible(self.positions, torch.arange(self.n_segments * self.per, device=self.positions.device),
+                       self.documents)
+
+    def index_topk(self, q, k, weights, top_k: int, scale) -> torch.Tensor:
+        """The DSA indexer's picks (B, Tl, top_k): global key positions, each query's top-k among the keys it may
+        see of the whole sequence (k (B, Tl, D) here, all-gathered). The keys are scored in the unsplit order, so
+        equal scores (the indexer's ReLU makes exact ties) are broken as one process breaks them."""
+        from runtime.attention.indexer import indexer_topk
+
+        keys = self._in_order([k], [1])[0]
+        return indexer_topk(q, keys, weights, self.visible().expand(q.shape[0], -1, -1), top_k, scale)
+
+    def sparse_attention(self, query, key, value, picks, scale, sinks=None) -> torch.Tensor:
+        """Sparse attention (B, H, Tl, Dv) of this rank's queries to their picked global keys (key / value
+        (B, Hkv, Tl, D) here, all-gathered)."""
+        from runtime.attention.dsa import visible_picks
+        from runtime.attention.sparse import sparse_attention
+
+        keys, values = self._in_order([key, value], [2, 2])
+        picks = visible_picks(picks, self.visible()[None, None], keys.shape[2])
+        return sparse_attention(query, keys, values, picks, scale, sinks)
+
+    def balance_loss(self, router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+        """This rank's term of HuggingFace's load-balancing loss over every layer's router logits (each
+        (tokens, E)): cp * E * sum_e f_e P_e^r with f over the whole sequence, P^r this rank's share."""
+        logits = torch.cat([x.float() for x in router_logits])
+        probs = torch.softmax(logits, dim=-1)
+        picks = torch.topk(probs, top_k, dim=-1).indices.flatten()
+        counts = probs.new_zeros(num_experts + 1)
+        counts[:-1].index_add_(0, picks, torch.ones_like(picks, dtype=probs.dtype))
+        counts[-1] = probs.shape[0]
+        dist.all_reduce(counts, group=self.group)  # picks and rows of the whole sequence (no gradient)
+        rows = counts[-1]
+        return self.size * num_experts * (counts[:-1] / rows * (probs.sum(0) / rows)).sum()
+
+
+def split_inputs(inputs: dict, group) -> tuple[Split | None, dict]:
+    """(this rank's split, its model inputs) of a micro-batch; (None, inputs) without a cp `group`."""
+    if group is None:
+        return None, inputs
+    split = Split.of(inputs, group)
+    return split, split.inputs(inputs)
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Token t's target is label t + 1 of the whole sequence; the last token predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention interface under context parallelism: (B, H, S, D) in, (B, S, H, D) out. Without
+    an active split (a forward outside the training step) it is transformers' sdpa."""
+    from runtime.sequence_split import active
+
+    split = active()
+    if split is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("context parallelism runs attention without dropout; set the config's attention_dropout "
+                         "to 0")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("attention sinks under context parallelism are not built")
+    window = kwargs.get("sliding_window") or None
+    out = split.attention(query, key, value, window=window, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def mask(*args, **kwargs):
+    """transformers' mask interface under context parallelism: the attention computes what each query sees from
+    global positions, so the mask is a (B, 1, 1, 1) placeholder (DSA modules slice it); sdpa's without a split."""
+    from runtime.sequence_split import active
+
+    if active() is None:
+        from transformers.masking_utils import sdpa_mask
+
+        return sdpa_mask(*args, **kwargs)
+    batch = kwargs.get("batch_size", args[0] if args else 1)
+    device = kwargs.get("cache_position", torch.zeros(0)).device
+    return torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=device)
+
+
+def prepare(model) -> None:
+    """Make `model`'s softmax attention run as `ATTENTION` (every module that reads the model's config; a
+    module with its own, as swapped DSA attention, keeps its implementation and reads the split itself)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, mask)
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    for config in configs.values():
+        if getattr(config, "_attn_implementation", None) in (None, "sdpa", "eager", "flash_attention_2"):
+            config._attn_implementation = ATTENTION

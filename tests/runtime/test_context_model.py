@@ -1,0 +1,115 @@
+"""Issue 38 item 6: whole models under context parallelism match one process.
+
+Each rank holds the zig-zag segments of its sequences (`runtime.parallel.context_split`); softmax attention
+(Qwen3-30B-A3B; Kimi-Linear's MLA), the gated delta rule with its short convolutions (Qwen3-Next's Gated DeltaNet,
+Kimi-Linear's KDA) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread
+each) at cp 2 (world 2) and cp 2 x FSDP2 (dp_shard 2) x EP 2 (world 4), full training and LoRA, plain and packed
+sequences (documents crossing segment boundaries), against the adapted twin trained in this process on every
+sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the parameters after the
+steps to 1e-4.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from runtime.lora import apply_lora
+from runtime.plan import LoRA, Plan
+
+from tests.runtime.test_parallel import (  # noqa: F401,F811 (models: a fixture)
+    WORKER,
+    assert_trains_as_reference,
+    batch_for,
+    launch,
+    models,
+)
+
+sys.path.insert(0, str(WORKER.parent))
+
+SEQ = 12  # 2 cp = 4 segments of 3 tokens
+LR = 0.5
+STEPS = 2
+PACKED = [0, 5, 9]  # document starts: the second crosses segment 1 / 2, the third starts inside segment 3
+MODELS = ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "deepseek-v3.2")
+# HuggingFace's load-balancing loss joins the training loss (output_router_logits): its statistics span the cp ranks
+ROUTER_LOSS = {"qwen3-30b-a3b", "qwen3-next-80b-a3b"}
+LAYOUTS = {2: {"cp": {"cp": 2}}, 4: {"cp_fsdp_ep": {"cp": 2, "dp_shard": 2, "ep": 2}}}
+# (world, model, layout, LoRA, packed): at cp 2 every model runs full and LoRA, plain and packed; at cp 2 x FSDP2 x EP 2
+# each model once, the two options alternating. Packed documents here are shorter than DSA's top_k = 8, so DSA's
+# plain sequences are where its indexer chooses among the keys a query sees.
+CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", True, True),
+         (2, "qwen3-next-80b-a3b", "cp", True, False), (2, "qwen3-next-80b-a3b", "cp", False, True),
+         (2, "kimi-linear-48b-a3b", "cp", False, False), (2, "kimi-linear-48b-a3b", "cp", True, True),
+         (2, "deepseek-v3.2", "cp", True, False), (2, "deepseek-v3.2", "cp", False, True),
+         (4, "qwen3-30b-a3b", "cp_fsdp_ep", False, True), (4, "qwen3-next-80b-a3b", "cp_fsdp_ep", True, False),
+         (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False)]
+
+
+def plan_for(world: int, layout: str, lora: bool) -> Plan:
+    return Plan(**LAYOUTS[world][layout], seq_len=SEQ, dtype="fp32", lora=LoRA(rank=4, alpha=8.0) if lora else None)
+
+
+def case_id(world, name, layout, lora, packed) -> str:
+    return f"w{world}-{name}-{layout}-{'lora' if lora else 'full'}{'-packed' if packed else ''}"
+
+
+def reference(folder, plan: Plan, batch: torch.Tensor, packed: bool, router_loss: bool):
+    """One process, every sequence whole: the mean of the sequences' losses per step, the first step's gradients,
+    the final parameters."""
+    from worker import init_lora, load_model, rows_of
+
+    model = load_model(str(folder))
+    model.config.output_router_logits = router_loss
+    if plan.lora is not None:
+        apply_lora(model, plan.lora)
+        init_lora(model, 3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses, grads = [], None
+    case = {"packed": PACKED if packed else None}
+    for step in range(STEPS):
+        rows = [r for row in batch.split(1) for r in rows_of(row, case)]
+        total = 0.0
+        for inputs in rows:
+            loss = model(**inputs, use_cache=False).loss / len(rows)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def results(models, tmp_path_factory):  # noqa: F811
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            folder = tmp_path_factory.mktemp(f"cp{world}")
+            cases = [{"id": case_id(w, name, layout, lora, packed), "model": str(models[name]),
+                      "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)),
+                      "lora_seed": 3, "steps": STEPS, "lr": LR, "packed": PACKED if packed else None,
+                      "router_loss": name in ROUTER_LOSS}
+                     for w, name, layout, lora, packed in CASES if w == world]
+            launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder, timeout=900)
+            cache[world] = {"out": torch.load(folder / "out.pt", weights_only=False), "folder": folder}
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("world", "name", "layout", "lora", "packed"), CASES, ids=[case_id(*c) for c in CASES])
+def test_context_parallel_model_matches_one_process(results, models, world, name, layout, lora, packed):  # noqa: F811
+    run = results(world)
+    got = run["out"][case_id(world, name, layout, lora, packed)]
+    plan = plan_for(world, layout, lora)
+    batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch, :SEQ]
+    want_losses, want_grads, want_params = reference(models[name], plan, batch, packed, name in ROUTER_LOSS)
+    assert_trains_as_reference(got, want_losses, want_grads)
+    for key, want in want_params.items():
+        torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"param {key}: {m}")
