@@ -311,10 +311,11 @@ def _compute(d: Dims, plan: Plan, hw: Hardware, precision: str, skew: float, sha
     """(compute, recompute, the busiest EP rank's extra routed-expert compute) in seconds."""
     s, world, tokens_step = plan.seq_len, plan.world_size, plan.tokens_per_step
     fwd = d.forward_flops_per_token(s)
-    # under context parallelism a linear-attention core runs about twice more on each segment: its transition (from
-    # the identity) and what the incoming state adds (`runtime.parallel.context.carry`)
+    # under context parallelism a linear-attention core runs each segment with K more value columns (its transition
+    # from the identity rides along: `runtime.parallel.context.carry`), about one more core with K = V; the
+    # incoming state's product adds 2 K V per head and token, small beside it
     if plan.cp > 1:
-        fwd += 2 * sum(m.flops(s) for m in d.mixers if m.linear)
+        fwd += sum(m.flops(s) for m in d.mixers if m.linear)
     # frozen base weights need no weight gradients: backward costs one forward instead of two
     train = (2 if shape.lora else 3) * fwd + 6 * shape.n_lora_active
     extra = {"full": fwd, "selective": d.mixing_flops(s)}.get(plan.recompute, 0.0)

@@ -20,10 +20,14 @@ where A = prod_t alpha_t (I - beta_t k_t k_t^T) (K x K) is the share's transitio
 tokens run from the identity with zero values. So with the sequence cut into segments 0..n-1 held by the cp ranks
 (contiguous, or zig-zag: segments r and 2cp-1-r on rank r, as the causal softmax layers balance it):
 
-    1. every rank runs each of its segments from zero: outputs o_0, final state F_s, and the transition A_s;
+    1. every rank runs each of its segments once, from the state [0 | I] with the values [v | 0] (K more value
+       columns: the recurrence treats each state column apart): outputs [o(0, v) | o(I, 0)], final [F_s | A_s];
     2. the ranks all-gather (F_s, A_s) of every segment (O(K^2 + K V) per head and segment, whatever the length);
     3. the state entering segment s is the exclusive scan  S_0 = 0,  S_{s+1} = A_s S_s + F_s;
-    4. each rank adds o(S_s, 0), its segments run from their incoming state with zero values.
+    4. each rank adds o(S_s, 0) = o(I, 0) S_s (a (T x K) by (K x V) product per head), by linearity again.
+
+So a segment costs one pass of width V + K where one process runs width V, and keeps what that pass keeps for the
+backward: with K = V about twice one process's linear-attention activations per token, on 1 / cp of the tokens.
 
 The backward pass is autograd's through the same steps: the all-gather's gradient is the sum over ranks of the
 gradients of each gathered state (`_gather`), so a state's gradient travels back to the rank that made it.
@@ -32,6 +36,8 @@ zero there), and only its first document takes the incoming state; both follow f
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -68,7 +74,7 @@ def zigzag(cp: int) -> list[list[int]]:
 
 
 def _segment(query, key, value, g, beta, bounds, *, initial_state, **kw):
-    """One segment's (outputs, final state, transition) from `initial_state` (None: zero); `bounds` are the
+    """One segment's (outputs, final state) from `initial_state` (None: zero); `bounds` are the
     document starts inside the segment (positions > 0), where the state restarts from zero."""
     if not bounds:
         return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
@@ -83,24 +89,24 @@ def _segment(query, key, value, g, beta, bounds, *, initial_state, **kw):
     return out, finals[-1:]  # the last document's: a document start inside passes no earlier state on
 
 
-def carry(run, *, group, segments: list[int], n_segments: int, key_dim: int, heads: int) -> torch.Tensor:
+def carry(run, *, group, segments: list[int], n_segments: int, key_dim: int, value_dim: int) -> torch.Tensor:
     """This rank's outputs of a linear recurrence over a sequence cut into `n_segments` segments, of which it holds
-    `segments` (increasing), given `run(i, zero_values, initial_state) -> (outputs, final state (1, H, K, V))` for
-    its i-th segment: with its own values or zeros, from `initial_state` (None: zero). The recurrence must be linear
-    in the state and the values together (module docstring); steps 1-4 there."""
+    `segments` (increasing), given `run(i, key_dim) -> (outputs (1, T, H, V + K), final state (1, H, K, V + K))`:
+    its i-th segment run with K = key_dim zero value columns after its own values, from the state [0 | I] per head
+    (`_widened`). The recurrence must be linear in the state and the values together (module docstring); steps 1-4
+    there."""
     owners = _segment_owners(group, segments, n_segments)
-    outputs, finals, moves = [], [], []
+    outputs, finals, moves, from_eye = [], [], [], []
     for i in range(len(segments)):
-        out, final = run(i, False, None)
-        eye = torch.eye(key_dim, dtype=final.dtype).expand(1, heads, key_dim, key_dim)
-        _, move = run(i, True, eye)  # the transition: from the identity, values zero (width K)
-        outputs.append(out)
-        finals.append(final)
-        moves.append(move)
+        out, final = run(i, key_dim)
+        outputs.append(out[..., :value_dim])
+        from_eye.append(out[..., value_dim:])
+        finals.append(final[..., :value_dim])
+        moves.append(final[..., value_dim:])
     # one gather of both (ranks, segments of a rank, 1, H, K, V + K): a single collective in the backward as well,
     # so no two ranks can meet different ones
     gathered = _gather(torch.cat([torch.stack(finals), torch.stack(moves)], -1), group)
-    all_finals, all_moves = gathered.split([finals[0].shape[-1], key_dim], -1)
+    all_finals, all_moves = gathered.split([value_dim, key_dim], -1)
     state = torch.zeros_like(finals[0])
     incoming = {}
     for s in range(n_segments):  # the exclusive scan over segments
@@ -113,8 +119,18 @@ def carry(run, *, group, segments: list[int], n_segments: int, key_dim: int, hea
         if segment == 0:
             result.append(out + anchor)
         else:
-            result.append(out + run(i, True, incoming[segment])[0])
+            result.append(out + torch.einsum("bthj,bhjv->bthv", from_eye[i], incoming[segment]))
     return torch.cat(result, 1)
+
+
+def _widened(value: torch.Tensor, key_dim: int, fresh: bool):
+    """[v | 0] (K zero value columns) and the initial state [0 | I] per head, [0 | 0] for a segment a document
+    starts with (no state enters it)."""
+    batch, _, heads, value_dim = value.shape
+    state = value.new_zeros(batch, heads, key_dim, value_dim + key_dim)
+    if not fresh:
+        state[..., value_dim:] = torch.eye(key_dim, dtype=value.dtype, device=value.device)
+    return torch.cat([value, value.new_zeros(*value.shape[:-1], key_dim)], -1), state
 
 
 def _pieces(length: int, segments: list[int], n_segments: int, group) -> int:
@@ -141,17 +157,14 @@ def context_parallel_gated_delta(query, key, value, g, beta, *, group, segments:
     fresh = [0 in s for s in starts]  # a document starts with the segment: no earlier state enters it
     starts = [[b for b in s if b > 0] for s in starts]
 
-    def run(i, zero_values, initial_state):
+    def run(i, key_dim):
         piece = slice(i * per, (i + 1) * per)
         q, k, v, gate, b = (x[:, piece] for x in (query, key, value, g, beta))
-        if zero_values:
-            v = v.new_zeros(*v.shape[:-1], initial_state.shape[-1])
-            if fresh[i]:  # what the incoming state adds, and its transition, are zero
-                return v, v.new_zeros(*initial_state.shape)
-        return _segment(q, k, v, gate, b, starts[i], initial_state=initial_state, **kw)
+        v, state = _widened(v, key_dim, fresh[i])
+        return _segment(q, k, v, gate, b, starts[i], initial_state=state, **kw)
 
     return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=query.shape[-1],
-                 heads=value.shape[2])
+                 value_dim=value.shape[-1])
 
 
 def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_segments: int,
@@ -166,16 +179,15 @@ def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_s
         raise ValueError(f"context parallelism takes one (packed) sequence per call, got batch {q.shape[0]}")
     per = _pieces(q.shape[1], segments, n_segments, group)
 
-    def run(i, zero_values, initial_state):
+    def run(i, key_dim):
         piece = slice(i * per, (i + 1) * per)
-        values = v[:, piece]
-        if zero_values:
-            values = values.new_zeros(*values.shape[:-1], initial_state.shape[-1])
+        values, state = _widened(v[:, piece], key_dim, False)  # a reset at the first token drops [0 | I] itself
         return chunk_scalar_decay(q[:, piece], k[:, piece], values, g[:, piece], chunk_size=chunk_size,
-                                  initial_state=initial_state, output_final_state=True,
+                                  initial_state=state, output_final_state=True,
                                   reset=None if reset is None else reset[:, piece])
 
-    return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=q.shape[-1], heads=v.shape[2])
+    return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=q.shape[-1],
+                 value_dim=v.shape[-1])
 
 
 def gathered_along(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> list[torch.Tensor]:
@@ -261,14 +273,14 @@ class MergedCausal(torch.autograd.Function):
         return dq, dk_before, dv_before, dk_own, dv_own, None
 
 
-def _whole_segments(positions: torch.Tensor) -> list[tuple[int, int]] | None:
-    """(segment, tokens) of each run of consecutive positions, when they are equal whole segments; else None."""
+def _whole_segments(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """(block, tokens) of aligned equal blocks that tile this rank's runs of consecutive positions: the largest
+    size dividing every run's start and length (a rank's two zig-zag segments may be neighbours and make one run,
+    as segments 1 and 2 of cp 2 do); block b covers positions [b * tokens, (b + 1) * tokens)."""
     breaks = [0, *((positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1).tolist(), len(positions)]
     runs = [(int(positions[a]), b - a) for a, b in zip(breaks, breaks[1:])]
-    per = runs[0][1]
-    if any(n != per or start % per for start, n in runs):
-        return None
-    return [(start // per, per) for start, _ in runs]
+    per = math.gcd(*(x for run in runs for x in run))
+    return [(start // per + i, per) for start, n in runs for i in range(n // per)]
 
 
 def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor,
@@ -287,10 +299,18 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     `positions` before this."""
     k, v = gathered_along([key, value], group, [2, 2])
     kpos = positions_of(positions, group)
-    runs = _whole_segments(positions)
-    if (runs and query.device.type == "cpu" and documents is None and window is None and chunk is None
-            and value.shape[-1] == query.shape[-1]):  # the flash pass takes one head size
-        return _by_segments(query, key, value, k, v, kpos, runs, scale)
+    if query.device.type == "cpu" and documents is None and window is None and chunk is None:
+        runs = _whole_segments(positions)
+        head, value_head = query.shape[-1], value.shape[-1]
+        if value_head == head:
+            return _by_segments(query, key, value, k, v, kpos, runs, scale)
+        # the flash pass takes one head size: MLA's narrower values padded with zero columns (the scores are the
+        # queries' and keys'), their outputs cut back
+        scale = head ** -0.5 if scale is None else scale
+        pad = [0, head - value_head] if value_head < head else None
+        if pad is not None:
+            value, v = (torch.nn.functional.pad(x, pad) for x in (value, v))
+            return _by_segments(query, key, value, k, v, kpos, runs, scale)[..., :value_head]
     if query.shape[1] != k.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)

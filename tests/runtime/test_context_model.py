@@ -18,6 +18,7 @@ from runtime.lora import apply_lora
 from runtime.plan import LoRA, Plan
 
 from tests.runtime.test_parallel import (  # noqa: F401,F811 (models: a fixture)
+    ROOT,
     WORKER,
     assert_trains_as_reference,
     batch_for,
@@ -113,3 +114,31 @@ def test_context_parallel_model_matches_one_process(results, models, world, name
     for key, want in want_params.items():
         torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, key=key: f"param {key}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_the_flagship_trains_through_onboard_train_at_cp2_ep2_as_in_one_process(tmp_path):
+    """The flagship's twin (KDA and DSA layers, remote code from the catalogue) with LoRA: `onboard train` over
+    two processes at cp 2 x ep 2 (torchrun; each rank half of every sequence and half of the experts) logs the
+    losses `runtime.train` logs in this process for the same model on whole sequences."""
+    import json
+
+    from cli import main
+    from onboard.train.model import build_model, train_config
+    from runtime.runlog import read_runs
+    from runtime.train import TrainJob, train
+
+    bundle = ROOT / "bundles" / "onboard-flagship-2.8t"
+    lora = LoRA(rank=4, alpha=8.0)
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(cp=2, ep=2, seq_len=32, dtype="fp32", lora=lora).to_json())
+    log = tmp_path / "cp.jsonl"
+    assert main(["train", str(bundle), "--trust-remote-code", "--plan", str(plan), "--steps", "3",
+                 "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    runs, _ = read_runs(log)
+    got = [s["loss"] for s in runs[0].steps]
+    config = tmp_path / "config.json"  # the twin's config, as onboard train hands it to every rank
+    config.write_text(json.dumps(train_config(bundle, trust_remote_code=True), sort_keys=True))
+    one = train(lambda: build_model(bundle, config=str(config), trust_remote_code=True),
+                Plan(seq_len=32, dtype="fp32", lora=lora), TrainJob(steps=3, progress=False))
+    assert got == pytest.approx([s.loss for s in one.steps], rel=1e-5)

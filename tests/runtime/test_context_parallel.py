@@ -94,6 +94,9 @@ CASES = {
                                                        "documents": [], "value_dim": 8},
     "softmax, causal, contiguous (flash passes merged)": {"core": "softmax", "zigzag": False, "per_channel": False,
                                                           "documents": [], "value_dim": 8},
+    # MLA's values are narrower than its queries and keys: padded with zero columns for the flash passes
+    "softmax, causal, zig-zag, narrower values (flash passes merged)": {"core": "softmax", "zigzag": True,
+                                                                         "per_channel": False, "documents": []},
     "sliding window": {"core": "softmax", "zigzag": True, "per_channel": False, "documents": [], "window": 7},
     "chunked attention": {"core": "softmax", "zigzag": False, "per_channel": False, "documents": [],
                           "attention_chunk": 16},

@@ -294,7 +294,9 @@ def _step_losses(log) -> dict[int, float]:
 @pytest.mark.parametrize(("layout", "steps", "every"), [
     ({"dp_shard": 2}, 60, 10),
     # two pipeline stages of one layer, each split over two tensor-parallel ranks: 4 processes
-    ({"pp": 2, "tp": 2, "micro_batch": 1, "grad_accum": 2}, 16, 4)], ids=["fsdp", "pp-tp"])
+    ({"pp": 2, "tp": 2, "micro_batch": 1, "grad_accum": 2}, 16, 4),
+    # issue 38: context parallelism, each sequence over two ranks whose expert-parallel group they also are
+    ({"cp": 2, "ep": 2}, 16, 4)], ids=["fsdp", "pp-tp", "cp-ep"])
 def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path, layout, steps, every):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(train_config(bundle, layers=2)))
