@@ -3,9 +3,9 @@
 Each rank holds the zig-zag segments of its sequences (`runtime.parallel.context_split`); softmax attention
 (Qwen3-30B-A3B; Kimi-Linear's MLA), the gated delta rule with its short convolutions (Qwen3-Next's Gated DeltaNet,
 Kimi-Linear's KDA) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread
-each) at cp 2 (world 2) and cp 2 x FSDP2 (dp_shard 2) x EP 2 (world 4), full training and LoRA, plain and packed
-sequences (documents crossing segment boundaries), against the adapted twin trained in this process on every
-sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the parameters after the
+each) at cp 2 (world 2), cp 2 x FSDP2 (dp_shard 2) x EP 2 and cp 2 x tp 2 (world 4), full training and LoRA, plain
+and packed sequences (documents crossing segment boundaries), against the adapted twin trained in this process on
+every sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the parameters after the
 steps to 1e-4.
 """
 
@@ -35,7 +35,7 @@ PACKED = [0, 5, 9]  # document starts: the second crosses segment 1 / 2, the thi
 MODELS = ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "deepseek-v3.2")
 # HuggingFace's load-balancing loss joins the training loss (output_router_logits): its statistics span the cp ranks
 ROUTER_LOSS = {"qwen3-30b-a3b", "qwen3-next-80b-a3b"}
-LAYOUTS = {2: {"cp": {"cp": 2}}, 4: {"cp_fsdp_ep": {"cp": 2, "dp_shard": 2, "ep": 2}}}
+LAYOUTS = {2: {"cp": {"cp": 2}}, 4: {"cp_fsdp_ep": {"cp": 2, "dp_shard": 2, "ep": 2}, "cp_tp": {"cp": 2, "tp": 2}}}
 # (world, model, layout, LoRA, packed): at cp 2 every model runs full and LoRA, plain and packed; at cp 2 x FSDP2 x EP 2
 # each model once, the two options alternating. Packed documents here are shorter than DSA's top_k = 8, so DSA's
 # plain sequences are where its indexer chooses among the keys a query sees.
@@ -44,7 +44,9 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          (2, "kimi-linear-48b-a3b", "cp", False, False), (2, "kimi-linear-48b-a3b", "cp", True, True),
          (2, "deepseek-v3.2", "cp", True, False), (2, "deepseek-v3.2", "cp", False, True),
          (4, "qwen3-30b-a3b", "cp_fsdp_ep", False, True), (4, "qwen3-next-80b-a3b", "cp_fsdp_ep", True, False),
-         (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False)]
+         (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False),
+         # tensor parallelism inside each cp rank: softmax heads split, sequence parallelism over the rank's half
+         (4, "qwen3-30b-a3b", "cp_tp", True, True), (4, "qwen3-next-80b-a3b", "cp_tp", False, False)]
 
 
 def plan_for(world: int, layout: str, lora: bool) -> Plan:
@@ -110,6 +112,9 @@ def test_context_parallel_model_matches_one_process(results, models, world, name
     plan = plan_for(world, layout, lora)
     batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch, :SEQ]
     want_losses, want_grads, want_params = reference(models[name], plan, batch, packed, name in ROUTER_LOSS)
+    if plan.tp > 1:  # the softmax heads split, and the norms see a tp part of this rank's segments
+        assert any(".self_attn.o_proj." in n for n in got["tp_split"])
+        assert got["norm_tokens"] == {SEQ // (plan.cp * plan.tp)}
     assert_trains_as_reference(got, want_losses, want_grads)
     for key, want in want_params.items():
         torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
