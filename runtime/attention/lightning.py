@@ -26,6 +26,7 @@ import torch
 
 from runtime.attention.probes import close
 from runtime.attention.constant_decay import chunk_constant_decay
+from runtime.sequence_split import active
 from runtime.swap import LINEAR_CORE, Swap
 
 CHUNK = 64  # the scan's chunk length unless overridden, whatever the module's block_size: fastest on CPU (bench)
@@ -36,6 +37,8 @@ def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch
                       chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's output and final state, computed by the runtime from the module's own parameters.
     `cu_seqlens` (batch 1): packed documents, each scanned from a zero state (the final state is the last's)."""
+    if active() is not None:
+        raise ValueError("lightning attention under context parallelism is not built at the model level")
     batch, length, _ = hidden_states.shape
     heads = module.num_attention_heads
     qkv = module.act_fn(module.qkv_proj(hidden_states))

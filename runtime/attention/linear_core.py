@@ -93,6 +93,13 @@ def _forward_names(cls: type) -> set[str]:
     return set(code.co_names) if code is not None else set()
 
 
+def _not_split(kind: str) -> None:
+    """A core whose model-level context parallelism is not wired refuses to run on a rank's segments alone."""
+    if active() is not None:
+        raise ValueError(f"{kind} under context parallelism is not built (the runtime carries the gated delta rule "
+                         f"across cp ranks)")
+
+
 def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mixer: bool = False):
     if kind == "chunk_gated_delta":
         def chunk_core(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -116,6 +123,7 @@ def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mi
 
         def ssd_core(hidden_states, dt, A, B, C, chunk_size=256, *args, **kwargs):
             swap.count(kind)
+            _not_split(kind)
             return ssd_chunk_scan(hidden_states, dt, A, B, C, override_chunk or chunk_size, *args, **kwargs)
         return ssd_core
 
@@ -124,6 +132,7 @@ def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mi
 
         def selective_core(*args, **kwargs):
             swap.count(kind)
+            _not_split(kind)
             return selective_scan(*args, **kwargs)
         return selective_core
 

@@ -285,7 +285,8 @@ def _whole_segments(positions: torch.Tensor) -> list[tuple[int, int]]:
 
 def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor,
                                documents: torch.Tensor | None = None, window: int | None = None,
-                               chunk: int | None = None, scale: float | None = None) -> torch.Tensor:
+                               chunk: int | None = None, scale: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of this rank's queries over the keys of the whole sequence, the keys and values
     all-gathered from the cp group (Llama 3's all-gather context parallelism: one exchange per layer, forward and
     backward, O(T) keys on each rank while the layer runs; the ranks' queries, whose cost grows with their
@@ -296,10 +297,11 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     causal (key position <= query position), within `window` tokens (sliding: query - key < window), within the
     same `chunk` (chunked attention: position // chunk equal), and within the same document (`documents` (T,):
     each global position's document id, for packed sequences). Rotary embeddings are the caller's, applied at
-    `positions` before this."""
+    `positions` before this. `sinks` (H,): one attention-sink logit per head (gpt-oss), a column every query's
+    softmax sees and whose weight goes nowhere."""
     k, v = gathered_along([key, value], group, [2, 2])
     kpos = positions_of(positions, group)
-    if query.device.type == "cpu" and documents is None and window is None and chunk is None:
+    if query.device.type == "cpu" and documents is None and window is None and chunk is None and sinks is None:
         runs = _whole_segments(positions)
         head, value_head = query.shape[-1], value.shape[-1]
         if value_head == head:
@@ -315,7 +317,12 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
         k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
     mask = visible(positions, kpos, documents, window, chunk)
-    return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
+    scores = (query @ k.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
 
 
 def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None, *, group, segments: list[int],

@@ -126,10 +126,10 @@ class Split:
         return context_parallel_conv1d(x, weight, bias, activation, group=self.group, segments=self.segments,
                                        n_segments=self.n_segments, documents=self.documents)
 
-    def attention(self, query, key, value, *, window=None, scale=None) -> torch.Tensor:
+    def attention(self, query, key, value, *, window=None, scale=None, sinks=None) -> torch.Tensor:
         """Softmax attention (B, H, Tl, D) of this rank's queries over the whole sequence's keys."""
         return context_parallel_attention(query, key, value, group=self.group, positions=self.positions,
-                                          documents=self.documents, window=window, scale=scale)
+                                          documents=self.documents, window=window, scale=scale, sinks=sinks)
 
     def _in_order(self, tensors: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
         """Every rank's `tensors` all-gathered and put in the unsplit sequence's order along `dims`."""
@@ -201,10 +201,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if dropout:
         raise ValueError("context parallelism runs attention without dropout; set the config's attention_dropout "
                          "to 0")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attention sinks under context parallelism are not built")
     window = kwargs.get("sliding_window") or None
-    out = split.attention(query, key, value, window=window, scale=scaling)
+    out = split.attention(query, key, value, window=window, scale=scaling, sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2), None
 
 

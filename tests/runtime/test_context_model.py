@@ -43,6 +43,9 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          (2, "qwen3-next-80b-a3b", "cp", True, False), (2, "qwen3-next-80b-a3b", "cp", False, True),
          (2, "kimi-linear-48b-a3b", "cp", False, False), (2, "kimi-linear-48b-a3b", "cp", True, True),
          (2, "deepseek-v3.2", "cp", True, False), (2, "deepseek-v3.2", "cp", False, True),
+         # attention sinks (one logit per head every query's softmax sees) and sliding windows; plain sequences:
+         # gpt-oss runs eager attention, whose mask in transformers 5.24 ignores packed documents (cp keeps them apart)
+         (2, "gpt-oss-120b", "cp", False, False),
          (4, "qwen3-30b-a3b", "cp_fsdp_ep", False, True), (4, "qwen3-next-80b-a3b", "cp_fsdp_ep", True, False),
          (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False),
          # tensor parallelism inside each cp rank: softmax heads split, sequence parallelism over the rank's half
