@@ -37,15 +37,16 @@ def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch
                       chunk_size: int = 64, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's output and final state, computed by the runtime from the module's own parameters.
     `cu_seqlens` (batch 1): packed documents, each scanned from a zero state (the final state is the last's)."""
-    if active() is not None:
-        raise ValueError("lightning attention under context parallelism is not built at the model level")
     batch, length, _ = hidden_states.shape
     heads = module.num_attention_heads
     qkv = module.act_fn(module.qkv_proj(hidden_states))
     if attention_mask is not None and attention_mask.dim() == 2:  # a padding mask: padded tokens add nothing
         qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
     qkv, log_decay = qkv.reshape(batch, length, heads, -1), -module.slope_rate.reshape(heads)
-    if cu_seqlens is None:
+    if (split := active()) is not None:  # context parallelism: the state carried across the cp ranks' segments
+        decay = log_decay.view(1, 1, heads).expand(batch, length, heads)
+        out, state = split.scalar_decay(*qkv.chunk(3, -1), decay, chunk_size=chunk_size), None
+    elif cu_seqlens is None:
         out, state = chunk_constant_decay(qkv, log_decay, chunk_size=chunk_size, output_final_state=True)
     else:
         if batch != 1:
@@ -55,7 +56,7 @@ def lightning_forward(module, hidden_states: torch.Tensor, attention_mask: torch
                   for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         out, state = torch.cat([o for o, _ in pieces], dim=1), pieces[-1][1]
     # the scan computes in fp32 at least; the block's projections run in the model's dtype, as transformers' do
-    out, state = out.to(qkv.dtype), state.to(qkv.dtype)
+    out, state = out.to(qkv.dtype), None if state is None else state.to(qkv.dtype)
     out = module.norm(out.reshape(batch, length, -1))
     out = torch.sigmoid(module.output_gate(hidden_states)) * out
     return module.out_proj(out), state

@@ -96,8 +96,8 @@ def _forward_names(cls: type) -> set[str]:
 def _not_split(kind: str) -> None:
     """A core whose model-level context parallelism is not wired refuses to run on a rank's segments alone."""
     if active() is not None:
-        raise ValueError(f"{kind} under context parallelism is not built (the runtime carries the gated delta rule "
-                         f"across cp ranks)")
+        raise ValueError(f"{kind} under context parallelism is not built (the runtime carries the gated delta rule, "
+                         f"Mamba2's SSD and lightning attention across cp ranks)")
 
 
 def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mixer: bool = False):
@@ -123,7 +123,6 @@ def _runtime_function(kind: str, swap: Swap, override_chunk: int | None, conv_mi
 
         def ssd_core(hidden_states, dt, A, B, C, chunk_size=256, *args, **kwargs):
             swap.count(kind)
-            _not_split(kind)
             return ssd_chunk_scan(hidden_states, dt, A, B, C, override_chunk or chunk_size, *args, **kwargs)
         return ssd_core
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from runtime.attention.delta_reference import compute_dtype
 from runtime.attention.scalar_decay import chunk_scalar_decay
+from runtime.sequence_split import active
 
 # The core's chunk length, whatever the caller's (the result does not depend on it): the fastest on CPU
 # for Mamba2's shapes (state 128, head dim 64) in bench/ssm.py.
@@ -71,6 +72,12 @@ def ssd_chunk_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
     dtype = compute_dtype(hidden_states)
     x, dt = hidden_states.to(dtype), dt.to(dtype)
     state = None if initial_states is None else initial_states.to(dtype).transpose(-1, -2)
+    if (split := active()) is not None:  # context parallelism: the state carried across the cp ranks' segments
+        if state is not None or return_final_states:
+            raise ValueError("context parallelism trains from a zero state and keeps no final state")
+        y = split.scalar_decay(C.to(dtype), B.to(dtype), x * dt[..., None], A.to(dtype) * dt,
+                               chunk_size=min(chunk_size, CORE_CHUNK))
+        return y + D[..., None] * x if D is not None else y
     y, final = chunk_scalar_decay(C.to(dtype), B.to(dtype), x * dt[..., None], A.to(dtype) * dt,
                                   chunk_size=min(chunk_size, CORE_CHUNK), initial_state=state,
                                   output_final_state=return_final_states, reset=reset)

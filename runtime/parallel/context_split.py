@@ -38,6 +38,7 @@ from runtime.parallel.context import (
     context_parallel_attention,
     context_parallel_conv1d,
     context_parallel_gated_delta,
+    context_parallel_scalar_decay,
     gathered_along,
     positions_of,
     visible,
@@ -119,6 +120,18 @@ class Split:
         rows = [context_parallel_gated_delta(*(x[b:b + 1] for x in (query, key, value, g, beta)), group=self.group,
                                              segments=self.segments, n_segments=self.n_segments,
                                              starts=self.starts(), **kw) for b in range(query.shape[0])]
+        return torch.cat(rows)
+
+    def scalar_decay(self, q, k, v, g, *, chunk_size: int = 64) -> torch.Tensor:
+        """`chunk_scalar_decay` of this rank's tokens (Mamba2's SSD, lightning attention), each row carried across
+        the segments; a document's first token drops the state before it."""
+        resets = None
+        if self.documents is not None:
+            before = (self.positions - 1).clamp_min(0)
+            resets = (self.documents[self.positions] != self.documents[before]).unsqueeze(0)
+        rows = [context_parallel_scalar_decay(*(x[b:b + 1] for x in (q, k, v, g)), group=self.group,
+                                              segments=self.segments, n_segments=self.n_segments, reset=resets,
+                                              chunk_size=chunk_size) for b in range(q.shape[0])]
         return torch.cat(rows)
 
     def conv1d(self, x, weight, bias=None, activation=None) -> torch.Tensor:

@@ -34,17 +34,29 @@ def init_lora(model, seed: int) -> None:
 _PRISTINE: dict = {}
 
 
+def source_of(name: str):
+    """The model a bundle folder names: a catalogue model, or `family:<model_type>`, a transformers family at its
+    default config (as `onboard families` inspects them)."""
+    from onboard.source import from_config, resolve
+
+    if name.startswith("family:"):
+        from onboard.review.families import default_config
+
+        family = name.split(":", 1)[1]
+        return from_config(default_config(family), family)
+    return resolve(name)
+
+
 def load_model(folder: str):
     """The adapted twin a bundle folder describes: the catalogue model's twin with the saved weights, put
     through the bundle's adapter.py (as `onboard.bundle.files.load_adapter` loads it). A fresh copy per call."""
     if folder not in _PRISTINE:
         from onboard.bundle.files import load_adapter
-        from onboard.source import resolve
         from onboard.train.model import declare_tensor_parallel
         from onboard.twin import Twin
 
         name = (Path(folder) / "model.txt").read_text().strip()
-        source = resolve(name)
+        source = source_of(name)
         deeper = Path(folder) / "layers.txt"  # the twin's first N layers (pipeline stages need several)
         layers = int(deeper.read_text()) if deeper.exists() else None
         model = Twin.build(source, layers=layers, check=False).model

@@ -1,8 +1,9 @@
 """Issue 38 item 6: whole models under context parallelism match one process.
 
 Each rank holds the zig-zag segments of its sequences (`runtime.parallel.context_split`); softmax attention
-(Qwen3-30B-A3B; Kimi-Linear's MLA), the gated delta rule with its short convolutions (Qwen3-Next's Gated DeltaNet,
-Kimi-Linear's KDA) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread
+(Qwen3-30B-A3B; Kimi-Linear's MLA; gpt-oss's sinks and windows), the gated delta rule with its short convolutions
+(Qwen3-Next's Gated DeltaNet, Kimi-Linear's KDA), scalar decay (NemotronH's Mamba2 SSD, MiniMax's lightning
+attention) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread
 each) at cp 2 (world 2), cp 2 x FSDP2 (dp_shard 2) x EP 2 and cp 2 x tp 2 (world 4), full training and LoRA, plain
 and packed sequences (documents crossing segment boundaries), against the adapted twin trained in this process on
 every sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the parameters after the
@@ -43,6 +44,8 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          (2, "qwen3-next-80b-a3b", "cp", True, False), (2, "qwen3-next-80b-a3b", "cp", False, True),
          (2, "kimi-linear-48b-a3b", "cp", False, False), (2, "kimi-linear-48b-a3b", "cp", True, True),
          (2, "deepseek-v3.2", "cp", True, False), (2, "deepseek-v3.2", "cp", False, True),
+         # Mamba2's SSD (NemotronH) and MiniMax's lightning attention: scalar-decay states carried across segments
+         (2, "family:nemotron_h", "cp", False, True), (2, "family:minimax", "cp", True, False),
          # attention sinks (one logit per head every query's softmax sees) and sliding windows; plain sequences:
          # gpt-oss runs eager attention, whose mask in transformers 5.24 ignores packed documents (cp keeps them apart)
          (2, "gpt-oss-120b", "cp", False, False),

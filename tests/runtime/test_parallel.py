@@ -68,17 +68,19 @@ def _launch_once(world: int, job: dict, tmp_path: Path, script: Path, timeout: i
 
 
 def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
-    """A catalogue model's tiny twin (or its first `layers` layers at twin width), its rendered adapter (runtime
-    MoE blocks around HuggingFace's own parameters) and its weights, as tests/parallel/worker.py `load_model`
-    reads them."""
+    """A catalogue model's (or `family:<model_type>`'s) tiny twin (or its first `layers` layers at twin width), its
+    rendered adapter (runtime MoE blocks around HuggingFace's own parameters) and its weights, as
+    tests/parallel/worker.py `load_model` reads them."""
     from onboard.adapt.codegen import render_adapter
     from onboard.adapt.decision import decide
     from onboard.inspect.capture import capture
     from onboard.inspect.inspection import build_spec
-    from onboard.source import resolve
     from onboard.twin import Twin
 
-    source = resolve(name)
+    sys.path.insert(0, str(WORKER.parent))
+    from worker import source_of
+
+    source = source_of(name)
     torch.manual_seed(0)
     twin = Twin.build(source)
     spec = build_spec(twin, capture(twin))
