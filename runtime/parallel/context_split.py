@@ -76,7 +76,7 @@ class Split:
         segments = zigzag(size)[rank]
         positions = torch.cat([torch.arange(s * per, (s + 1) * per) for s in segments]).to(ids.device)
         documents = None
-        if "cu_seq_lens_q" in inputs or "position_ids" in inputs:  # packed: documents restart their positions
+        if "position_ids" in inputs:  # packed: documents restart their positions
             if ids.shape[0] != 1:
                 raise ValueError("packed sequences come one row per micro-batch")
             documents = torch.cumsum(inputs["position_ids"][0] == 0, 0) - 1

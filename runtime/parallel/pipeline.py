@@ -27,7 +27,9 @@ change to the model is a swap (`runtime.swap`, kind PIPELINE): the stand-ins `cu
 `Stage.swap`; undone before anything is sharded, the whole model is back), the forwards `check_stages` skips
 while it runs one stage, and the entry `Pipeline` gives the model for torch's schedule (`Pipeline.swap`). Each
 micro-batch's other inputs (labels, packed-document positions) reach every stage from the data, which every rank
-of a pipeline reads alike, rather than through the pipeline.
+of a pipeline reads alike, rather than through the pipeline. Under context parallelism each micro-batch comes with
+its split (`runtime.parallel.context_split`), under which the stage runs its forward; the backward needs none (what
+crosses the cp ranks is recorded in the autograd graph), except a recomputed layer's, which is not built.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from runtime.model_tree import Vacated, find_layer_stack
 from runtime.plan import Plan
+from runtime.sequence_split import running
 from runtime.swap import PIPELINE, Swap
 
 _STAGE = "pipeline_stage"  # the attribute `cut` sets on a model (read by `stage_of` only)
@@ -281,8 +284,9 @@ class Pipeline:
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self.swap.count("micro_batch")
-        inputs = self.inputs.popleft()
-        out = run_stage(self.model, self.stage, x, inputs, self.underneath)
+        inputs, split = self.inputs.popleft()
+        with running(split):
+            out = run_stage(self.model, self.stage, x, inputs, self.underneath)
         if torch.is_grad_enabled():  # a micro-batch's routing, counted once (recompute does not come through here)
             for name, m in self.routers:
                 counts = m.tokens_per_expert
@@ -290,9 +294,10 @@ class Pipeline:
                     self.expert_tokens[name] = self.expert_tokens.get(name, 0) + counts.detach().double().cpu()
         return out
 
-    def evaluate(self, micro_batches: list[dict]) -> list[float]:
-        """The loss of each micro-batch, forward only (on the last stage; an empty list on the others)."""
-        self.inputs.extend(micro_batches)
+    def evaluate(self, micro_batches: list[dict], splits: list | None = None) -> list[float]:
+        """The loss of each micro-batch, forward only (on the last stage; an empty list on the others); `splits`:
+        each micro-batch's context-parallel split (None: whole sequences)."""
+        self.inputs.extend(zip(micro_batches, splits or [None] * len(micro_batches)))
         ids = torch.cat([m["input_ids"] for m in micro_batches])
         losses: list = []
         self._schedule(micro_batches[0]["input_ids"].shape).eval(
@@ -301,12 +306,12 @@ class Pipeline:
         self.inputs.clear()
         return [float(loss) for loss in losses] if self.stage.last else []
 
-    def step(self, micro_batches: list[dict]) -> float:
+    def step(self, micro_batches: list[dict], splits: list | None = None) -> float:
         """Forward and backward of the micro-batches (gradients are those of their mean loss); returns the sum of
-        their losses over their count on the last stage, 0 on the others."""
+        their losses over their count on the last stage, 0 on the others. `splits`: as `evaluate`'s."""
         if len(micro_batches) != self.micro:
             raise ValueError(f"the schedule runs {self.micro} micro-batches, got {len(micro_batches)}")
-        self.inputs.extend(micro_batches)
+        self.inputs.extend(zip(micro_batches, splits or [None] * len(micro_batches)))
         ids = torch.cat([m["input_ids"] for m in micro_batches])
         losses: list = []
         self._schedule(micro_batches[0]["input_ids"].shape).step(

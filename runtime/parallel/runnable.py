@@ -58,9 +58,9 @@ def not_runnable(plan: Plan, model=None) -> list[str]:
         if plan.seq_len % (2 * plan.cp):
             out.append(f"context parallelism cuts each sequence into 2*cp={2 * plan.cp} segments: it must divide "
                        f"seq_len={plan.seq_len}")
-        if plan.pp > 1:
-            out.append("context parallelism with pipeline parallelism is not built (cp composes with FSDP2, EP "
-                       "and tp)")
+        if plan.pp > 1 and plan.recompute != "none":
+            out.append("context parallelism with pipeline parallelism and recompute is not built (a recomputed "
+                       "layer would run outside its micro-batch's split)")
     if plan.pp > 1 and plan.pp_schedule == "1f1b" and plan.grad_accum < plan.pp:
         out.append(f"the 1F1B schedule needs at least pp={plan.pp} micro-batches per step, the plan has "
                    f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")

@@ -154,8 +154,10 @@ def _evaluate(model, source, plan: Plan, cfg: TrainJob, dp_rank: int, world: int
                 with running(split):
                     losses.append(float(model(**inputs, use_cache=False).loss))
         else:
+            splits, local = zip(*(_split(inputs, mesh) for inputs in batches))
             losses = [loss for i in range(0, count, plan.grad_accum)
-                      for loss in pipeline.evaluate(batches[i:i + plan.grad_accum])]
+                      for loss in pipeline.evaluate(list(local[i:i + plan.grad_accum]),
+                                                    list(splits[i:i + plan.grad_accum]))]
     if losses:  # a pipeline's loss is on its last stage
         total += torch.tensor([sum(a * n for a, n in zip(losses, targets)), sum(targets)], dtype=torch.float64)
     if world > 1:
@@ -375,8 +377,9 @@ def _step(step, model, optimizer, params, mesh, plan, cfg, source, offload, auto
     counts: dict[str, torch.Tensor] = {}
     if pipeline is not None:
         pipeline.expert_tokens.clear()
+        splits, micro_batches = zip(*(_split(inputs, mesh) for inputs in micro_batches))
         with offload, autocast:
-            loss_sum = torch.tensor(pipeline.step(micro_batches), dtype=torch.float64)
+            loss_sum = torch.tensor(pipeline.step(list(micro_batches), list(splits)), dtype=torch.float64)
         counts = pipeline.expert_tokens
     else:
         loss_sum = torch.zeros((), dtype=torch.float64)

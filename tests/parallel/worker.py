@@ -168,8 +168,9 @@ def run_case(case: dict) -> dict:
                     loss.backward()
                 mean += loss.detach()
         else:  # micro-batches through the stages; the loss is on the last stage
-            micro = [{"input_ids": m, "labels": m} for m in ids.split(plan.micro_batch)]
-            mean = torch.tensor(pipe.step(micro))
+            splits, micro = zip(*(split_inputs(inputs, mesh.cp_group) for m in ids.split(plan.micro_batch)
+                                  for inputs in rows_of(m, case)))
+            mean = torch.tensor(pipe.step(list(micro), list(splits)))
         dist.all_reduce(mean)
         out["losses"].append(mean.item() / (dist.get_world_size() // plan.pp))
         if step == 0:

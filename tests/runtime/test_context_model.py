@@ -3,11 +3,11 @@
 Each rank holds the zig-zag segments of its sequences (`runtime.parallel.context_split`); softmax attention
 (Qwen3-30B-A3B; Kimi-Linear's MLA; gpt-oss's sinks and windows), the gated delta rule with its short convolutions
 (Qwen3-Next's Gated DeltaNet, Kimi-Linear's KDA), scalar decay (NemotronH's Mamba2 SSD, MiniMax's lightning
-attention) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread
-each) at cp 2 (world 2), cp 2 x FSDP2 (dp_shard 2) x EP 2 and cp 2 x tp 2 (world 4), full training and LoRA, plain
-and packed sequences (documents crossing segment boundaries), against the adapted twin trained in this process on
-every sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the parameters after the
-steps to 1e-4.
+attention) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread each) at
+cp 2 (world 2), cp 2 x FSDP2 (dp_shard 2) x EP 2, cp 2 x tp 2 and cp 2 x pp 2 (world 4), full training and LoRA,
+plain and packed sequences (documents crossing segment boundaries), against the adapted twin trained in this
+process on every sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the
+parameters after the steps to 1e-4.
 """
 
 import sys
@@ -34,9 +34,16 @@ LR = 0.5
 STEPS = 2
 PACKED = [0, 5, 9]  # document starts: the second crosses segment 1 / 2, the third starts inside segment 3
 MODELS = ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "deepseek-v3.2")
-# HuggingFace's load-balancing loss joins the training loss (output_router_logits): its statistics span the cp ranks
+# HuggingFace's load-balancing loss joins the training loss (output_router_logits): its statistics span the cp ranks.
+# Not under pp: a stage's loss sums the router logits of its own layers only (runtime.parallel.pipeline)
 ROUTER_LOSS = {"qwen3-30b-a3b", "qwen3-next-80b-a3b"}
-LAYOUTS = {2: {"cp": {"cp": 2}}, 4: {"cp_fsdp_ep": {"cp": 2, "dp_shard": 2, "ep": 2}, "cp_tp": {"cp": 2, "tp": 2}}}
+
+
+def router_loss(name: str, layout: str) -> bool:
+    return name in ROUTER_LOSS and "pp" not in layout
+LAYOUTS = {2: {"cp": {"cp": 2}}, 4: {"cp_fsdp_ep": {"cp": 2, "dp_shard": 2, "ep": 2}, "cp_tp": {"cp": 2, "tp": 2},
+                                     "cp_pp": {"cp": 2, "pp": 2, "grad_accum": 2}}}
+DEEPER = 4  # pipeline layouts train the twin's first 4 layers: two stages of two
 # (world, model, layout, LoRA, packed): at cp 2 every model runs full and LoRA, plain and packed; at cp 2 x FSDP2 x EP 2
 # each model once, the two options alternating. Packed documents here are shorter than DSA's top_k = 8, so DSA's
 # plain sequences are where its indexer chooses among the keys a query sees.
@@ -52,11 +59,17 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          (4, "qwen3-30b-a3b", "cp_fsdp_ep", False, True), (4, "qwen3-next-80b-a3b", "cp_fsdp_ep", True, False),
          (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False),
          # tensor parallelism inside each cp rank: softmax heads split, sequence parallelism over the rank's half
-         (4, "qwen3-30b-a3b", "cp_tp", True, True), (4, "qwen3-next-80b-a3b", "cp_tp", False, False)]
+         (4, "qwen3-30b-a3b", "cp_tp", True, True), (4, "qwen3-next-80b-a3b", "cp_tp", False, False),
+         # two pipeline stages, each micro-batch's forward under its own split (1F1B over two micro-batches)
+         (4, "qwen3-30b-a3b", "cp_pp", False, False), (4, "qwen3-next-80b-a3b", "cp_pp", True, True)]
 
 
 def plan_for(world: int, layout: str, lora: bool) -> Plan:
     return Plan(**LAYOUTS[world][layout], seq_len=SEQ, dtype="fp32", lora=LoRA(rank=4, alpha=8.0) if lora else None)
+
+
+def model_key(name: str, layout: str) -> str:
+    return f"{name}@{DEEPER}" if "pp" in layout else name
 
 
 def case_id(world, name, layout, lora, packed) -> str:
@@ -98,10 +111,10 @@ def results(models, tmp_path_factory):  # noqa: F811
     def get(world: int) -> dict:
         if world not in cache:
             folder = tmp_path_factory.mktemp(f"cp{world}")
-            cases = [{"id": case_id(w, name, layout, lora, packed), "model": str(models[name]),
+            cases = [{"id": case_id(w, name, layout, lora, packed), "model": str(models[model_key(name, layout)]),
                       "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)),
                       "lora_seed": 3, "steps": STEPS, "lr": LR, "packed": PACKED if packed else None,
-                      "router_loss": name in ROUTER_LOSS}
+                      "router_loss": router_loss(name, layout)}
                      for w, name, layout, lora, packed in CASES if w == world]
             launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder, timeout=900)
             cache[world] = {"out": torch.load(folder / "out.pt", weights_only=False), "folder": folder}
@@ -117,7 +130,8 @@ def test_context_parallel_model_matches_one_process(results, models, world, name
     got = run["out"][case_id(world, name, layout, lora, packed)]
     plan = plan_for(world, layout, lora)
     batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch, :SEQ]
-    want_losses, want_grads, want_params = reference(models[name], plan, batch, packed, name in ROUTER_LOSS)
+    want_losses, want_grads, want_params = reference(models[model_key(name, layout)], plan, batch, packed,
+                                                     router_loss(name, layout))
     if plan.tp > 1:  # the softmax heads split, and the norms see a tp part of this rank's segments
         assert any(".self_attn.o_proj." in n for n in got["tp_split"])
         assert got["norm_tokens"] == {SEQ // (plan.cp * plan.tp)}

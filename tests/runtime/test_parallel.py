@@ -357,8 +357,8 @@ def test_grouped_lora_equals_merged_expert_weights(qwen3):
 def test_plan_problems_are_clear_errors():
     from runtime.parallel import build_mesh
 
-    with pytest.raises(ValueError, match=r"context parallelism with pipeline parallelism is not built"):
-        build_mesh(Plan(cp=2, pp=2))
+    with pytest.raises(ValueError, match=r"context parallelism with pipeline parallelism and recompute is not built"):
+        build_mesh(Plan(cp=2, pp=2, grad_accum=2, recompute="full"))
     with pytest.raises(ValueError, match=r"2\*cp=4 segments: it must divide seq_len=4098"):
         build_mesh(Plan(cp=2, seq_len=4098))
     with pytest.raises(ValueError, match="needs 4 processes"):
