@@ -198,6 +198,15 @@ def gathered_along(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> l
     return [torch.cat([x.view(t.shape) for x in part], dim=dim) for part, t, dim in zip(parts, tensors, seq_dims)]
 
 
+def gathered_in_order(tensors: list[torch.Tensor], group, seq_dims: list[int],
+                      positions: torch.Tensor) -> list[torch.Tensor]:
+    """`gathered_along`, each tensor then put in the unsplit sequence's order (this rank's tokens are at global
+    `positions`): what ranks keys by score sees them as one process does, so exact ties (the DSA indexer's ReLU
+    makes them) are broken alike."""
+    order = torch.argsort(positions_of(positions, group))
+    return [x.index_select(d, order.to(x.device)) for x, d in zip(gathered_along(tensors, group, seq_dims), seq_dims)]
+
+
 def positions_of(positions: torch.Tensor, group) -> torch.Tensor:
     where = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
     dist.all_gather(where, positions.contiguous(), group=group)
@@ -233,9 +242,8 @@ def context_parallel_sparse_attention(query, key, value, index_query, index_key,
     from runtime.attention.indexer import indexer_topk
     from runtime.attention.sparse import sparse_attention
 
-    k, v, ik = gathered_along([key, value, index_key], group, [2, 2, 1])
-    kpos = positions_of(positions, group)
-    mask = visible(positions, kpos, documents)[None]  # (1, Tl, T)
+    k, v, ik = gathered_in_order([key, value, index_key], group, [2, 2, 1], positions)
+    mask = visible(positions, torch.arange(k.shape[2], device=positions.device), documents)[None]  # (1, Tl, T)
     picks = indexer_topk(index_query, ik, index_weights, mask, top_k, index_scale)
     return sparse_attention(query, k, v, visible_picks(picks, mask[:, None], k.shape[2]), scale)
 

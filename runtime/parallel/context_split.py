@@ -39,8 +39,7 @@ from runtime.parallel.context import (
     context_parallel_conv1d,
     context_parallel_gated_delta,
     context_parallel_scalar_decay,
-    gathered_along,
-    positions_of,
+    gathered_in_order,
     visible,
     zigzag,
 )
@@ -103,14 +102,20 @@ class Split:
             local["num_items_in_batch"] = self.targets / self.size
         return local
 
+    def firsts(self) -> torch.Tensor | None:
+        """(T,) True at the first token of every document (packed sequences), else None."""
+        if self.documents is None:
+            return None
+        first = torch.ones_like(self.documents, dtype=torch.bool)
+        first[1:] = self.documents[1:] != self.documents[:-1]
+        return first
+
     def starts(self) -> list[list[int]]:
         """The document starts inside each of this rank's segments (offsets in the segment; 0 where one starts
         with it)."""
-        if self.documents is None:
+        first, per = self.firsts(), self.per
+        if first is None:
             return [[] for _ in self.segments]
-        per = self.per
-        first = torch.ones_like(self.documents, dtype=torch.bool)
-        first[1:] = self.documents[1:] != self.documents[:-1]
         return [[int(i) for i in first[s * per:(s + 1) * per].nonzero().flatten()] for s in self.segments]
 
     # the cores, across the cp group ------------------------------------------------------------------------
@@ -125,10 +130,8 @@ class Split:
     def scalar_decay(self, q, k, v, g, *, chunk_size: int = 64) -> torch.Tensor:
         """`chunk_scalar_decay` of this rank's tokens (Mamba2's SSD, lightning attention), each row carried across
         the segments; a document's first token drops the state before it."""
-        resets = None
-        if self.documents is not None:
-            before = (self.positions - 1).clamp_min(0)
-            resets = (self.documents[self.positions] != self.documents[before]).unsqueeze(0)
+        first = self.firsts()
+        resets = None if first is None else first[self.positions].unsqueeze(0)  # (the sequence's start: no state)
         rows = [context_parallel_scalar_decay(*(x[b:b + 1] for x in (q, k, v, g)), group=self.group,
                                               segments=self.segments, n_segments=self.n_segments, reset=resets,
                                               chunk_size=chunk_size) for b in range(q.shape[0])]
@@ -144,11 +147,6 @@ class Split:
         return context_parallel_attention(query, key, value, group=self.group, positions=self.positions,
                                           documents=self.documents, window=window, scale=scale, sinks=sinks)
 
-    def _in_order(self, tensors: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
-        """Every rank's `tensors` all-gathered and put in the unsplit sequence's order along `dims`."""
-        order = torch.argsort(positions_of(self.positions, self.group))
-        return [x.index_select(d, order.to(x.device)) for x, d in zip(gathered_along(tensors, self.group, dims), dims)]
-
     def visible(self) -> torch.Tensor:
         """(Tl, T) True where this rank's query sees the key at global position j: causal, within its document."""
         return visible(self.positions, torch.arange(self.n_segments * self.per, device=self.positions.device),
@@ -160,7 +158,7 @@ class Split:
         equal scores (the indexer's ReLU makes exact ties) are broken as one process breaks them."""
         from runtime.attention.indexer import indexer_topk
 
-        keys = self._in_order([k], [1])[0]
+        keys = gathered_in_order([k], self.group, [1], self.positions)[0]
         return indexer_topk(q, keys, weights, self.visible().expand(q.shape[0], -1, -1), top_k, scale)
 
     def sparse_attention(self, query, key, value, picks, scale, sinks=None) -> torch.Tensor:
@@ -169,7 +167,7 @@ class Split:
         from runtime.attention.dsa import visible_picks
         from runtime.attention.sparse import sparse_attention
 
-        keys, values = self._in_order([key, value], [2, 2])
+        keys, values = gathered_in_order([key, value], self.group, [2, 2], self.positions)
         picks = visible_picks(picks, self.visible()[None, None], keys.shape[2])
         return sparse_attention(query, keys, values, picks, scale, sinks)
 
