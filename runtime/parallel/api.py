@@ -22,6 +22,23 @@ def _experts_outside_blocks(model: nn.Module) -> list[str]:
             and id(m) not in owned]
 
 
+def _folded_moe_blocks(model: nn.Module, mesh: ParallelMesh) -> tuple[nn.Module, ...]:
+    """MoE parallel folding (etp 1) under tensor parallelism: each MoE block runs on its tp rank's part of the
+    sequence (what sequence parallelism holds between blocks), its experts exchanged over an EP group that spans
+    the tp ranks; its router and shared experts stay whole, their gradients (each rank its tokens') summed over
+    the tp ranks. HuggingFace's load-balancing loss would see one rank's tokens: refused."""
+    from runtime.parallel.tensor import sum_gradients_over_ranks
+
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError("MoE parallel folding with HuggingFace's router load-balancing loss (output_router_logits) "
+                         "is not built: each tp rank's router sees its own tokens")
+    blocks = tuple(block for _, block in moe_blocks(model))
+    for block in blocks:
+        subs = [m for name, m in block.named_modules() if not (name == "experts" or name.startswith("experts."))]
+        sum_gradients_over_ranks(block, subs, mesh.tp.get_group())
+    return blocks
+
+
 def mixed_precision(plan: Plan, device_type: str) -> MixedPrecisionPolicy | None:
     """FSDP2's policy for the plan's dtype: with "bf16" on an accelerator, parameters gathered and computed in
     bf16 while the sharded master weights, their gradients' reduction and the optimizer stay fp32; None (all
@@ -50,7 +67,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
     if plan.tp > 1:  # how each declared module splits, read from one forward pass of the whole model
         from runtime.parallel.tensor import find_splits, problems
 
-        splits = find_splits(model)
+        splits = find_splits(model, tp=plan.tp, shared_experts=not plan.folded)
         if why := problems(splits, plan.tp):
             raise ValueError("; ".join(why))
     if plan.ep > 1 and not moe_blocks(model):
@@ -69,8 +86,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
 
         here = dict(model.named_modules())
         blocks = {path: here[path] for path in declared(model)["blocks"] if path in here}
+        local = ()
+        if plan.folded:  # each tp rank's MoE blocks route its own tokens
+            local = _folded_moe_blocks(model, mesh)
+            blocks = {path: b for path, b in blocks.items() if all(b is not m for m in local)}
         apply_tensor_parallel(model, mesh.tp, splits, sequence=set(blocks))
-        apply_sequence_parallel(decoder_layers(model), blocks, {s.path for s in splits} & set(blocks), mesh.tp)
+        apply_sequence_parallel(decoder_layers(model), blocks, {s.path for s in splits} & set(blocks), mesh.tp,
+                                {s.path for s in splits if s.whole}, local)
     if plan.cp > 1:  # softmax attention through the context-parallel attention function
         from runtime.parallel.context_split import prepare
 

@@ -12,6 +12,10 @@ tensor parallelism innermost (the ranks of a tp group are neighbours: one node's
 after every split module is cheapest), pipeline stages outermost (one activation send per micro-batch crosses
 them). The ranks of a tp group read the same data and compute the same experts; so do the stages of a pipeline.
 
+A folded plan (MoE parallel folding, etp 1) counts the tp ranks as shard ranks for the experts: under sequence
+parallelism each tp rank holds its own part of the sequence, so its MoE blocks route their own tokens and the EP
+group may span tp ranks (ranks (pp, dp_replicate / er, er, dp_shard * cp * tp / es, es)).
+
 with `es = ep` when ep divides dp_shard (the EP group lies inside one shard group, as in torchtitan), or
 `es = dp_shard` when the EP group spans every shard group and part of the replicas. Dense weights see the
 (dp_replicate, dp_shard) mesh; experts see (edp_replicate, edp_shard) = the ranks holding the same experts,
@@ -77,8 +81,8 @@ def build_mesh(plan: Plan) -> ParallelMesh:
     er, es = ep_split(plan)
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     shard = plan.dp_shard * plan.cp  # FSDP2 shards over the cp ranks too (each holds different tokens)
-    ranks = torch.arange(world).view(plan.pp, plan.dp_replicate // er, er, shard // es, es, plan.tp)
-    dense = DeviceMesh(device, ranks.reshape(plan.pp, plan.dp_replicate, shard, plan.tp),
+    ranks = torch.arange(world).view(plan.pp, plan.dp_replicate, shard, plan.tp)
+    dense = DeviceMesh(device, ranks,
                        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     where = {"dp_rank": dense["dp_replicate"].get_local_rank() * plan.dp_shard
              + dense["dp_shard"].get_local_rank() // plan.cp, "pp_rank": dense["pp"].get_local_rank()}
@@ -88,9 +92,15 @@ def build_mesh(plan: Plan) -> ParallelMesh:
         where["cp_group"] = by_sequence["cp"].get_group()
     if plan.ep == 1:
         return ParallelMesh(plan, dense, None, None, **where)
-    # experts are replicated over tp and live in one stage: each (stage, tp position) has its own expert mesh
-    by_expert = ranks.permute(0, 1, 3, 2, 4, 5).reshape(plan.pp, plan.dp_replicate // er, shard // es,
-                                                        plan.ep, plan.tp)
-    full = DeviceMesh(device, by_expert, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep", "tp"))
+    if plan.folded:  # MoE parallel folding (etp 1): the tp ranks join the shard ranks, each routing its own tokens
+        folded = ranks.reshape(plan.pp, plan.dp_replicate // er, er, shard * plan.tp // es, es)
+        by_expert = folded.permute(0, 1, 3, 2, 4).reshape(plan.pp, plan.dp_replicate // er, shard * plan.tp // es,
+                                                           plan.ep)
+        full = DeviceMesh(device, by_expert, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep"))
+    else:  # experts are replicated over tp and live in one stage: each (stage, tp position) has its own expert mesh
+        unfolded = ranks.reshape(plan.pp, plan.dp_replicate // er, er, shard // es, es, plan.tp)
+        by_expert = unfolded.permute(0, 1, 3, 2, 4, 5).reshape(plan.pp, plan.dp_replicate // er, shard // es,
+                                                              plan.ep, plan.tp)
+        full = DeviceMesh(device, by_expert, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep", "tp"))
     return ParallelMesh(plan, dense, full["edp_replicate", "edp_shard"], full["ep"].get_group(),
                         full["ep"].get_local_rank(), **where)

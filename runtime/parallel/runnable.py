@@ -10,14 +10,17 @@ from runtime.plan import Plan
 def ep_split(plan: Plan) -> tuple[int, int]:
     """(er, es): how the EP group splits over the replicate and the shard dimensions. Context parallelism's ranks
     count as shard ranks (FSDP2 shards over dp_shard x cp, and the EP group may take cp ranks: their tokens are
-    tokens like any other), so the shard dimension is dp_shard * cp."""
-    ep, shard, dp = plan.ep, plan.dp_shard * plan.cp, plan.dp * plan.cp
+    tokens like any other), so the shard dimension is dp_shard * cp; in a folded plan (MoE parallel folding,
+    etp 1) the tp ranks too, each of which routes its own part of the sequence: dp_shard * cp * tp."""
+    fold = plan.tp if plan.folded else 1
+    ep, shard, dp = plan.ep, plan.dp_shard * plan.cp * fold, plan.dp * plan.cp * fold
+    named = "dp_shard*cp*tp" if plan.folded else "dp_shard*cp"
     if shard % ep == 0:
         return 1, ep
     if ep % shard == 0 and dp % ep == 0:
         return ep // shard, shard
-    raise ValueError(f"ep={ep} must divide dp_shard*cp={shard}, or be a multiple of it dividing "
-                     f"dp_replicate*dp_shard*cp={dp}")
+    raise ValueError(f"ep={ep} must divide {named}={shard}, or be a multiple of it dividing "
+                     f"dp_replicate*{named}={dp}")
 
 
 NOT_BUILT: dict[str, str] = {}  # degrees runtime.parallel does not lay out yet
@@ -29,9 +32,9 @@ NOT_BUILT: dict[str, str] = {}  # degrees runtime.parallel does not lay out yet
 CP_ATTENTION = ("softmax", "sliding", "mla", "linear:gated_deltanet", "linear:kda", "linear:lightning", "sparse:dsa")
 
 
-# attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA's low-rank paths, DSA's indexer
-# and linear attention's fused projections and convolutions stay whole on every tp rank
-TP_ATTENTION = ("softmax", "sliding", "chunked")
+# attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA (and DSA's MLA) with its low-rank
+# latents and DSA's indexer whole on every tp rank; linear attention's fused convolutions are not split
+TP_ATTENTION = ("softmax", "sliding", "chunked", "mla", "sparse:dsa")
 
 
 def not_runnable(plan: Plan, model=None) -> list[str]:
@@ -66,9 +69,11 @@ def not_runnable(plan: Plan, model=None) -> list[str]:
                    f"grad_accum={plan.grad_accum} (more accumulation, or pp_schedule gpipe)")
     out += [f"{kind} parallelism ({name} > 1) is not built in runtime.parallel yet"
             for name, kind in NOT_BUILT.items() if getattr(plan, name) != 1]
-    if plan.folded:
-        out.append(f"MoE parallel folding (etp={plan.etp}: the expert mesh over the tp*dp*cp ranks) is not built in "
-                   f"runtime.parallel yet")
+    if plan.folded and plan.etp != 1:
+        out.append(f"expert tensor parallelism (MoE parallel folding with etp={plan.etp} > 1: each expert's weights "
+                   f"split) is not built in runtime.parallel yet")
+    if plan.folded and plan.pp > 1:
+        out.append("MoE parallel folding with pipeline parallelism is not built in runtime.parallel yet")
     if plan.ep > 1 and not out:
         try:
             ep_split(plan)

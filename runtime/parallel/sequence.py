@@ -8,8 +8,12 @@ pipeline sends see it whole after):
     layer input  x_r  (tokens of rank r)
     norm         token-wise on x_r; its weight's gradient summed over the ranks (torch's SequenceParallel)
     split block  all-gather -> column-wise projections -> ... -> row-wise projection -> reduce-scatter: y_r
+    local block  the block on x_r alone (MoE blocks under MoE parallel folding: token-wise, experts exchanged
+                 over an EP group that spans the tp ranks)
     whole block  all-gather -> the block on every token (the same on every rank) -> keep y_r
-                 (routed experts, MLA, DSA and linear attention, which tensor parallelism does not split)
+                 (routed experts, and linear attention, which tensor parallelism does not split)
+    partial      all-gather (plain; the backward reduce-scatters each rank's share of the gradient) -> whole
+                 latents and split heads -> row-wise projection -> reduce-scatter: y_r (MLA, DSA)
 
 so the all-reduce after each split block becomes a reduce-scatter plus an all-gather (the same bytes), and the
 norms' and residuals' activations shrink by tp. A layer's blocks are its attention and MLP, as inspection found
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 SEQ = 1  # (batch, sequence, hidden)
@@ -30,6 +34,12 @@ SEQ = 1  # (batch, sequence, hidden)
 def _gathered(x: torch.Tensor, mesh, keep_dtensor: bool):
     whole = DTensor.from_local(x, mesh, [Shard(SEQ)], run_check=False).redistribute(mesh, [Replicate()])
     return whole if keep_dtensor else whole.to_local()
+
+
+def _gathered_summing_back(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The whole sequence as a plain tensor whose gradient is each rank's share: summed (reduce-scattered) back."""
+    whole = DTensor.from_local(x, mesh, [Shard(SEQ)], run_check=False).redistribute(mesh, [Replicate()])
+    return whole.to_local(grad_placements=[Partial()])
 
 
 def _own_part(x: torch.Tensor, mesh) -> torch.Tensor:
@@ -51,21 +61,27 @@ def _on_output(output, change):
     return change(output)
 
 
-def apply_sequence_parallel(layers: list[nn.Module], blocks: dict[str, nn.Module], split: set[str], mesh) -> None:
+def apply_sequence_parallel(layers: list[nn.Module], blocks: dict[str, nn.Module], split: set[str], mesh,
+                            partial: set[str] = frozenset(), local: tuple[nn.Module, ...] = ()) -> None:
     """Hooks and norms for sequence parallelism over the 1-D tp `mesh` on this rank's decoder `layers`. `blocks`:
     the layers' attention and MLP modules by path; `split`: the paths among them tensor parallelism split (their
-    row-wise projection must already return its part of the sequence, `Shard(1)`)."""
+    row-wise projection must already return its part of the sequence, `Shard(1)`); `partial`: those among them in
+    partial-gradient form (`runtime.parallel.tensor`), which take the gathered sequence as a plain tensor whose
+    gradient is summed back over the ranks. `local`: children of the layers left as they are, which run on this
+    rank's tokens alone (MoE blocks under MoE parallel folding; their parameters' gradients are summed by the
+    caller)."""
     if not layers:
         return
     layers[0].register_forward_pre_hook(
         lambda m, args, kwargs: _on_first(args, kwargs, lambda x: _own_part(x, mesh)), with_kwargs=True)
     layers[-1].register_forward_hook(lambda m, args, out: _on_output(out, lambda x: _gathered(x, mesh, False)))
-    ids = {id(b) for b in blocks.values()}
+    ids = {id(b) for b in (*blocks.values(), *local)}
     for path, block in blocks.items():
         keep = path in split  # a split block's projections take the gathered DTensor, so gradients sum back
+        gather = (lambda x: _gathered_summing_back(x, mesh)) if path in partial else (
+            lambda x, keep=keep: _gathered(x, mesh, keep))
         block.register_forward_pre_hook(
-            lambda m, args, kwargs, keep=keep: _on_first(args, kwargs, lambda x: _gathered(x, mesh, keep)),
-            with_kwargs=True)
+            lambda m, args, kwargs, gather=gather: _on_first(args, kwargs, gather), with_kwargs=True)
         if not keep:
             block.register_forward_hook(lambda m, args, out: _on_output(out, lambda x: _own_part(x, mesh)))
     for layer in layers:

@@ -1,31 +1,45 @@
 """Tensor parallelism: attention heads and MLP hidden units split over the plan's `tp` ranks.
 
     declare(model, attention={path: Heads(heads, kv_heads)}, mlps=[path, ...])   # the model's builder, once
-    splits = find_splits(model)          # which projections split how, read from one forward pass
+    splits = find_splits(model, tp=2)    # which projections split how, read from one forward pass, and checked
     apply_tensor_parallel(model, tp_mesh, splits)
 
 Which modules are split is what inspection found (the ModelSpec's attention and dense-MLP paths, declared by
 whoever builds the model; every runtime MoE block's shared experts are added here). How each one splits is read
-from what its projections do in a forward pass, never from their names:
+from what its projections do in a forward pass (with autograd recording, so that which projection feeds which is
+in the graph), never from their names:
 
-- a projection that reads the module's input is split by output rows (column-wise): each rank computes its own
-  heads (attention) or its own hidden units (MLP) from the full input;
 - the projection whose output is the module's output is split by input columns (row-wise): each rank's partial
-  product is summed over the tp ranks (one all-reduce per module in forward, one in backward).
+  product is summed over the tp ranks (one reduction per module in forward, one in backward);
+- a projection whose output feeds another projection (a low-rank latent: MLA's q_a / kv_a, a gate's down
+  projection), or that does not feed the output projection at all (DSA's indexer, whose top-k is no gradient path)
+  stays whole: every rank computes it on the full input;
+- every other projection feeding the output projection is split by output rows (column-wise): each rank computes
+  its own heads (attention) or its own hidden units (MLP) from the full input or from a whole latent:
 
-    y = sum_r  W_o[:, cols_r] f(W_in[rows_r, :] x)     (f: per-head attention or the MLP's activation)
+    y = sum_r  W_o[:, cols_r] f(W_in[rows_r, :] x, L(x))     (f: per-head attention or the MLP's activation,
+                                                              L: the whole parts, the same on every rank)
 
-is exact when f works on each head (hidden unit) alone, which is why anything else is refused: a projection that
-neither reads the input nor writes the output (MLA's low-rank paths), a parameter that is not per head (attention
-sinks), an MLP projection wider than what its output projection reads (a fused gate|up matmul, whose halves a
-contiguous split would mix), heads that do not divide by tp. Experts stay expert-parallel and are not split:
-every tp rank of a group computes the same routed experts on the same tokens. Norms, embeddings, routers and the
-LM head are replicated; between a layer's blocks the sequence is split over the tp ranks (`runtime.parallel.
-sequence`), so a split module's row-wise projection there reduce-scatters rather than all-reduces.
+is exact when f works on each head (hidden unit) alone. `find_splits(tp=...)` checks that it is, on the probe:
+each rank's slices, applied in this process (`torch.func.functional_call`), give partial outputs that must sum to
+the module's own output; a module that fails is refused, as is anything the rules above do not cover (a parameter
+of the attention itself such as per-head sinks, an MLP projection wider than its output projection reads: a fused
+gate|up matmul whose halves a contiguous split would mix, heads that do not divide by tp). Experts stay
+expert-parallel and are not split: every tp rank of a group computes the same routed experts on the same tokens.
+Norms, embeddings, routers and the LM head are replicated; between a layer's blocks the sequence is split over the
+tp ranks (`runtime.parallel.sequence`), so a split module's row-wise projection there reduce-scatters rather than
+all-reduces.
+
+A module with whole parts runs in partial-gradient form: inside it the backward's activation gradients are each
+rank's share (the contribution of its own heads), so the column-wise projections return their input gradient
+unreduced, the module's input gradient is summed over the ranks once where sequence parallelism gathered it, and
+the whole parts' parameter gradients are summed over the tp ranks (`sum_gradients_over_ranks`).
+A module without whole parts keeps DTensor's own placements throughout.
 
 Parameters become DTensors on the tp mesh (Shard(0) / Shard(1) / Replicate), which FSDP2 then shards over the
-data-parallel mesh as 2-D DTensors, and `torch.distributed.checkpoint` saves as such. LoRA adapters split with
-their base: column-wise B by rows (A whole), row-wise A by columns (B whole), so x A^T B^T sums like x W^T.
+data-parallel mesh as 2-D DTensors, and `torch.distributed.checkpoint` saves as such; whole parts stay plain
+tensors, the same on every tp rank. LoRA adapters split with their base: column-wise B by rows (A whole),
+row-wise A by columns (B whole), so x A^T B^T sums like x W^T.
 """
 
 from __future__ import annotations
@@ -35,7 +49,8 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from runtime.lora import LoRALinear
@@ -60,6 +75,7 @@ class Split:
     rowwise: str
     heads: Heads | None = None  # None: an MLP
     per_head: tuple[tuple[str, int], ...] = ()
+    whole: tuple[str, ...] = ()  # children with parameters every rank computes whole (partial-gradient form)
 
 
 def declare(model: nn.Module, *, attention: dict[str, Heads], mlps: list[str], blocks: list[str] = ()) -> None:
@@ -85,37 +101,44 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
 
 
-def _targets(model: nn.Module) -> dict[str, Heads | None]:
+def _targets(model: nn.Module, shared_experts: bool = True) -> dict[str, Heads | None]:
     found = declared(model)
     if found is None:
         raise ValueError("tp > 1 but nothing declares which modules split (runtime.parallel.tensor.declare; "
                          "onboard's model factory declares them from the bundle's spec)")
     targets: dict[str, Heads | None] = dict(found["attention"])
     targets.update({path: None for path in found["mlps"]})
-    for name, block in moe_blocks(model):  # shared experts: plain MLPs inside the runtime's MoE blocks
+    for name, block in moe_blocks(model) if shared_experts else ():  # plain MLPs inside the runtime's MoE blocks
         targets.update({f"{name}.shared.{i}" if name else f"shared.{i}": None for i in range(len(block.shared))})
     return targets
 
 
-def find_splits(model: nn.Module, inputs: dict | None = None) -> list[Split]:
+def find_splits(model: nn.Module, inputs: dict | None = None, tp: int | None = None,
+                shared_experts: bool = True) -> list[Split]:
     """How each declared module splits, read from one forward pass of `model` (`inputs`: its keyword arguments;
-    default a short random sequence). ValueError naming the module when one cannot split."""
-    targets = _targets(model)
+    default a short random sequence). With `tp`, each split is also checked on that pass: the tp ranks' partial
+    outputs, computed here from each rank's slices, must sum to the module's output. `shared_experts`: split the
+    shared experts of the runtime's MoE blocks too (not under MoE parallel folding, where a block runs on each
+    rank's own tokens). ValueError naming the module when one cannot split."""
+    targets = _targets(model, shared_experts)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("tensor parallelism reads how projections split from a forward pass, which a model on the "
                          "meta device (released weights, read after parallelising) cannot run yet")
     seen: dict[str, tuple] = {}
+    calls: dict[str, tuple] = {}
     hooks = []
 
-    def remember(path):
+    def remember(path, call=False):
         def hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
             seen.setdefault(path, (_first_tensor(args, kwargs), out))
+            if call:
+                calls.setdefault(path, (args, kwargs, out))
         return hook
 
     for path in targets:
         module = model.get_submodule(path)
-        hooks.append(module.register_forward_hook(remember(path), with_kwargs=True))
+        hooks.append(module.register_forward_hook(remember(path, True), with_kwargs=True))
         for name, child in module.named_modules():
             if name and (_projection(child) or next(child.parameters(recurse=False), None) is not None):
                 hooks.append(child.register_forward_hook(remember(f"{path}.{name}"), with_kwargs=True))
@@ -124,13 +147,41 @@ def find_splits(model: nn.Module, inputs: dict | None = None) -> list[Split]:
         ids = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(0))
         device = next(model.parameters()).device
         inputs = {"input_ids": ids.to(device), "labels": ids.to(device), "use_cache": False}
+    # autograd records the pass (which projection feeds which is read from its graph): every parameter takes part
+    frozen = [p for p in model.parameters() if not p.requires_grad]
     try:
-        with torch.no_grad():
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.enable_grad():
             model(**inputs)
+        splits = [_split(model, path, heads, seen) for path, heads in targets.items()]
+        if tp is not None and not problems(splits, tp):
+            with torch.no_grad():
+                for s in splits:
+                    _check(model.get_submodule(s.path), s, tp, calls[s.path])
     finally:
         for h in hooks:
             h.remove()
-    return [_split(model, path, heads, seen) for path, heads in targets.items()]
+        for p in frozen:
+            p.requires_grad_(False)
+    return splits
+
+
+def _feeders(tensor: torch.Tensor | None, stops: dict) -> set[str]:
+    """The projections (named by `stops`: their outputs' autograd nodes) that `tensor` is computed from, directly:
+    the walk back through the graph stops at each of them."""
+    found, visited = set(), set()
+    todo = [tensor.grad_fn] if tensor is not None and tensor.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if node in stops:
+            found.add(stops[node])
+            continue
+        todo.extend(n for n, _ in node.next_functions)
+    return found
 
 
 def _split(model: nn.Module, path: str, heads: Heads | None, seen: dict) -> Split:
@@ -138,41 +189,80 @@ def _split(model: nn.Module, path: str, heads: Heads | None, seen: dict) -> Spli
         raise ValueError(f"tensor parallelism: {path} did not run in a forward pass")
     given, result = seen[path]
     module = model.get_submodule(path)
-    colwise, rowwise, others = [], [], []
-    for name, child in module.named_modules():
-        if not (name and _projection(child)):
-            if name and next(child.parameters(recurse=False), None) is not None:
-                others.append(name)
-            continue
-        if f"{path}.{name}" not in seen:
-            continue  # a projection that never runs stays whole
-        reads, writes = seen[f"{path}.{name}"]
-        if writes is result:
-            rowwise.append(name)
-        elif reads is given:
-            colwise.append(name)
-        else:
-            raise ValueError(f"tensor parallelism: {path}.{name} neither reads {path}'s input nor writes its "
-                             f"output (a low-rank or chained projection); splitting it is not built")
-    if len(rowwise) != 1 or not colwise:
-        raise ValueError(f"tensor parallelism: {path} has {len(colwise)} input and {len(rowwise)} output "
-                         f"projection(s); one output projection after the input ones is what splits")
-    out = module.get_submodule(rowwise[0])
-    widths = {module.get_submodule(c).out_features for c in colwise}
+    ran = {name: seen[f"{path}.{name}"] for name, child in module.named_modules()
+           if name and _projection(child) and f"{path}.{name}" in seen}  # a projection that never runs stays whole
+    rowwise = [name for name, (_, writes) in ran.items() if writes is result]
+    if len(rowwise) != 1:
+        raise ValueError(f"tensor parallelism: {path} has {len(rowwise)} output projection(s); one output "
+                         f"projection after the input ones is what splits")
+    rowwise = rowwise[0]
+    stops = {writes.grad_fn: name for name, (_, writes) in ran.items() if writes.grad_fn is not None}
+    if given is not None and given.grad_fn is not None:
+        stops.setdefault(given.grad_fn, "")  # the module's input: the walk goes no further back
+    feeds = {name: _feeders(reads, stops) - {""} for name, (reads, _) in ran.items()}
+    latent = set().union(*(feeds[name] for name in ran if name != rowwise))
+    colwise = [name for name in ran if name in feeds[rowwise] and name not in latent]
+    whole = [name for name in ran if name != rowwise and name not in colwise]
+    if not colwise:
+        raise ValueError(f"tensor parallelism: {path} has no input projection that feeds its output projection "
+                         f"alone; nothing splits")
+    out = module.get_submodule(rowwise)
     own = [name for name, _ in module.named_parameters(recurse=False)]
+    others = [name for name, child in module.named_modules()
+              if name and not _projection(child) and next(child.parameters(recurse=False), None) is not None
+              and not any(name.startswith(f"{p}.") for p in (*colwise, rowwise))]
     if heads is None:
+        widths = {module.get_submodule(c).out_features for c in colwise}
+        if whole:
+            raise ValueError(f"tensor parallelism: {path}.{whole[0]} feeds another projection of the MLP (a low-rank "
+                             f"path); splitting it is not built")
         if widths != {out.in_features}:
             raise ValueError(f"tensor parallelism: {path}'s input projections are {sorted(widths)} wide and its output "
                              f"projection reads {out.in_features} (a fused gate|up matmul?): splitting it is not built")
         if own or others:
             raise ValueError(f"tensor parallelism: {path} holds parameters outside its projections "
                              f"({(own + others)[0]}); splitting it is not built")
-        return Split(path, tuple(colwise), rowwise[0])
+        return Split(path, tuple(colwise), rowwise)
     if own:
         raise ValueError(f"tensor parallelism: {path}.{own[0]} is a parameter of the attention itself (per-head "
                          f"sinks or scales?) that splitting would need; not built")
-    return Split(path, tuple(colwise), rowwise[0], heads, tuple((name, _head_dim(path, name, seen, heads))
-                                                                  for name in others if f"{path}.{name}" in seen))
+    if whole:  # partial-gradient form: per-head modules are whole too (their parameters' gradients summed)
+        parts = [name for name in (*whole, *others) if not any(name.startswith(f"{w}.") for w in whole)]
+        return Split(path, tuple(colwise), rowwise, heads, whole=tuple(parts))
+    return Split(path, tuple(colwise), rowwise, heads, tuple((name, _head_dim(path, name, seen, heads))
+                                                            for name in others if f"{path}.{name}" in seen))
+
+
+def _slices(module: nn.Module, split: Split, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """`module`'s parameters as rank `rank` of `tp` holds them under `split` (the row-wise bias on rank 0 alone:
+    the ranks' outputs are summed)."""
+    out = dict(module.named_parameters())
+    for name in split.colwise:
+        for p, t in module.get_submodule(name).named_parameters(recurse=False):
+            if p != "lora_a":
+                out[f"{name}.{p}"] = t.chunk(tp, 0)[rank]
+    for p, t in module.get_submodule(split.rowwise).named_parameters(recurse=False):
+        key = f"{split.rowwise}.{p}"
+        if p in ("weight", "lora_a"):
+            out[key] = t.chunk(tp, 1)[rank]
+        elif p == "bias":
+            out[key] = t if rank == 0 else torch.zeros_like(t)
+    return out
+
+
+def _check(module: nn.Module, split: Split, tp: int, call: tuple) -> None:
+    """ValueError unless the tp ranks' partial outputs of `module` under `split`, computed in this process on the
+    probe's call, sum to the module's output."""
+    args, kwargs, want = call
+    total = None
+    for rank in range(tp):
+        got = torch.func.functional_call(module, _slices(module, split, tp, rank), args, kwargs)
+        got = got[0] if isinstance(got, tuple) else got
+        total = got if total is None else total + got
+    scale = want.detach().abs().max().item() or 1.0
+    if total.shape != want.shape or not torch.allclose(total, want.detach(), rtol=1e-4, atol=1e-5 * scale):
+        raise ValueError(f"tensor parallelism: {split.path} split over tp={tp} does not compute the module's output "
+                         f"on the probe (its heads do not work alone); splitting it is not built")
 
 
 def _head_dim(path: str, name: str, seen: dict, heads: Heads) -> int:
@@ -235,14 +325,72 @@ class _Rowwise(RowwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
+class _PartialColwise(_Colwise):
+    """A column-wise projection inside a module in partial-gradient form: its plain input (the gathered sequence, or
+    a whole latent) is the same on every rank, and the gradient it returns for it is this rank's share, unreduced."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        if isinstance(inputs[0], DTensor):
+            raise ValueError("tensor parallelism: a column-wise projection in partial-gradient form was given a "
+                             "DTensor (its module's input is gathered as a plain tensor)")
+        return DTensor.from_local(inputs[0], device_mesh, (Replicate(),), run_check=False,
+                                  grad_placements=(Partial(),))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp ranks (what a whole part's parameters get from
+    each rank's heads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_gradients_over_ranks(module: nn.Module, subs: list[nn.Module], group) -> None:
+    """While `module` runs, the trainable parameters `subs` hold (their own, not their children's) are seen
+    through `_SumOverRanks`, so their gradients sum over `group` (the parameter objects stay what FSDP2 manages:
+    only the modules' view of them changes, and is put back when `module` returns). For parameters every rank
+    holds whole whose gradient each rank computes a share of: its heads' (a whole part of a split module), or
+    its tokens' (an MoE block's router and shared experts under MoE parallel folding)."""
+    stash: list = []
+
+    def swap_in(m, args, kwargs):
+        for sub in subs:
+            for name, p in list(sub._parameters.items()):
+                if p is not None and p.requires_grad:
+                    stash.append((sub, name, p))
+                    sub._parameters[name] = _SumOverRanks.apply(p, group)
+
+    def swap_back(m, args, kwargs, out):
+        while stash:
+            sub, name, p = stash.pop()
+            sub._parameters[name] = p
+
+    module.register_forward_pre_hook(swap_in, with_kwargs=True)
+    module.register_forward_hook(swap_back, with_kwargs=True, always_call=True)
+
+
 def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split], sequence: set[str] = frozenset()) -> None:
     """Split every module of `splits` over the 1-D tp `mesh`, in place (collective over the mesh). The modules in
     `sequence` return their part of the sequence (a reduce-scatter, for sequence parallelism) rather than all of
-    it (an all-reduce)."""
+    it (an all-reduce). A module with whole parts (partial-gradient form) must be in `sequence`: its input is
+    gathered there (`runtime.parallel.sequence`) with the gradient summed over the ranks."""
     if why := problems(splits, mesh.size()):
         raise ValueError("; ".join(why))
     for s in splits:
-        plan = {name: _Colwise() for name in s.colwise}
+        if s.whole and s.path not in sequence:
+            raise ValueError(f"tensor parallelism: {s.path} keeps whole parts and runs under sequence parallelism "
+                             f"only")
+        colwise = _PartialColwise if s.whole else _Colwise
+        plan = {name: colwise() for name in s.colwise}
         plan[s.rowwise] = _Rowwise(output_layouts=Shard(1)) if s.path in sequence else _Rowwise()
         # per-head norms: their parameters replicated, their input sharded on the heads' dimension, so the
         # parameters' gradient is summed over the tp ranks' heads
@@ -252,3 +400,6 @@ def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split], sequence:
         parallelize_module(module, mesh, plan)
         for name, p in module.named_parameters():  # SequenceParallel's replicas come back trainable
             p.requires_grad_(name not in frozen)
+        if s.whole:
+            subs = {id(m): m for name in s.whole for m in module.get_submodule(name).modules()}
+            sum_gradients_over_ranks(module, list(subs.values()), mesh.get_group())

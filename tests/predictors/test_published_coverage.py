@@ -183,14 +183,14 @@ def test_an_moe_row_says_whether_its_exchange_overlapped_and_whether_its_routing
 # -- EP folded across tp x dp ------------------------------------------------------------------------------------
 def test_ep_folded_across_tp_and_dp_converts_as_a_folded_plan():
     """ep=16 over dp=4: only Megatron-Core's MoE parallel folding lays that out (the expert mesh over the 16 ranks of
-    tp x dp). The row converts to a folded plan (etp=1), written at schema version 4, priced, and not runnable."""
+    tp x dp). The row converts to a folded plan (etp=1), written at schema version 4, priced, and runnable
+    (runtime.parallel lays out folding at etp 1)."""
     run = convert_row(MOE)
     assert run["plan"]["etp"] == 1 and run["plan"]["schema_version"] == 4
     assert "MoE parallel folding" in run["meta"]["expert_layout"] and "etp=1" in run["meta"]["expert_layout"]
     d, plan, hw, est = priced(run)
     assert plan.folded and plan.expert_tp == 1 and est.ep_s > 0
-    assert not_runnable(plan, d) == ["MoE parallel folding (etp=1: the expert mesh over the tp*dp*cp ranks) is not "
-                                     "built in runtime.parallel yet"]
+    assert not_runnable(plan, d) == []
 
 
 def test_a_folded_ep_group_is_priced_over_its_own_ranks():
@@ -236,7 +236,7 @@ def test_every_kind_converts_into_run_logs_the_predictor_reads(tmp_path):
 
 
 # -- the planner prices folded layouts ----------------------------------------------------------------------------
-def test_the_planner_prices_folded_layouts_and_marks_them_not_runnable():
+def test_the_planner_prices_folded_layouts_and_runs_them_without_pipelining():
     d = Dims.from_record({"name": "moe", "layers": 8, "hidden": 2048, "heads": 16, "kv_heads": 4, "ffn": 8192,
                           "vocab": 32000, "experts": 64, "top_k": 4, "expert_ffn": 1024, "shared_experts": 1,
                           "moe_layers": 8})
@@ -244,6 +244,7 @@ def test_the_planner_prices_folded_layouts_and_marks_them_not_runnable():
     folded = [c for c in result.ranked if c.plan.folded]
     # only an ep the plain layouts cannot have (they draw ep from dp_shard x cp), and etp=1
     assert folded and all(c.plan.etp == 1 and (c.plan.dp_shard * c.plan.cp) % c.plan.ep for c in folded)
-    assert all(any("MoE parallel folding" in r for r in c.not_runnable) for c in folded)
-    assert any(not c.not_runnable for c in result.ranked)
+    # runtime.parallel lays out folding at etp 1, not under pipeline parallelism
+    assert all(any("MoE parallel folding" in r for r in c.not_runnable) == (c.plan.pp > 1) for c in folded)
+    assert any(not c.not_runnable for c in folded)
     assert max(c.plan.tp for c in result.ranked) == 8  # two 4-GPU trays of one NVL72 rack

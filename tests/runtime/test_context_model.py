@@ -104,23 +104,39 @@ def reference(folder, plan: Plan, batch: torch.Tensor, packed: bool, router_loss
     return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def results(models, tmp_path_factory):  # noqa: F811
+def assert_case_trains_as_reference(got: dict, run: dict, folder, plan: Plan, packed: bool, router_loss: bool):
+    """A worker's case (losses, first-step gradients, parameters after the steps) against `reference` on the
+    launch's batch."""
+    batch = torch.load(batch_for(plan.world_size, run["folder"]))[:plan.global_batch, :SEQ]
+    want_losses, want_grads, want_params = reference(folder, plan, batch, packed, router_loss)
+    assert_trains_as_reference(got, want_losses, want_grads)
+    for key, want in want_params.items():
+        torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"param {key}: {m}")
+
+
+def launches(tmp_path_factory, cases_of) -> callable:
+    """get(world): the launch of every case `cases_of(world, folder)` lists, run once per world size (rank 0's
+    results by id, and the launch's folder)."""
     cache = {}
 
     def get(world: int) -> dict:
         if world not in cache:
-            folder = tmp_path_factory.mktemp(f"cp{world}")
-            cases = [{"id": case_id(w, name, layout, lora, packed), "model": str(models[model_key(name, layout)]),
-                      "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)),
-                      "lora_seed": 3, "steps": STEPS, "lr": LR, "packed": PACKED if packed else None,
-                      "router_loss": router_loss(name, layout)}
-                     for w, name, layout, lora, packed in CASES if w == world]
-            launch(world, {"cases": cases, "out": str(folder / "out.pt")}, folder, timeout=900)
+            folder = tmp_path_factory.mktemp(f"w{world}")
+            launch(world, {"cases": cases_of(world, folder), "out": str(folder / "out.pt")}, folder, timeout=900)
             cache[world] = {"out": torch.load(folder / "out.pt", weights_only=False), "folder": folder}
         return cache[world]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def results(models, tmp_path_factory):  # noqa: F811
+    return launches(tmp_path_factory, lambda world, folder: [
+        {"id": case_id(w, name, layout, lora, packed), "model": str(models[model_key(name, layout)]),
+         "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)), "lora_seed": 3,
+         "steps": STEPS, "lr": LR, "packed": PACKED if packed else None, "router_loss": router_loss(name, layout)}
+        for w, name, layout, lora, packed in CASES if w == world])
 
 
 @pytest.mark.multiprocess
@@ -129,16 +145,10 @@ def test_context_parallel_model_matches_one_process(results, models, world, name
     run = results(world)
     got = run["out"][case_id(world, name, layout, lora, packed)]
     plan = plan_for(world, layout, lora)
-    batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch, :SEQ]
-    want_losses, want_grads, want_params = reference(models[model_key(name, layout)], plan, batch, packed,
-                                                     router_loss(name, layout))
     if plan.tp > 1:  # the softmax heads split, and the norms see a tp part of this rank's segments
         assert any(".self_attn.o_proj." in n for n in got["tp_split"])
         assert got["norm_tokens"] == {SEQ // (plan.cp * plan.tp)}
-    assert_trains_as_reference(got, want_losses, want_grads)
-    for key, want in want_params.items():
-        torch.testing.assert_close(got["params"][key], want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, key=key: f"param {key}: {m}")
+    assert_case_trains_as_reference(got, run, models[model_key(name, layout)], plan, packed, router_loss(name, layout))
 
 
 @pytest.mark.multiprocess

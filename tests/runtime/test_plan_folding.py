@@ -1,5 +1,5 @@
 """MoE parallel folding in the Plan (`etp`, Megatron-Core's expert_tensor_parallel_size): validated in `problems()`,
-written at schema version 4 only when set, and refused by runtime.parallel in one line until it lays it out."""
+written at schema version 4 only when set; runtime.parallel lays out etp 1 and refuses the rest in one line."""
 
 import json
 
@@ -35,13 +35,18 @@ def test_experts_must_still_divide_by_ep_when_folded():
     assert Plan(tp=2, dp_shard=4, ep=8, etp=1).problems(12) == ["ep=8 must divide the 12 experts"]
 
 
-def test_runtime_parallel_refuses_folding_in_one_line():
-    plan = Plan(tp=2, dp_shard=4, ep=8, etp=1)
-    assert not_runnable(plan) == ["MoE parallel folding (etp=1: the expert mesh over the tp*dp*cp ranks) is not built "
-                                  "in runtime.parallel yet"]
-    with pytest.raises(ValueError, match="MoE parallel folding .* is not built in runtime.parallel yet"):
+def test_runtime_parallel_lays_out_folding_at_etp_1_and_refuses_the_rest_in_one_line():
+    """etp 1 runs (tests/runtime/test_tensor_parallel_models.py trains it against one process); expert tensor
+    parallelism (etp > 1) and folding under pipeline parallelism are refused, each in one line."""
+    assert not not_runnable(Plan(tp=2, dp_shard=4, ep=8, etp=1))
+    plan = Plan(tp=2, dp_shard=4, ep=4, etp=2)
+    assert not_runnable(plan) == ["expert tensor parallelism (MoE parallel folding with etp=2 > 1: each expert's "
+                                  "weights split) is not built in runtime.parallel yet"]
+    with pytest.raises(ValueError, match="expert tensor parallelism .* is not built in runtime.parallel yet"):
         build_mesh(plan)
-    assert not not_runnable(Plan(tp=2, dp_shard=4, ep=4))  # the same ranks unfolded: laid out today
+    assert not_runnable(Plan(tp=2, dp_shard=2, pp=2, ep=4, etp=1, grad_accum=2)) == [
+        "MoE parallel folding with pipeline parallelism is not built in runtime.parallel yet"]
+    assert not not_runnable(Plan(tp=2, dp_shard=4, ep=4))  # the same ranks unfolded
 
 
 def test_only_a_folded_plan_says_version_4():

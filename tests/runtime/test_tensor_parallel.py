@@ -28,24 +28,30 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(HEADS * DIM if plant == "norm over all heads" else DIM)
         if plant == "sinks":
             self.sinks = nn.Parameter(torch.zeros(HEADS))
-        if plant == "low rank":
+        if plant in ("low rank", "latent reaches the heads"):
             self.q_a = nn.Linear(HIDDEN, 8)
             self.q_proj = nn.Linear(8, HEADS * DIM)
 
     def forward(self, hidden_states):
         b, s, _ = hidden_states.shape
-        x = self.q_a(hidden_states) if self.plant == "low rank" else hidden_states
+        latent = self.q_a(hidden_states) if hasattr(self, "q_a") else None
+        x = hidden_states if latent is None else latent
         if self.plant == "norm over all heads":
             q = self.q_norm(self.q_proj(x)).view(b, s, -1, DIM)
         else:
             q = self.q_norm(self.q_proj(x).view(b, s, -1, DIM))
         k = self.k_proj(hidden_states).view(b, s, -1, DIM)
+        if self.plant == "latent reaches the heads":  # one latent feature added to every key, as MLA's k_pe is
+            k = k + latent[..., :1, None]
         v = self.v_proj(hidden_states).view(b, s, -1, DIM)
         k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
         out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         if self.plant == "sinks":
             out = out + self.sinks.view(1, -1, 1, 1)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.plant == "heads mixed":  # the heads' outputs reversed across heads before the output projection
+            out = out.flip(-1)
+        return self.o_proj(out), None
 
 
 class MLP(nn.Module):
@@ -75,9 +81,9 @@ class TinyLM(nn.Module):
         return self.head(h + self.mlp(h))
 
 
-def splits_of(model: nn.Module):
+def splits_of(model: nn.Module, tp: int | None = None):
     declare(model, attention={"attn": Heads(HEADS, KV)}, mlps=["mlp"])
-    return {s.path: s for s in find_splits(model)}
+    return {s.path: s for s in find_splits(model, tp=tp)}
 
 
 def test_projections_split_by_what_they_read_and_write():
@@ -90,8 +96,25 @@ def test_projections_split_by_what_they_read_and_write():
     assert problems(list(found.values()), 4) == ["attn: 4 query and 2 key/value heads do not divide by tp=4"]
 
 
+@pytest.mark.parametrize("plant", ["low rank", "latent reaches the heads"])
+def test_a_latent_stays_whole_and_the_heads_it_feeds_split(plant):
+    """A projection whose output feeds another (a low-rank latent, MLA's q_a) stays whole on every rank, also when
+    the latent reaches the heads directly (MLA's shared rotary key); the projection it feeds splits, and the tp
+    ranks' partial outputs, computed in one process, sum to the module's."""
+    attn = splits_of(TinyLM(Attention(plant), MLP()), tp=2)["attn"]
+    assert sorted(attn.colwise) == ["k_proj", "q_proj", "v_proj"] and attn.rowwise == "o_proj"
+    assert attn.whole == ("q_a", "q_norm") and attn.per_head == ()  # partial-gradient form: per-head norms whole
+
+
+def test_heads_mixed_after_attention_are_refused_by_the_probe():
+    """Nothing in the projections tells that the heads' outputs are mixed before the output projection; the
+    ranks' partial outputs on the probe do."""
+    assert splits_of(TinyLM(Attention("heads mixed"), MLP()))["attn"].rowwise == "o_proj"  # the rules alone pass it
+    with pytest.raises(ValueError, match="attn split over tp=2 does not compute the module's output"):
+        splits_of(TinyLM(Attention("heads mixed"), MLP()), tp=2)
+
+
 @pytest.mark.parametrize(("attention", "mlp", "why"), [
-    ("low rank", False, "attn.q_proj neither reads attn's input nor writes its output"),
     ("sinks", False, "attn.sinks is a parameter of the attention itself"),
     ("norm over all heads", False, r"attn.q_norm \(input \(1, 7, 16\)\) is not a per-head module"),
     (None, True, r"mlp's input projections are \[48\] wide and its output projection reads 24"),
@@ -135,3 +158,18 @@ def test_huggingface_modules_split_or_are_refused_by_what_they_compute():
     declare(olmoe, attention={"model.layers.0.self_attn": Heads(4, 2)}, mlps=[])
     with pytest.raises(ValueError, match="q_norm .* is not a per-head module"):
         find_splits(olmoe)
+
+
+def test_mla_keeps_its_latents_whole_and_splits_its_heads():
+    """transformers' DeepSeek-V3 MLA: q_a / kv_a and their norms whole (kv_a also gives the shared rotary key),
+    q_b / kv_b split by head, o_proj by columns; checked on the probe at tp 2."""
+    config = AutoConfig.for_model("deepseek_v3", hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12,
+                                  kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                                  first_k_dense_replace=1, vocab_size=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    declare(model, attention={"model.layers.0.self_attn": Heads(4, 4)}, mlps=["model.layers.0.mlp"])
+    attn = {s.path: s for s in find_splits(model, tp=2)}["model.layers.0.self_attn"]
+    assert sorted(attn.colwise) == ["kv_b_proj", "q_b_proj"] and attn.rowwise == "o_proj"
+    assert sorted(attn.whole) == ["kv_a_layernorm", "kv_a_proj_with_mqa", "q_a_layernorm", "q_a_proj"]
