@@ -89,13 +89,15 @@ def _segment(query, key, value, g, beta, bounds, *, initial_state, **kw):
     return out, finals[-1:]  # the last document's: a document start inside passes no earlier state on
 
 
-def carry(run, *, group, segments: list[int], n_segments: int, key_dim: int, value_dim: int) -> torch.Tensor:
+def carry(run, *, group, segments: list[int], n_segments: int, key_dim: int, value_dim: int,
+          owners: dict[int, tuple[int, int]] | None = None) -> torch.Tensor:
     """This rank's outputs of a linear recurrence over a sequence cut into `n_segments` segments, of which it holds
     `segments` (increasing), given `run(i, key_dim) -> (outputs (1, T, H, V + K), final state (1, H, K, V + K))`:
     its i-th segment run with K = key_dim zero value columns after its own values, from the state [0 | I] per head
     (`_widened`). The recurrence must be linear in the state and the values together (module docstring); steps 1-4
-    there."""
-    owners = _segment_owners(group, segments, n_segments)
+    there. `owners` (segment -> (rank, index among its segments)): where every segment lives, when the caller knows
+    it (`context_split.Split.owners`); otherwise all-gathered from the ranks' `segments`."""
+    owners = owners or _segment_owners(group, segments, n_segments)
     outputs, finals, moves, from_eye = [], [], [], []
     for i in range(len(segments)):
         out, final = run(i, key_dim)
@@ -143,13 +145,14 @@ def _pieces(length: int, segments: list[int], n_segments: int, group) -> int:
 
 
 def context_parallel_gated_delta(query, key, value, g, beta, *, group, segments: list[int], n_segments: int,
-                                 starts: list[list[int]] | None = None, **kw) -> torch.Tensor:
+                                 starts: list[list[int]] | None = None, owners: dict | None = None,
+                                 **kw) -> torch.Tensor:
     """This rank's outputs of the gated delta rule over a sequence cut into `n_segments` segments, of which it
     holds `segments` (in increasing order; their tokens concatenated in that order along dim 1, equal lengths).
     query/key (1, T, Hk, K), value (1, T, H, V), g (1, T, H[, K]), beta (1, T, H), as `chunk_gated_delta_rule`
     takes them (`kw`: chunk_size, scale, use_qk_l2norm_in_kernel). `starts[i]`: the document starts inside this
     rank's i-th segment (packed documents; 0 when one starts with the segment, which then takes no state). Every
-    rank of `group` calls it with the same n_segments."""
+    rank of `group` calls it with the same n_segments (`owners`: as `carry` takes it)."""
     if query.shape[0] != 1:
         raise ValueError(f"context parallelism takes one (packed) sequence per call, got batch {query.shape[0]}")
     per = _pieces(query.shape[1], segments, n_segments, group)
@@ -164,11 +167,12 @@ def context_parallel_gated_delta(query, key, value, g, beta, *, group, segments:
         return _segment(q, k, v, gate, b, starts[i], initial_state=state, **kw)
 
     return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=query.shape[-1],
-                 value_dim=value.shape[-1])
+                 value_dim=value.shape[-1], owners=owners)
 
 
 def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_segments: int,
-                                  reset: torch.Tensor | None = None, chunk_size: int = 64) -> torch.Tensor:
+                                  reset: torch.Tensor | None = None, chunk_size: int = 64,
+                                  owners: dict | None = None) -> torch.Tensor:
     """The same for linear attention with one decay per head and token (Mamba2's SSD, lightning attention:
     `runtime.attention.scalar_decay.chunk_scalar_decay`'s q, k (1, T, Hk, K), v (1, T, H, V), g (1, T, H) and
     `reset` (1, T): a document starts at this token). Its transition is exp(sum g) I until the last reset, 0 after
@@ -187,7 +191,7 @@ def context_parallel_scalar_decay(q, k, v, g, *, group, segments: list[int], n_s
                                   reset=None if reset is None else reset[:, piece])
 
     return carry(run, group=group, segments=segments, n_segments=n_segments, key_dim=q.shape[-1],
-                 value_dim=v.shape[-1])
+                 value_dim=v.shape[-1], owners=owners)
 
 
 def gathered_along(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> list[torch.Tensor]:
@@ -198,12 +202,12 @@ def gathered_along(tensors: list[torch.Tensor], group, seq_dims: list[int]) -> l
     return [torch.cat([x.view(t.shape) for x in part], dim=dim) for part, t, dim in zip(parts, tensors, seq_dims)]
 
 
-def gathered_in_order(tensors: list[torch.Tensor], group, seq_dims: list[int],
-                      positions: torch.Tensor) -> list[torch.Tensor]:
+def gathered_in_order(tensors: list[torch.Tensor], group, seq_dims: list[int], positions: torch.Tensor,
+                      kpos: torch.Tensor | None = None) -> list[torch.Tensor]:
     """`gathered_along`, each tensor then put in the unsplit sequence's order (this rank's tokens are at global
-    `positions`): what ranks keys by score sees them as one process does, so exact ties (the DSA indexer's ReLU
-    makes them) are broken alike."""
-    order = torch.argsort(positions_of(positions, group))
+    `positions`; `kpos`, every rank's positions in rank order, when the caller knows them): what ranks keys by
+    score sees them as one process does, so exact ties (the DSA indexer's ReLU makes them) are broken alike."""
+    order = torch.argsort(positions_of(positions, group) if kpos is None else kpos)
     return [x.index_select(d, order.to(x.device)) for x, d in zip(gathered_along(tensors, group, seq_dims), seq_dims)]
 
 
@@ -291,7 +295,7 @@ def _whole_segments(positions: torch.Tensor) -> list[tuple[int, int]]:
     return [(start // per + i, per) for start, n in runs for i in range(n // per)]
 
 
-def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor,
+def context_parallel_attention(query, key, value, *, group, positions: torch.Tensor, kpos: torch.Tensor | None = None,
                                documents: torch.Tensor | None = None, window: int | None = None,
                                chunk: int | None = None, scale: float | None = None,
                                sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -306,9 +310,10 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
     same `chunk` (chunked attention: position // chunk equal), and within the same document (`documents` (T,):
     each global position's document id, for packed sequences). Rotary embeddings are the caller's, applied at
     `positions` before this. `sinks` (H,): one attention-sink logit per head (gpt-oss), a column every query's
-    softmax sees and whose weight goes nowhere."""
+    softmax sees and whose weight goes nowhere. `kpos`: every rank's positions in rank order, when the caller knows
+    them (else all-gathered)."""
     k, v = gathered_along([key, value], group, [2, 2])
-    kpos = positions_of(positions, group)
+    kpos = positions_of(positions, group) if kpos is None else kpos
     if query.device.type == "cpu" and documents is None and window is None and chunk is None and sinks is None:
         runs = _whole_segments(positions)
         head, value_head = query.shape[-1], value.shape[-1]
@@ -334,7 +339,8 @@ def context_parallel_attention(query, key, value, *, group, positions: torch.Ten
 
 
 def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None, *, group, segments: list[int],
-                            n_segments: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+                            n_segments: int, documents: torch.Tensor | None = None,
+                            owners: dict | None = None) -> torch.Tensor:
     """The short depthwise causal convolution of linear attention and Mamba blocks (`runtime.attention.conv.
     causal_conv1d`: x (B, C, Tl), weight (C, W)) over this rank's segments, each seeing the W - 1 tokens before it
     wherever they live: every segment's last W - 1 tokens are all-gathered (one collective, forward and backward)
@@ -347,7 +353,7 @@ def context_parallel_conv1d(x, weight, bias=None, activation: str | None = None,
     halo = width - 1
     if halo > per:
         raise ValueError(f"segments of {per} tokens are shorter than the convolution's {halo} earlier taps")
-    owners = _segment_owners(group, segments, n_segments)
+    owners = owners or _segment_owners(group, segments, n_segments)
     tails = gathered_along([torch.stack([x[..., (i + 1) * per - halo:(i + 1) * per] for i in range(len(segments))])],
                       group, [0])[0] if halo else None  # (ranks * segments of a rank, B, C, halo)
     out = []

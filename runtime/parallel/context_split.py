@@ -29,6 +29,7 @@ Every rank of the cp group reads the same micro-batch (`ParallelMesh.dp_rank` do
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,22 @@ class Split:
             local["num_items_in_batch"] = self.targets / self.size
         return local
 
+    # what every layer's core asks, known from the split alone: computed once per micro-batch, not per layer (each
+    # would otherwise be a collective or a host sync in every layer, forward and recompute)
+
+    @cached_property
+    def owners(self) -> dict[int, tuple[int, int]]:
+        """Segment -> (rank, index among that rank's segments): the zig-zag layout every rank holds."""
+        return {s: (rank, i) for rank, held in enumerate(zigzag(self.size)) for i, s in enumerate(held)}
+
+    @cached_property
+    def key_positions(self) -> torch.Tensor:
+        """(T,) every rank's global positions in rank order: where the all-gathered keys come from."""
+        per = self.per
+        return torch.cat([torch.arange(s * per, (s + 1) * per) for held in zigzag(self.size)
+                          for s in held]).to(self.positions.device)
+
+    @cached_property
     def firsts(self) -> torch.Tensor | None:
         """(T,) True at the first token of every document (packed sequences), else None."""
         if self.documents is None:
@@ -110,13 +127,20 @@ class Split:
         first[1:] = self.documents[1:] != self.documents[:-1]
         return first
 
+    @cached_property
     def starts(self) -> list[list[int]]:
         """The document starts inside each of this rank's segments (offsets in the segment; 0 where one starts
         with it)."""
-        first, per = self.firsts(), self.per
+        first, per = self.firsts, self.per
         if first is None:
             return [[] for _ in self.segments]
         return [[int(i) for i in first[s * per:(s + 1) * per].nonzero().flatten()] for s in self.segments]
+
+    @cached_property
+    def resets(self) -> torch.Tensor | None:
+        """(1, Tl) True at this rank's tokens that start a document (the sequence's start too: no state precedes
+        it), for the scalar-decay scan."""
+        return None if self.firsts is None else self.firsts[self.positions].unsqueeze(0)
 
     # the cores, across the cp group ------------------------------------------------------------------------
 
@@ -124,31 +148,33 @@ class Split:
         """`chunk_gated_delta_rule` of this rank's tokens, each row carried across the segments."""
         rows = [context_parallel_gated_delta(*(x[b:b + 1] for x in (query, key, value, g, beta)), group=self.group,
                                              segments=self.segments, n_segments=self.n_segments,
-                                             starts=self.starts(), **kw) for b in range(query.shape[0])]
+                                             starts=self.starts, owners=self.owners, **kw)
+                for b in range(query.shape[0])]
         return torch.cat(rows)
 
     def scalar_decay(self, q, k, v, g, *, chunk_size: int = 64) -> torch.Tensor:
         """`chunk_scalar_decay` of this rank's tokens (Mamba2's SSD, lightning attention), each row carried across
         the segments; a document's first token drops the state before it."""
-        first = self.firsts()
-        resets = None if first is None else first[self.positions].unsqueeze(0)  # (the sequence's start: no state)
         rows = [context_parallel_scalar_decay(*(x[b:b + 1] for x in (q, k, v, g)), group=self.group,
-                                              segments=self.segments, n_segments=self.n_segments, reset=resets,
-                                              chunk_size=chunk_size) for b in range(q.shape[0])]
+                                              segments=self.segments, n_segments=self.n_segments,
+                                              reset=self.resets, chunk_size=chunk_size, owners=self.owners)
+                for b in range(q.shape[0])]
         return torch.cat(rows)
 
     def conv1d(self, x, weight, bias=None, activation=None) -> torch.Tensor:
         """The short causal convolution (x (B, C, Tl)) with each segment's predecessor's last taps."""
         return context_parallel_conv1d(x, weight, bias, activation, group=self.group, segments=self.segments,
-                                       n_segments=self.n_segments, documents=self.documents)
+                                       n_segments=self.n_segments, documents=self.documents, owners=self.owners)
 
     def attention(self, query, key, value, *, window=None, scale=None, sinks=None) -> torch.Tensor:
         """Softmax attention (B, H, Tl, D) of this rank's queries over the whole sequence's keys."""
         return context_parallel_attention(query, key, value, group=self.group, positions=self.positions,
-                                          documents=self.documents, window=window, scale=scale, sinks=sinks)
+                                          kpos=self.key_positions, documents=self.documents, window=window,
+                                          scale=scale, sinks=sinks)
 
     def visible(self) -> torch.Tensor:
-        """(Tl, T) True where this rank's query sees the key at global position j: causal, within its document."""
+        """(Tl, T) True where this rank's query sees the key at global position j: causal, within its document
+        (built per call, not kept: it is Tl x T)."""
         return visible(self.positions, torch.arange(self.n_segments * self.per, device=self.positions.device),
                        self.documents)
 
@@ -158,7 +184,7 @@ class Split:
         equal scores (the indexer's ReLU makes exact ties) are broken as one process breaks them."""
         from runtime.attention.indexer import indexer_topk
 
-        keys = gathered_in_order([k], self.group, [1], self.positions)[0]
+        keys = gathered_in_order([k], self.group, [1], self.positions, self.key_positions)[0]
         return indexer_topk(q, keys, weights, self.visible().expand(q.shape[0], -1, -1), top_k, scale)
 
     def sparse_attention(self, query, key, value, picks, scale, sinks=None) -> torch.Tensor:
@@ -167,7 +193,7 @@ class Split:
         from runtime.attention.dsa import visible_picks
         from runtime.attention.sparse import sparse_attention
 
-        keys, values = gathered_in_order([key, value], self.group, [2, 2], self.positions)
+        keys, values = gathered_in_order([key, value], self.group, [2, 2], self.positions, self.key_positions)
         picks = visible_picks(picks, self.visible()[None, None], keys.shape[2])
         return sparse_attention(query, keys, values, picks, scale, sinks)
 

@@ -23,6 +23,8 @@ norms), which is what HuggingFace decoder layers hold.
 
 from __future__ import annotations
 
+from functools import partial as bind
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -31,15 +33,12 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 SEQ = 1  # (batch, sequence, hidden)
 
 
-def _gathered(x: torch.Tensor, mesh, keep_dtensor: bool):
+def _gathered(x: torch.Tensor, mesh, keep_dtensor: bool = False, summing_back: bool = False):
+    """The whole sequence from every rank's part: a replicated DTensor (`keep_dtensor`), or a plain tensor whose
+    gradient is taken as the same on every rank, or (`summing_back`) as each rank's share, summed
+    (reduce-scattered) back."""
     whole = DTensor.from_local(x, mesh, [Shard(SEQ)], run_check=False).redistribute(mesh, [Replicate()])
-    return whole if keep_dtensor else whole.to_local()
-
-
-def _gathered_summing_back(x: torch.Tensor, mesh) -> torch.Tensor:
-    """The whole sequence as a plain tensor whose gradient is each rank's share: summed (reduce-scattered) back."""
-    whole = DTensor.from_local(x, mesh, [Shard(SEQ)], run_check=False).redistribute(mesh, [Replicate()])
-    return whole.to_local(grad_placements=[Partial()])
+    return whole if keep_dtensor else whole.to_local(grad_placements=[Partial()] if summing_back else None)
 
 
 def _own_part(x: torch.Tensor, mesh) -> torch.Tensor:
@@ -74,15 +73,16 @@ def apply_sequence_parallel(layers: list[nn.Module], blocks: dict[str, nn.Module
         return
     layers[0].register_forward_pre_hook(
         lambda m, args, kwargs: _on_first(args, kwargs, lambda x: _own_part(x, mesh)), with_kwargs=True)
-    layers[-1].register_forward_hook(lambda m, args, out: _on_output(out, lambda x: _gathered(x, mesh, False)))
+    layers[-1].register_forward_hook(lambda m, args, out: _on_output(out, lambda x: _gathered(x, mesh)))
     ids = {id(b) for b in (*blocks.values(), *local)}
     for path, block in blocks.items():
-        keep = path in split  # a split block's projections take the gathered DTensor, so gradients sum back
-        gather = (lambda x: _gathered_summing_back(x, mesh)) if path in partial else (
-            lambda x, keep=keep: _gathered(x, mesh, keep))
+        # a split block's projections take the gathered DTensor, so gradients sum back (plain, summing back, in
+        # partial-gradient form)
+        gather = bind(_gathered, mesh=mesh, keep_dtensor=path in split and path not in partial,
+                      summing_back=path in partial)
         block.register_forward_pre_hook(
             lambda m, args, kwargs, gather=gather: _on_first(args, kwargs, gather), with_kwargs=True)
-        if not keep:
+        if path not in split:  # a whole block's output, the same on every rank: this rank keeps its part
             block.register_forward_hook(lambda m, args, out: _on_output(out, lambda x: _own_part(x, mesh)))
     for layer in layers:
         for name, child in layer.named_children():

@@ -124,16 +124,15 @@ def find_splits(model: nn.Module, inputs: dict | None = None, tp: int | None = N
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("tensor parallelism reads how projections split from a forward pass, which a model on the "
                          "meta device (released weights, read after parallelising) cannot run yet")
-    seen: dict[str, tuple] = {}
-    calls: dict[str, tuple] = {}
+    seen: dict[str, tuple] = {}  # path -> (its input, its output) at its first call
+    calls: dict[str, tuple] = {}  # a declared module's path -> (args, kwargs) of that call, for `_check`
     hooks = []
 
     def remember(path, call=False):
         def hook(module, args, kwargs, output):
-            out = output[0] if isinstance(output, tuple) else output
-            seen.setdefault(path, (_first_tensor(args, kwargs), out))
+            seen.setdefault(path, (_first_tensor(args, kwargs), output[0] if isinstance(output, tuple) else output))
             if call:
-                calls.setdefault(path, (args, kwargs, out))
+                calls.setdefault(path, (args, kwargs))
         return hook
 
     for path in targets:
@@ -158,7 +157,7 @@ def find_splits(model: nn.Module, inputs: dict | None = None, tp: int | None = N
         if tp is not None and not problems(splits, tp):
             with torch.no_grad():
                 for s in splits:
-                    _check(model.get_submodule(s.path), s, tp, calls[s.path])
+                    _check(model.get_submodule(s.path), s, tp, *calls[s.path], seen[s.path][1])
     finally:
         for h in hooks:
             h.remove()
@@ -237,23 +236,21 @@ def _slices(module: nn.Module, split: Split, tp: int, rank: int) -> dict[str, to
     """`module`'s parameters as rank `rank` of `tp` holds them under `split` (the row-wise bias on rank 0 alone:
     the ranks' outputs are summed)."""
     out = dict(module.named_parameters())
-    for name in split.colwise:
-        for p, t in module.get_submodule(name).named_parameters(recurse=False):
-            if p != "lora_a":
-                out[f"{name}.{p}"] = t.chunk(tp, 0)[rank]
-    for p, t in module.get_submodule(split.rowwise).named_parameters(recurse=False):
-        key = f"{split.rowwise}.{p}"
-        if p in ("weight", "lora_a"):
-            out[key] = t.chunk(tp, 1)[rank]
-        elif p == "bias":
-            out[key] = t if rank == 0 else torch.zeros_like(t)
+    for colwise, names in ((True, split.colwise), (False, (split.rowwise,))):
+        placements = _placements(colwise)
+        for name in names:
+            for p, t in module.get_submodule(name).named_parameters(recurse=False):
+                place = placements[p][0]
+                if place.is_shard():
+                    out[f"{name}.{p}"] = t.chunk(tp, place.dim)[rank]
+                elif not colwise and p == "bias" and rank:  # added once, after the ranks' products are summed
+                    out[f"{name}.{p}"] = torch.zeros_like(t)
     return out
 
 
-def _check(module: nn.Module, split: Split, tp: int, call: tuple) -> None:
+def _check(module: nn.Module, split: Split, tp: int, args: tuple, kwargs: dict, want: torch.Tensor) -> None:
     """ValueError unless the tp ranks' partial outputs of `module` under `split`, computed in this process on the
-    probe's call, sum to the module's output."""
-    args, kwargs, want = call
+    probe's call (`args`, `kwargs`), sum to the module's output there (`want`)."""
     total = None
     for rank in range(tp):
         got = torch.func.functional_call(module, _slices(module, split, tp, rank), args, kwargs)
@@ -286,7 +283,9 @@ def problems(splits: list[Split], tp: int) -> list[str]:
     return out
 
 
-def _lora_placements(module: nn.Module, colwise: bool) -> dict[str, list]:
+def _placements(colwise: bool) -> dict[str, list]:
+    """Each parameter's placement on the tp mesh in a column-wise or a row-wise projection (a LoRALinear's too;
+    nn.Linear's are torch's ColwiseParallel / RowwiseParallel ones)."""
     if colwise:
         return {"weight": [Shard(0)], "bias": [Shard(0)], "lora_a": [Replicate()], "lora_b": [Shard(0)]}
     return {"weight": [Shard(1)], "bias": [Replicate()], "lora_a": [Shard(1)], "lora_b": [Replicate()]}
@@ -306,7 +305,7 @@ class _Colwise(ColwiseParallel):
             return super()._apply(module, device_mesh)
         return distribute_module(
             module, device_mesh,
-            lambda _, m, mesh: _distribute(_lora_placements(m, True), m, mesh, self.src_data_rank),
+            lambda _, m, mesh: _distribute(_placements(True), m, mesh, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
@@ -320,7 +319,7 @@ class _Rowwise(RowwiseParallel):
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module, device_mesh,
-            lambda _, m, mesh: _distribute(_lora_placements(m, False), m, mesh, self.src_data_rank),
+            lambda _, m, mesh: _distribute(_placements(False), m, mesh, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
