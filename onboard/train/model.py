@@ -52,12 +52,22 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
     return model, record
 
 
+def _key_heads(cfg: dict) -> int | None:
+    """Linear attention's key heads where the config gives them apart from its value heads (Gated DeltaNet: each
+    key head serves a group of value heads, as a key/value head serves query heads), else None."""
+    from onboard.twin.fields import is_size, walk
+    from onboard.twin.meanings import meaning_of
+
+    return next((v for _, key, v in walk(cfg) if meaning_of(key) == "linear_k_heads" and is_size(v)), None)
+
+
 def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg: dict) -> None:
     """Tell `runtime.parallel` which modules of the adapted `model` tensor parallelism may split: the spec's
-    softmax-family attention layers and dense MLPs, in the layers the model has, and every layer's attention and
-    MLP (the blocks sequence parallelism gathers the sequence for). Head counts are the trained
-    config's (`cfg`), read from the fields that hold the spec's at full scale (`full`), as the run log's are. The
-    runtime adds the shared experts of its MoE blocks itself."""
+    attention layers of the kinds it splits and dense MLPs, in the layers the model has, and every layer's attention
+    and MLP (the blocks sequence parallelism gathers the sequence for). Head counts are the trained config's (`cfg`),
+    read from the fields that hold the spec's at full scale (`full`), as the run log's are, for each attention kind
+    apart (a hybrid's KDA and MLA layers have their own). The runtime adds the shared experts of its MoE blocks
+    itself."""
     from runtime.parallel.runnable import TP_ATTENTION
     from runtime.parallel.tensor import Heads, declare
 
@@ -65,11 +75,15 @@ def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg:
     kept = list(enumerate(spec.get("layers", [])))[:len(model.get_submodule(prefix))]
     split = [(i, layer) for i, layer in kept if (layer.get("attention") or {}).get("kind") in TP_ATTENTION]
     attention = {}
-    if split:  # the record of the split layers alone: its first attention's heads are theirs, not a linear one's
-        record = trained_record({**spec, "layers": [layer for _, layer in split]}, full, cfg, model)
-        if record.get("heads") and record.get("kv_heads"):
-            heads = Heads(record["heads"], record["kv_heads"])
-            attention = {f"{prefix}.{i}.{layer['attention']['path']}": heads for i, layer in split}
+    for kind in sorted({layer["attention"]["kind"] for _, layer in split}):  # a hybrid's kinds differ in heads
+        layers = [(i, layer) for i, layer in split if layer["attention"]["kind"] == kind]
+        record = trained_record({**spec, "layers": [layer for _, layer in layers]}, full, cfg, model)
+        mixer = next((m for m in record.get("mixers") or [] if m.get("kind") == kind), {})
+        heads = mixer.get("heads") or record.get("heads")
+        kv_heads = (_key_heads(cfg) if kind.startswith("linear:") else record.get("kv_heads")) or heads
+        if heads:
+            attention.update({f"{prefix}.{i}.{layer['attention']['path']}": Heads(heads, kv_heads)
+                              for i, layer in layers})
     mlps = [f"{prefix}.{i}.{layer['mlp']['path']}" for i, layer in kept
             if (layer.get("mlp") or {}).get("kind") == "dense" and layer["mlp"].get("path")]
     blocks = [f"{prefix}.{i}.{part['path']}" for i, layer in kept

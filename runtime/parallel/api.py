@@ -92,7 +92,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
             blocks = {path: b for path, b in blocks.items() if id(b) not in {id(m) for m in local}}
         apply_tensor_parallel(model, mesh.tp, splits, sequence=set(blocks))
         apply_sequence_parallel(decoder_layers(model), blocks, {s.path for s in splits} & set(blocks), mesh.tp,
-                                {s.path for s in splits if s.whole}, local)
+                                {s.path for s in splits if s.partial}, local)
     if plan.cp > 1:  # softmax attention through the context-parallel attention function
         from runtime.parallel.context_split import prepare
 

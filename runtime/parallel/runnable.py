@@ -33,8 +33,9 @@ CP_ATTENTION = ("softmax", "sliding", "mla", "linear:gated_deltanet", "linear:kd
 
 
 # attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA (and DSA's MLA) with its low-rank
-# latents and DSA's indexer whole on every tp rank; linear attention's fused convolutions are not split
-TP_ATTENTION = ("softmax", "sliding", "chunked", "mla", "sparse:dsa")
+# latents and DSA's indexer whole on every tp rank; KDA and Gated DeltaNet with their fused short convolutions and
+# per-head decay read at each rank's heads (KDA's gate latents whole)
+TP_ATTENTION = ("softmax", "sliding", "chunked", "mla", "sparse:dsa", "linear:kda", "linear:gated_deltanet")
 
 
 def not_runnable(plan: Plan, model=None) -> list[str]:

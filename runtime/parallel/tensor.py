@@ -20,21 +20,32 @@ in the graph), never from their names:
     y = sum_r  W_o[:, cols_r] f(W_in[rows_r, :] x, L(x))     (f: per-head attention or the MLP's activation,
                                                               L: the whole parts, the same on every rank)
 
-is exact when f works on each head (hidden unit) alone. `find_splits(tp=...)` checks that it is, on the probe:
-each rank's slices, applied in this process (`torch.func.functional_call`), give partial outputs that must sum to
-the module's own output; a module that fails is refused, as is anything the rules above do not cover (a parameter
-of the attention itself such as per-head sinks, an MLP projection wider than its output projection reads: a fused
-gate|up matmul whose halves a contiguous split would mix, heads that do not divide by tp). Experts stay
-expert-parallel and are not split: every tp rank of a group computes the same routed experts on the same tokens.
-Norms, embeddings, routers and the LM head are replicated; between a layer's blocks the sequence is split over the
-tp ranks (`runtime.parallel.sequence`), so a split module's row-wise projection there reduce-scatters rather than
-all-reduces.
+is exact when f works on each head (hidden unit) alone. Parameters outside the projections are read from the
+probe's graph too (`_local`): one that each kv-head group's outputs read a disjoint part of, along one dimension,
+belongs to the heads (linear attention's depthwise short convolution over q | k | v, a decay bias per channel, a
+decay rate or a sink per head), and each rank computes with its own heads' part; one every group reads (a norm over
+one head's features) stays whole. A module may also read a width it holds to size its heads (`torch.split` of the
+convolution's output by `self.qkv_dim`, a view by `self.num_k_heads`): those integer attributes hold each rank's
+share (`Split.scaled`), found as the fewest that make the check below pass.
 
-A module with whole parts runs in partial-gradient form: inside it the backward's activation gradients are each
-rank's share (the contribution of its own heads), so the column-wise projections return their input gradient
-unreduced, the module's input gradient is summed over the ranks once where sequence parallelism gathered it, and
-the whole parts' parameter gradients are summed over the tp ranks (`sum_gradients_over_ranks`).
-A module without whole parts keeps DTensor's own placements throughout.
+`find_splits(tp=...)` checks the split on the probe: each rank's slices, applied in this process
+(`torch.func.functional_call`), give partial outputs that must sum to the module's own output; a module that fails
+is refused (heads mixed before the output projection, a norm whose statistic spans the heads), as is anything the
+rules above do not cover (a parameter of the attention itself that is not per head, an MLP projection wider than
+its output projection reads: a fused gate|up matmul whose halves a contiguous split would mix, heads that do not
+divide by tp).
+
+Experts stay expert-parallel and are not split: every tp rank of a group computes the same routed experts on the
+same tokens. Norms, embeddings, routers and the LM head are replicated; between a layer's blocks the sequence is
+split over the tp ranks (`runtime.parallel.sequence`), so a split module's row-wise projection there
+reduce-scatters rather than all-reduces.
+
+A module with whole parts or per-head parameters runs in partial-gradient form: inside it the backward's
+activation gradients are each rank's share (the contribution of its own heads), so the column-wise projections
+return their input gradient unreduced, the module's input gradient is summed over the ranks once where sequence
+parallelism gathered it, and the gradients of every parameter outside the split projections are summed over the tp
+ranks (`sum_gradients_over_ranks`; a per-head parameter's gradient on one rank is zero outside its heads, so the sum
+is the whole gradient). A module with neither keeps DTensor's own placements throughout.
 
 Parameters become DTensors on the tp mesh (Shard(0) / Shard(1) / Replicate), which FSDP2 then shards over the
 data-parallel mesh as 2-D DTensors, and `torch.distributed.checkpoint` saves as such; whole parts stay plain
@@ -44,7 +55,8 @@ row-wise A by columns (B whole), so x A^T B^T sums like x W^T.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -76,6 +88,26 @@ class Split:
     heads: Heads | None = None  # None: an MLP
     per_head: tuple[tuple[str, int], ...] = ()
     whole: tuple[str, ...] = ()  # children with parameters every rank computes whole (partial-gradient form)
+    # partial-gradient form: parameters outside the projections that belong to heads (a depthwise convolution's
+    # channels, per-head decay rates): (parameter path, its per-head dimension, the kv-head group each index along
+    # it belongs to). Every rank keeps them whole and computes with its own heads' indices.
+    local: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    # integer attributes (path, full value) that hold a split width the module reads in forward (a fused
+    # convolution's `torch.split` sizes): each rank's module holds value // tp. Found by the probe check (`find_splits`)
+    scaled: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def partial(self) -> bool:
+        """Whether the module runs in partial-gradient form: it keeps whole parts, or parameters read per head."""
+        return bool(self.whole or self.local)
+
+    def indices(self, tp: int, rank: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Each local parameter's per-head dimension and the indices along it rank `rank` of `tp` computes with."""
+        if not self.local:
+            return {}
+        groups = self.heads.kv_heads
+        return {name: (dim, tuple(i for i, g in enumerate(owner) if g * tp // groups == rank))
+                for name, dim, owner in self.local}
 
 
 def declare(model: nn.Module, *, attention: dict[str, Heads], mlps: list[str], blocks: list[str] = ()) -> None:
@@ -156,8 +188,8 @@ def find_splits(model: nn.Module, inputs: dict | None = None, tp: int | None = N
         splits = [_split(model, path, heads, seen) for path, heads in targets.items()]
         if tp is not None and not problems(splits, tp):
             with torch.no_grad():
-                for s in splits:
-                    _check(model.get_submodule(s.path), s, tp, *calls[s.path], seen[s.path][1])
+                splits = [_checked(model.get_submodule(s.path), s, tp, *calls[s.path], seen[s.path][1])
+                          for s in splits]
     finally:
         for h in hooks:
             h.remove()
@@ -222,20 +254,70 @@ def _split(model: nn.Module, path: str, heads: Heads | None, seen: dict) -> Spli
             raise ValueError(f"tensor parallelism: {path} holds parameters outside its projections "
                              f"({(own + others)[0]}); splitting it is not built")
         return Split(path, tuple(colwise), rowwise)
+    local = _local(module, seen[f"{path}.{rowwise}"][0], heads.kv_heads) if whole or own or others else ()
+    if whole or local:  # partial-gradient form: the other parameters are whole or the heads' own (`_local`)
+        parts = [name for name in (*whole, *others) if not any(name.startswith(f"{w}.") for w in whole)]
+        return Split(path, tuple(colwise), rowwise, heads, whole=tuple(parts), local=local)
     if own:
         raise ValueError(f"tensor parallelism: {path}.{own[0]} is a parameter of the attention itself (per-head "
                          f"sinks or scales?) that splitting would need; not built")
-    if whole:  # partial-gradient form: per-head modules are whole too (their parameters' gradients summed)
-        parts = [name for name in (*whole, *others) if not any(name.startswith(f"{w}.") for w in whole)]
-        return Split(path, tuple(colwise), rowwise, heads, whole=tuple(parts))
     return Split(path, tuple(colwise), rowwise, heads, tuple((name, _head_dim(path, name, seen, heads))
                                                             for name in others if f"{path}.{name}" in seen))
 
 
+def _outside_projections(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s parameters that no projection holds (its own, its norms', its convolutions'), by path."""
+    return {f"{name}.{p}" if name else p: t for name, sub in module.named_modules() if not _projection(sub)
+            for p, t in sub.named_parameters(recurse=False)}
+
+
+def _local(module: nn.Module, reads: torch.Tensor, groups: int) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """The parameters outside `module`'s projections that belong to its heads, read from the probe's graph.
+
+    `reads`: the row-wise projection's input X (..., C), whose columns are the heads' outputs, in `groups` contiguous
+    groups of C / groups (the kv-head groups: the finest unit a valid tp assigns to one rank). With R random,
+
+        u_g(p) = d <R * 1[cols of g], X> / d p  !=  0        (one backward per group)
+
+    marks the entries of parameter p group g's outputs are computed from (a random R leaves none at zero by
+    accident). A parameter is its heads' own along dimension d when every index along d is marked by exactly one
+    group and each group marks as many: a depthwise convolution's channels (q | k | v concatenated: three ranges
+    per rank), a decay bias per channel, a decay rate per head. A parameter every group reads (a norm over one
+    head's features) stays whole, as do those no group reads."""
+    params = {name: t for name, t in _outside_projections(module).items() if t.requires_grad}
+    if groups < 2 or not params or reads is None or reads.grad_fn is None:
+        return ()
+    names = list(params)
+    noise = torch.randn(reads.shape, generator=torch.Generator().manual_seed(0), dtype=reads.dtype).to(reads.device)
+    width = reads.shape[-1] // groups
+    marked = {name: [] for name in names}
+    for g in range(groups):
+        mask = torch.zeros_like(noise)
+        mask[..., g * width:(g + 1) * width] = 1
+        grads = torch.autograd.grad(reads, [params[n] for n in names], grad_outputs=noise * mask, retain_graph=True,
+                                    allow_unused=True)
+        for name, grad in zip(names, grads):
+            marked[name].append(torch.zeros_like(params[name], dtype=torch.bool) if grad is None else grad != 0)
+    found = []
+    for name in names:
+        used = torch.stack(marked[name])  # (groups, *shape)
+        dims = []
+        for d in range(used.dim() - 1):
+            size = used.shape[d + 1]
+            by_index = used.movedim(d + 1, 1).reshape(groups, size, -1).any(-1)  # (groups, size along d)
+            if size % groups == 0 and (by_index.sum(0) == 1).all() and (by_index.sum(1) == size // groups).all():
+                dims.append((d, tuple(int(g) for g in by_index.to(torch.int64).argmax(0))))
+        if len(dims) == 1:
+            found.append((name, *dims[0]))
+    return tuple(found)
+
+
 def _slices(module: nn.Module, split: Split, tp: int, rank: int) -> dict[str, torch.Tensor]:
     """`module`'s parameters as rank `rank` of `tp` holds them under `split` (the row-wise bias on rank 0 alone:
-    the ranks' outputs are summed)."""
+    the ranks' outputs are summed; local parameters at this rank's heads' indices)."""
     out = dict(module.named_parameters())
+    for name, (dim, idx) in split.indices(tp, rank).items():
+        out[name] = out[name].index_select(dim, torch.tensor(idx, device=out[name].device))
     for colwise, names in ((True, split.colwise), (False, (split.rowwise,))):
         placements = _placements(colwise)
         for name in names:
@@ -248,18 +330,83 @@ def _slices(module: nn.Module, split: Split, tp: int, rank: int) -> dict[str, to
     return out
 
 
-def _check(module: nn.Module, split: Split, tp: int, args: tuple, kwargs: dict, want: torch.Tensor) -> None:
-    """ValueError unless the tp ranks' partial outputs of `module` under `split`, computed in this process on the
-    probe's call (`args`, `kwargs`), sum to the module's output there (`want`)."""
+def _sums(module: nn.Module, split: Split, tp: int, args: tuple, kwargs: dict, want: torch.Tensor,
+          scaled: tuple[tuple[str, int], ...]) -> bool:
+    """Whether the tp ranks' partial outputs of `module` under `split`, with the attributes `scaled` holding
+    value // tp, computed in this process on the probe's call (`args`, `kwargs`), sum to its output (`want`)."""
     total = None
-    for rank in range(tp):
-        got = torch.func.functional_call(module, _slices(module, split, tp, rank), args, kwargs)
-        got = got[0] if isinstance(got, tuple) else got
-        total = got if total is None else total + got
+    try:
+        with _scaled(module, scaled, tp):
+            for rank in range(tp):
+                got = torch.func.functional_call(module, _slices(module, split, tp, rank), args, kwargs)
+                got = got[0] if isinstance(got, tuple) else got
+                total = got if total is None else total + got
+    except Exception:  # noqa: BLE001 - a width the module reads still full: shapes disagree, however it says so
+        return False
     scale = want.detach().abs().max().item() or 1.0
-    if total.shape != want.shape or not torch.allclose(total, want.detach(), rtol=1e-4, atol=1e-5 * scale):
-        raise ValueError(f"tensor parallelism: {split.path} split over tp={tp} does not compute the module's output "
-                         f"on the probe (its heads do not work alone); splitting it is not built")
+    return total.shape == want.shape and torch.allclose(total, want.detach(), rtol=1e-4, atol=1e-5 * scale)
+
+
+class _scaled:
+    """`module`'s integer attributes `scaled` (path, full value) set to value // tp while the block runs."""
+
+    def __init__(self, module: nn.Module, scaled: tuple[tuple[str, int], ...], tp: int):
+        self.where = [(module.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2], value, value // tp)
+                      for path, value in scaled]
+
+    def __enter__(self):
+        for owner, attr, _, local in self.where:
+            setattr(owner, attr, local)
+
+    def __exit__(self, *exc):
+        for owner, attr, value, _ in self.where:
+            setattr(owner, attr, value)
+
+
+def _segments(owner: tuple[int, ...]) -> list[int]:
+    """The lengths of a local parameter's segments: stretches whose groups run in order (a convolution over
+    q | k | v has three, each of all the heads)."""
+    cuts = [0, *(i for i in range(1, len(owner)) if owner[i] < owner[i - 1]), len(owner)]
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def _widths(module: nn.Module, split: Split, tp: int) -> list[tuple[str, int]]:
+    """`module`'s integer attributes whose value is a width the split divides by tp (heads, a column-wise
+    projection's outputs, a local parameter's per-head size or its segments' sizes): what its forward might read to
+    size its heads."""
+    sizes = {split.heads.heads, split.heads.kv_heads} if split.heads else set()
+    sizes |= {module.get_submodule(c).out_features for c in split.colwise}
+    for _, _, owner in split.local:
+        sizes |= {len(owner), *_segments(owner)}
+    return sorted((f"{name}.{attr}" if name else attr, value) for name, sub in module.named_modules()
+                  if not _projection(sub) for attr, value in vars(sub).items()
+                  if type(value) is int and value in sizes and value % tp == 0)
+
+
+def _checked(module: nn.Module, split: Split, tp: int, args: tuple, kwargs: dict, want: torch.Tensor) -> Split:
+    """`split`, checked on the probe (`_sums`), with the width attributes (`_widths`) scaled that make each rank's
+    part sum to the module's output: none if none are needed; else all of them less each one found unneeded in
+    turn (a minimal set: what forward reads); else, when scaling all of them breaks something, the smallest set of
+    up to three that works. ValueError when none do."""
+    candidates = _widths(module, split, tp)
+
+    def works(scaled) -> bool:
+        return _sums(module, split, tp, args, kwargs, want, tuple(scaled))
+
+    if works(()):
+        return split
+    if works(candidates):
+        needed = list(candidates)
+        for c in candidates:
+            if works([n for n in needed if n != c]):
+                needed.remove(c)
+        return replace(split, scaled=tuple(needed))
+    for n in range(1, min(3, len(candidates)) + 1):
+        for scaled in itertools.combinations(candidates, n):
+            if works(scaled):
+                return replace(split, scaled=scaled)
+    raise ValueError(f"tensor parallelism: {split.path} split over tp={tp} does not compute the module's output "
+                     f"on the probe (its heads do not work alone); splitting it is not built")
 
 
 def _head_dim(path: str, name: str, seen: dict, heads: Heads) -> int:
@@ -353,20 +500,26 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def sum_gradients_over_ranks(module: nn.Module, subs: list[nn.Module], group) -> None:
+def sum_gradients_over_ranks(module: nn.Module, subs: list[nn.Module], group, local: dict | None = None) -> None:
     """While `module` runs, the trainable parameters `subs` hold (their own, not their children's) are seen
     through `_SumOverRanks`, so their gradients sum over `group` (the parameter objects stay what FSDP2 manages:
     only the modules' view of them changes, and is put back when `module` returns). For parameters every rank
     holds whole whose gradient each rank computes a share of: its heads' (a whole part of a split module), or
-    its tokens' (an MoE block's router and shared experts under MoE parallel folding)."""
+    its tokens' (an MoE block's router and shared experts under MoE parallel folding). `local`: (id(sub), name) ->
+    (dim, indices) for parameters the module reads at this rank's indices only (trainable or not): each rank's
+    gradient is zero elsewhere, so the sum is the whole gradient."""
+    local = local or {}
     stash: list = []
 
     def swap_in(m, args, kwargs):
         for sub in subs:
             for name, p in list(sub._parameters.items()):
-                if p is not None and p.requires_grad:
-                    stash.append((sub, name, p))
-                    sub._parameters[name] = _SumOverRanks.apply(p, group)
+                view = local.get((id(sub), name))
+                if p is None or not (p.requires_grad or view):
+                    continue
+                stash.append((sub, name, p))
+                seen = _SumOverRanks.apply(p, group) if p.requires_grad else p
+                sub._parameters[name] = seen if view is None else seen.index_select(view[0], view[1].to(p.device))
 
     def swap_back(m, args, kwargs, out):
         while stash:
@@ -385,10 +538,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split], sequence:
     if why := problems(splits, mesh.size()):
         raise ValueError("; ".join(why))
     for s in splits:
-        if s.whole and s.path not in sequence:
+        if s.partial and s.path not in sequence:
             raise ValueError(f"tensor parallelism: {s.path} keeps whole parts and runs under sequence parallelism "
                              f"only")
-        colwise = _PartialColwise if s.whole else _Colwise
+        colwise = _PartialColwise if s.partial else _Colwise
         plan = {name: colwise() for name in s.colwise}
         plan[s.rowwise] = _Rowwise(output_layouts=Shard(1)) if s.path in sequence else _Rowwise()
         # per-head norms: their parameters replicated, their input sharded on the heads' dimension, so the
@@ -399,6 +552,14 @@ def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split], sequence:
         parallelize_module(module, mesh, plan)
         for name, p in module.named_parameters():  # SequenceParallel's replicas come back trainable
             p.requires_grad_(name not in frozen)
-        if s.whole:
-            subs = {id(m): m for name in s.whole for m in module.get_submodule(name).modules()}
-            sum_gradients_over_ranks(module, list(subs.values()), mesh.get_group())
+        for path, value in s.scaled:  # this rank's module holds its own heads' widths
+            owner, _, attr = path.rpartition(".")
+            setattr(module.get_submodule(owner), attr, value // mesh.size())
+        if s.partial:  # every parameter outside the split projections: whole, or read at this rank's heads
+            split = {id(module.get_submodule(name)) for name in (*s.colwise, s.rowwise)}
+            subs = [m for m in module.modules() if id(m) not in split]
+            local = {}
+            for path, (dim, idx) in s.indices(mesh.size(), mesh.get_local_rank()).items():
+                owner, _, name = path.rpartition(".")
+                local[(id(module.get_submodule(owner)), name)] = (dim, torch.tensor(idx))
+            sum_gradients_over_ranks(module, subs, mesh.get_group(), local)

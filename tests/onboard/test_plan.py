@@ -183,12 +183,13 @@ def test_plan_prints_which_plans_run_and_writes_a_runnable_one(tmp_path, capsys)
                  "--seq-len", "8192", "--trust-remote-code", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "runs" in text.splitlines()[1]
-    # issue 38: context parallelism runs over KDA and DSA, so the fastest runnable plan splits each sequence
+    # issue 38: context parallelism runs over KDA and DSA, and tensor parallelism splits both: the plan written is
+    # the first of all the ranked plans, not only of the runnable ones, and it splits each sequence
     rows = [line.split() for line in text.splitlines()[2:12]]
-    assert any(row[2] != "1" and row[-1] == "yes" for row in rows)
+    assert rows[0][-1] == "yes"
     plan = Plan.from_dict(json.loads(out.read_text()))
-    assert (plan.tp, plan.pp) == (1, 1) and plan.cp > 1 and plan.world_size == 128
-    assert not not_runnable(plan)
+    assert [plan.tp, plan.pp, plan.cp, plan.dp_shard, plan.ep] == [int(v) for v in rows[0][:4] + rows[0][5:6]]
+    assert plan.cp > 1 and plan.world_size == 128 and not not_runnable(plan)
 
 
 def test_predictor_eval_reports_moe_runs_and_coverage_held_out_by_source(tmp_path, capsys):
@@ -201,3 +202,20 @@ def test_predictor_eval_reports_moe_runs_and_coverage_held_out_by_source(tmp_pat
     table = capsys.readouterr().out
     assert "90% covers" in table and "MoE runs by model:" in table and "\nMoE runs " in table
     assert "qwen3-30b-a3b" in table and table.rstrip().splitlines()[-1].startswith("all runs")
+
+
+def test_tensor_parallelism_is_runnable_over_the_attention_kinds_the_runtime_splits():
+    """`not_runnable` (what the planner marks `runs no`) refuses tp over the attention kinds runtime.parallel.tensor
+    does not split, by name, and accepts the hybrids whose every kind it splits (KDA with DSA, Gated DeltaNet with
+    softmax)."""
+    from runtime.dims import Dims
+
+    def dims(*kinds):
+        return Dims.from_record({"name": "m", "layers": len(kinds), "hidden": 1024, "heads": 8, "kv_heads": 4,
+                                 "mixers": [{"kind": k, "layers": 1, "heads": 8, "head_dim": 128} for k in kinds]})
+
+    plan = Plan(tp=2, dp_shard=4)
+    assert not not_runnable(plan, dims("linear:kda", "sparse:dsa"))
+    assert not not_runnable(plan, dims("linear:gated_deltanet", "softmax"))
+    assert any("tensor parallelism over linear:lightning attention is not built" in r
+               for r in not_runnable(plan, dims("linear:lightning", "softmax")))

@@ -58,7 +58,8 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          (2, "gpt-oss-120b", "cp", False, False),
          (4, "qwen3-30b-a3b", "cp_fsdp_ep", False, True), (4, "qwen3-next-80b-a3b", "cp_fsdp_ep", True, False),
          (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False),
-         # tensor parallelism inside each cp rank: softmax heads split, sequence parallelism over the rank's half
+         # tensor parallelism inside each cp rank: softmax and Gated DeltaNet heads split, sequence parallelism over
+         # the rank's half
          (4, "qwen3-30b-a3b", "cp_tp", True, True), (4, "qwen3-next-80b-a3b", "cp_tp", False, False),
          # two pipeline stages, each micro-batch's forward under its own split (1F1B over two micro-batches)
          (4, "qwen3-30b-a3b", "cp_pp", False, False), (4, "qwen3-next-80b-a3b", "cp_pp", True, True)]
@@ -152,10 +153,14 @@ def test_context_parallel_model_matches_one_process(results, models, world, name
 
 
 @pytest.mark.multiprocess
-def test_the_flagship_trains_through_onboard_train_at_cp2_ep2_as_in_one_process(tmp_path):
+@pytest.mark.parametrize("layout", [{"cp": 2, "ep": 2}, {"tp": 2, "cp": 2, "ep": 4, "etp": 1}],
+                         ids=["cp2-ep2", "tp2-cp2-ep4-folded"])
+def test_the_flagship_trains_through_onboard_train_under_cp_as_in_one_process(tmp_path, layout):
     """The flagship's twin (KDA and DSA layers, remote code from the catalogue) with LoRA: `onboard train` over
-    two processes at cp 2 x ep 2 (torchrun; each rank half of every sequence and half of the experts) logs the
-    losses `runtime.train` logs in this process for the same model on whole sequences."""
+    torchrun ranks logs the losses `runtime.train` logs in this process for the same model on whole sequences. At
+    cp 2 x ep 2 each rank holds half of every sequence and half of the experts; at the shape of the plan `onboard
+    plan` writes for it on 128 Ascend 910C (tp 2 x cp 8, EP folded over the tp and cp ranks), cut to four ranks,
+    KDA and DSA heads split over tp 2, each sequence over cp 2, the experts over all four ranks."""
     import json
 
     from cli import main
@@ -166,7 +171,7 @@ def test_the_flagship_trains_through_onboard_train_at_cp2_ep2_as_in_one_process(
     bundle = ROOT / "bundles" / "onboard-flagship-2.8t"
     lora = LoRA(rank=4, alpha=8.0)
     plan = tmp_path / "plan.json"
-    plan.write_text(Plan(cp=2, ep=2, seq_len=32, dtype="fp32", lora=lora).to_json())
+    plan.write_text(Plan(**layout, seq_len=32, dtype="fp32", lora=lora).to_json())
     log = tmp_path / "cp.jsonl"
     assert main(["train", str(bundle), "--trust-remote-code", "--plan", str(plan), "--steps", "3",
                  "--runlog", str(log), "--checkpoint-dir", str(tmp_path / "ck")]) == 0

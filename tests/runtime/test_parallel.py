@@ -221,9 +221,11 @@ def test_matches_single_process(results, models, world, name, layout, lora):
     plan = plan_for(world, layout, lora)
     batch = torch.load(batch_for(world, run["folder"]))[:plan.global_batch]  # a tp group reads one slice
     want_losses, want_grads, want_params = reference(models[model_key(name, layout)], plan, batch, 3)
-    if plan.tp > 1:  # softmax attention heads and shared experts split; linear attention and experts whole
+    if plan.tp > 1:  # softmax and Gated DeltaNet heads and shared experts split; routed experts whole
         split = got["tp_split"]
-        assert any(".self_attn.o_proj." in n for n in split) and not any("linear_attn" in n for n in split)
+        assert any(".self_attn.o_proj." in n for n in split)
+        assert any(".linear_attn.in_proj_qkvz." in n for n in split) == (name == "qwen3-next-80b-a3b")
+        assert not any(".linear_attn.conv1d." in n or ".linear_attn.A_log" in n for n in split)  # read per head
         assert any(".shared.0." in n for n in split) == (name == "qwen3-next-80b-a3b")
         assert not any(".experts." in n for n in split)
         assert any(".lora_" in n for n in split) == lora
