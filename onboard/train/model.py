@@ -40,16 +40,44 @@ def build_model(bundle, layers: int | None = None, width: int = 1, config: str |
     cfg = json.loads(Path(config).read_text()) if config else train_config(
         bundle, layers=layers, width=width, trust_remote_code=trust_remote_code)
     source = bundle_source(origin, trust_remote_code)
+    full = config_of_type(source, cfg)
     try:
-        model_config = type(source.config).from_dict(cfg)
+        model_config = type(full).from_dict(cfg)
     except Exception as exc:  # noqa: BLE001 - config validators we do not own
         raise OnboardError(f"{bundle}: the training config is invalid: {one_line(exc)}") from None
     model = instantiate(source, model_config, experts_implementation="grouped_mm")
     load_adapter(bundle).adapt(model)
     twin = twin_config(source)  # the fields the twin shrank by what they drive, where names fell short
-    record = trained_record(spec, source.config.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
-    declare_tensor_parallel(model, spec, source.config.to_dict(), cfg)
+    record = trained_record(spec, full.to_dict(), cfg, model, twin.shrinks if twin.why_probed else [])
+    declare_parallel(model, spec, full.to_dict(), cfg)
     return model, record
+
+
+def config_of_type(source, cfg: dict):
+    """The source's full-scale config of the trained config's type: the config itself, or its text part where the
+    twin is the text model of a multimodal config (Llama 4: a `llama4` config whose causal LM is built from its
+    `llama4_text` part). Reading the trained dict as the outer type would fill the text part with full-scale
+    defaults."""
+    outer = source.config
+    text = outer.get_text_config() if hasattr(outer, "get_text_config") else outer
+    return next((c for c in (outer, text) if c.model_type == cfg.get("model_type")), outer)
+
+
+def declare_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg: dict) -> None:
+    """What `runtime.parallel` needs to know of the adapted `model` from its spec: which modules tensor parallelism
+    may split (`declare_tensor_parallel`) and the chunk of each chunked-attention layer, which context parallelism
+    computes its masks from (the trained config's, read as the run log's are)."""
+    from runtime.parallel.context_split import declare_chunks
+
+    declare_tensor_parallel(model, spec, full, cfg)
+    prefix = spec["layers_path"]
+    kept = list(enumerate(spec.get("layers", [])))[:len(model.get_submodule(prefix))]
+    chunked = [(i, layer) for i, layer in kept if (layer.get("attention") or {}).get("kind") == "chunked"]
+    if chunked:
+        record = trained_record({**spec, "layers": [layer for _, layer in chunked]}, full, cfg, model)
+        chunk = next((m.get("window") for m in record.get("mixers") or [] if m.get("kind") == "chunked"), None)
+        if chunk:
+            declare_chunks(model, {f"{prefix}.{i}.{layer['attention']['path']}": chunk for i, layer in chunked})
 
 
 def _key_heads(cfg: dict) -> int | None:
@@ -120,5 +148,5 @@ def _pretrained_model(bundle, weights: str, trust_remote_code: bool):
         raise OnboardError(str(exc)) from None
     cfg = source.config.to_dict()
     record = trained_record(spec, cfg, cfg, model)
-    declare_tensor_parallel(model, spec, cfg, cfg)
+    declare_parallel(model, spec, cfg, cfg)
     return model, record, pretrained

@@ -96,7 +96,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
     if plan.cp > 1:  # softmax attention through the context-parallel attention function
         from runtime.parallel.context_split import prepare
 
-        prepare(model)
+        prepare(model, plan.seq_len)
     blocks = moe_blocks(model)  # this rank's (a pipeline stage may hold none)
     if plan.ep > 1:
         unsplit = _experts_outside_blocks(model)

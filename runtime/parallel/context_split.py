@@ -21,7 +21,9 @@ model needs to compute as on the unsplit sequence:
   (the share of picks per expert) all-reduced over the cp group and P split into each rank's share, so the
   ranks' terms add up to the unsplit sequence's loss and gradient;
 - attention (`runtime.sequence_split`): softmax attention runs as `ATTENTION`, registered with transformers'
-  attention interface; the linear cores carry their states across segments; DSA picks global top-k.
+  attention interface (sliding windows from its keyword arguments, chunked attention's chunk from `declare_chunks`:
+  transformers passes it to the mask only); the linear cores carry their states across segments; DSA picks global
+  top-k.
 
 Every rank of the cp group reads the same micro-batch (`ParallelMesh.dp_rank` does not count cp).
 """
@@ -46,6 +48,7 @@ from runtime.parallel.context import (
 )
 
 ATTENTION = "onboard_cp"  # softmax attention under context parallelism, in transformers' attention interface
+_CHUNK = "context_parallel_chunk"  # the attribute `declare_chunks` sets on a chunked-attention module
 IGNORE = -100
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # the whole sequence's: dropped
 
@@ -166,11 +169,11 @@ class Split:
         return context_parallel_conv1d(x, weight, bias, activation, group=self.group, segments=self.segments,
                                        n_segments=self.n_segments, documents=self.documents, owners=self.owners)
 
-    def attention(self, query, key, value, *, window=None, scale=None, sinks=None) -> torch.Tensor:
+    def attention(self, query, key, value, *, window=None, chunk=None, scale=None, sinks=None) -> torch.Tensor:
         """Softmax attention (B, H, Tl, D) of this rank's queries over the whole sequence's keys."""
         return context_parallel_attention(query, key, value, group=self.group, positions=self.positions,
                                           kpos=self.key_positions, documents=self.documents, window=window,
-                                          scale=scale, sinks=sinks)
+                                          chunk=chunk, scale=scale, sinks=sinks)
 
     def visible(self) -> torch.Tensor:
         """(Tl, T) True where this rank's query sees the key at global position j: causal, within its document
@@ -239,7 +242,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise ValueError("context parallelism runs attention without dropout; set the config's attention_dropout "
                          "to 0")
     window = kwargs.get("sliding_window") or None
-    out = split.attention(query, key, value, window=window, scale=scaling, sinks=kwargs.get("s_aux"))
+    out = split.attention(query, key, value, window=window, chunk=getattr(module, _CHUNK, None), scale=scaling,
+                          sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2), None
 
 
@@ -257,11 +261,37 @@ def mask(*args, **kwargs):
     return torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=device)
 
 
-def prepare(model) -> None:
+def declare_chunks(model, chunks: dict[str, int]) -> None:
+    """Record the chunk size of each chunked-attention module of `model` (path -> tokens; Llama 4's
+    `attention_chunk_size` layers, as inspection found them): a query sees the earlier keys of its own chunk of the
+    unsplit sequence. transformers builds that from the config into the mask, which under cp is a placeholder."""
+    for path, chunk in chunks.items():
+        setattr(model.get_submodule(path), _CHUNK, int(chunk))
+
+
+def _positions_counted_locally(model, seq_len: int) -> str | None:
+    """Why `model` cannot run under cp at `seq_len`, if a module scales its queries by positions it counts itself
+    (Llama 4's attention temperature tuning on its NoPE layers: log1p(floor((p + 1) / floor_scale)) * attn_scale + 1
+    with p = arange(tokens the module is given), which under cp would be each rank's local count). The factor is 1
+    for every p < floor_scale - 1, so shorter sequences are exact."""
+    for name, m in model.named_modules():
+        floor = getattr(m, "floor_scale", None)
+        if getattr(m, "attn_temperature_tuning", False) and isinstance(floor, (int, float)) and seq_len >= floor:
+            return (f"context parallelism: {name} scales its queries by token positions it counts on the tokens it "
+                    f"is given (attention temperature tuning, floor_scale {floor}); at seq_len {seq_len} >= "
+                    f"{floor} under cp those would be each rank's own: not built")
+    return None
+
+
+def prepare(model, seq_len: int | None = None) -> None:
     """Make `model`'s softmax attention run as `ATTENTION` (every module that reads the model's config; a
-    module with its own, as swapped DSA attention, keeps its implementation and reads the split itself)."""
+    module with its own, as swapped DSA attention, keeps its implementation and reads the split itself).
+    ValueError when a module's numbers would depend on the split at `seq_len` (`_positions_counted_locally`)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
+
+    if seq_len is not None and (why := _positions_counted_locally(model, seq_len)):
+        raise ValueError(why)
 
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, mask)

@@ -26,10 +26,11 @@ def ep_split(plan: Plan) -> tuple[int, int]:
 NOT_BUILT: dict[str, str] = {}  # degrees runtime.parallel does not lay out yet
 
 # attention kinds context parallelism computes across its ranks (runtime.parallel.context_split): softmax attention
-# (causal, sliding windows, sinks, packed documents; MLA is softmax attention), the gated delta rule (Gated DeltaNet,
-# KDA) with its short convolutions, lightning attention and DSA. Mamba2's SSD runs too, but a spec's "ssm:mamba"
-# does not say Mamba2 from Mamba1, whose selective scan does not (it refuses on a rank's segments)
-CP_ATTENTION = ("softmax", "sliding", "mla", "linear:gated_deltanet", "linear:kda", "linear:lightning", "sparse:dsa")
+# (causal, sliding windows, chunks, sinks, packed documents; MLA is softmax attention), the gated delta rule (Gated
+# DeltaNet, KDA) with its short convolutions, lightning attention and DSA. Mamba2's SSD runs too, but a spec's
+# "ssm:mamba" does not say Mamba2 from Mamba1, whose selective scan does not (it refuses on a rank's segments)
+CP_ATTENTION = ("softmax", "sliding", "chunked", "mla", "linear:gated_deltanet", "linear:kda", "linear:lightning",
+                "sparse:dsa")
 
 
 # attention kinds tensor parallelism splits by head (runtime.parallel.tensor): MLA (and DSA's MLA) with its low-rank

@@ -52,19 +52,21 @@ def load_model(folder: str):
     through the bundle's adapter.py (as `onboard.bundle.files.load_adapter` loads it). A fresh copy per call."""
     if folder not in _PRISTINE:
         from onboard.bundle.files import load_adapter
-        from onboard.train.model import declare_tensor_parallel
+        from onboard.train.model import config_of_type, declare_parallel
         from onboard.twin import Twin
 
         name = (Path(folder) / "model.txt").read_text().strip()
         source = source_of(name)
         deeper = Path(folder) / "layers.txt"  # the twin's first N layers (pipeline stages need several)
         layers = int(deeper.read_text()) if deeper.exists() else None
-        model = Twin.build(source, layers=layers, check=False).model
+        twin = Twin.build(source, layers=layers, check=False)
+        model = twin.model
         model.load_state_dict(torch.load(Path(folder) / "weights.pt"))
         load_adapter(Path(folder)).adapt(model)
         spec = json.loads((Path(folder) / "spec.json").read_text())
-        # what tensor parallelism may split, as onboard train declares it
-        declare_tensor_parallel(model, spec, source.config.to_dict(), model.config.to_dict())
+        # what tensor parallelism may split and chunked attention's chunks, as onboard train declares them
+        trained = twin.config.to_dict()
+        declare_parallel(model, spec, config_of_type(source, trained).to_dict(), trained)
         _PRISTINE[folder] = model.float().train()
     return copy.deepcopy(_PRISTINE[folder])
 

@@ -1,13 +1,13 @@
 """Issue 38 item 6: whole models under context parallelism match one process.
 
 Each rank holds the zig-zag segments of its sequences (`runtime.parallel.context_split`); softmax attention
-(Qwen3-30B-A3B; Kimi-Linear's MLA; gpt-oss's sinks and windows), the gated delta rule with its short convolutions
-(Qwen3-Next's Gated DeltaNet, Kimi-Linear's KDA), scalar decay (NemotronH's Mamba2 SSD, MiniMax's lightning
-attention) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks (one thread each) at
-cp 2 (world 2), cp 2 x FSDP2 (dp_shard 2) x EP 2, cp 2 x tp 2 and cp 2 x pp 2 (world 4), full training and LoRA,
-plain and packed sequences (documents crossing segment boundaries), against the adapted twin trained in this
-process on every sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors) and the
-parameters after the steps to 1e-4.
+(Qwen3-30B-A3B; Kimi-Linear's MLA; gpt-oss's sinks and windows; Llama 4's chunks), the gated delta rule with its
+short convolutions (Qwen3-Next's Gated DeltaNet, Kimi-Linear's KDA), scalar decay (NemotronH's Mamba2 SSD,
+MiniMax's lightning attention) and DSA (DeepSeek-V3.2) compute across the segments. Two SGD steps on gloo ranks
+(one thread each) at cp 2 (world 2), cp 2 x FSDP2 (dp_shard 2) x EP 2, cp 2 x tp 2 and cp 2 x pp 2 (world 4), full
+training and LoRA, plain and packed sequences (documents crossing segment boundaries), against the adapted twin
+trained in this process on every sequence whole: losses to 1e-5 relative, every gradient (gathered to full tensors)
+and the parameters after the steps to 1e-4.
 """
 
 import sys
@@ -56,6 +56,9 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          # attention sinks (one logit per head every query's softmax sees) and sliding windows; plain sequences:
          # gpt-oss runs eager attention, whose mask in transformers 5.24 ignores packed documents (cp keeps them apart)
          (2, "gpt-oss-120b", "cp", False, False),
+         # Llama 4's chunked attention (chunks of 8 in the twin: the chunk boundary at 8 falls inside segment 2) and
+         # its global NoPE layers
+         (2, "llama-4-scout", "cp", False, True), (2, "llama-4-scout", "cp", True, False),
          (4, "qwen3-30b-a3b", "cp_fsdp_ep", False, True), (4, "qwen3-next-80b-a3b", "cp_fsdp_ep", True, False),
          (4, "kimi-linear-48b-a3b", "cp_fsdp_ep", True, True), (4, "deepseek-v3.2", "cp_fsdp_ep", False, False),
          # tensor parallelism inside each cp rank: softmax and Gated DeltaNet heads split, sequence parallelism over
@@ -182,3 +185,22 @@ def test_the_flagship_trains_through_onboard_train_under_cp_as_in_one_process(tm
     one = train(lambda: build_model(bundle, config=str(config), trust_remote_code=True),
                 Plan(seq_len=32, dtype="fp32", lora=lora), TrainJob(steps=3, progress=False))
     assert got == pytest.approx([s.loss for s in one.steps], rel=1e-5)
+
+
+def test_llama4_trains_as_its_text_model_with_its_chunks_declared():
+    """`onboard train`'s model factory on Llama 4 (a multimodal config whose causal LM is its text part): the twin's
+    text model (read as the outer config it would take the full-scale text defaults), its chunked layers declared
+    with the trained chunk for context parallelism, the global NoPE layers not. Its attention temperature tuning
+    counts positions on the tokens a module is given: cp refuses it where the factor would differ (seq_len at or
+    past floor_scale), and runs shorter sequences, where it is 1 on every rank."""
+    from onboard.train.model import build_model
+    from runtime.parallel.context_split import prepare
+
+    model, _ = build_model(ROOT / "bundles" / "llama-4-scout")
+    assert type(model.config).__name__ == "Llama4TextConfig" and model.config.hidden_size <= 64
+    chunks = [getattr(layer.self_attn, "context_parallel_chunk", None) for layer in model.model.layers]
+    assert chunks == [8 if kind == "chunked_attention" else None for kind in model.config.layer_types]
+    assert chunks[:4] == [8, 8, 8, None]
+    prepare(model, 64)
+    with pytest.raises(ValueError, match="attention temperature tuning, floor_scale 8192"):
+        prepare(model, 8192)
