@@ -56,6 +56,7 @@ row-wise A by columns (B whole), so x A^T B^T sums like x W^T.
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -347,19 +348,22 @@ def _sums(module: nn.Module, split: Split, tp: int, args: tuple, kwargs: dict, w
     return total.shape == want.shape and torch.allclose(total, want.detach(), rtol=1e-4, atol=1e-5 * scale)
 
 
-class _scaled:
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The submodule of `module` holding the attribute or parameter at dotted `path`, and its name there."""
+    prefix, _, name = path.rpartition(".")
+    return module.get_submodule(prefix), name
+
+
+@contextmanager
+def _scaled(module: nn.Module, scaled: tuple[tuple[str, int], ...], tp: int):
     """`module`'s integer attributes `scaled` (path, full value) set to value // tp while the block runs."""
-
-    def __init__(self, module: nn.Module, scaled: tuple[tuple[str, int], ...], tp: int):
-        self.where = [(module.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2], value, value // tp)
-                      for path, value in scaled]
-
-    def __enter__(self):
-        for owner, attr, _, local in self.where:
-            setattr(owner, attr, local)
-
-    def __exit__(self, *exc):
-        for owner, attr, value, _ in self.where:
+    where = [(*_owner(module, path), value) for path, value in scaled]
+    for owner, attr, value in where:
+        setattr(owner, attr, value // tp)
+    try:
+        yield
+    finally:
+        for owner, attr, value in where:
             setattr(owner, attr, value)
 
 
@@ -553,13 +557,12 @@ def apply_tensor_parallel(model: nn.Module, mesh, splits: list[Split], sequence:
         for name, p in module.named_parameters():  # SequenceParallel's replicas come back trainable
             p.requires_grad_(name not in frozen)
         for path, value in s.scaled:  # this rank's module holds its own heads' widths
-            owner, _, attr = path.rpartition(".")
-            setattr(module.get_submodule(owner), attr, value // mesh.size())
+            setattr(*_owner(module, path), value // mesh.size())
         if s.partial:  # every parameter outside the split projections: whole, or read at this rank's heads
             split = {id(module.get_submodule(name)) for name in (*s.colwise, s.rowwise)}
             subs = [m for m in module.modules() if id(m) not in split]
             local = {}
             for path, (dim, idx) in s.indices(mesh.size(), mesh.get_local_rank()).items():
-                owner, _, name = path.rpartition(".")
-                local[(id(module.get_submodule(owner)), name)] = (dim, torch.tensor(idx))
+                owner, name = _owner(module, path)
+                local[(id(owner), name)] = (dim, torch.tensor(idx))
             sum_gradients_over_ranks(module, subs, mesh.get_group(), local)
