@@ -41,7 +41,7 @@ from onboard.errors import OnboardError, one_line
 from onboard.source import ModelSource
 from onboard.twin import behaviour
 from onboard.twin import layers as depth
-from onboard.twin.fields import get, layers_key, per_layer_lists, put, truncate_layers, walk
+from onboard.twin.fields import get, layers_key, lm_prefix, per_layer_lists, put, truncate_layers, walk
 from onboard.twin.meanings import meaning_of
 from onboard.twin.scale import widen
 from onboard.twin.shrink import SIZES, Shrink, fit_token_ids, shrink_config_dict
@@ -193,7 +193,7 @@ def twin_config(source: ModelSource) -> TwinConfig:
     """The twin's config (see the module docstring)."""
     full = source.config.to_dict()
     cfg, shrinks = shrink_config_dict(full)
-    key = layers_key(cfg)
+    key = layers_key(cfg, lm_prefix(source.config))
     why = _why_not_small(source, cfg, key)
     if why is None:
         return TwinConfig(cfg, shrinks, key)
@@ -233,7 +233,7 @@ def _shortest_prefix(stack: nn.ModuleList) -> int:
 def _by_behaviour(source: ModelSource, full: dict, why: str) -> TwinConfig:
     """Probe the fields (`onboard.twin.behaviour`), shrink by what they drive, keep what the model builds with."""
     named = {path: meaning_of(key) for path, key, _ in walk(full)}
-    count = layers_key(full)
+    count = layers_key(full, lm_prefix(source.config))
     paths = [p for p in behaviour.candidates(full) if named.get(p) in (None, *CHECKED) or p == count]
     found = behaviour.probe_fields(lambda cfg: build_meta(source, cfg), full, paths)
     hints = {}

@@ -63,9 +63,17 @@ def truncate_layers(cfg: dict, layers_key: str, full_layers: int, keep: int) -> 
     put(cfg, layers_key, keep)
 
 
-def layers_key(cfg: dict) -> str | None:
-    """The path of the layer count (num_hidden_layers and its other names), or None."""
-    for path, key, value in walk(cfg):
-        if key in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") and is_size(value):
-            return path
-    return None
+def layers_key(cfg: dict, within: str = "") -> str | None:
+    """The path of the layer count (num_hidden_layers and its other names), or None; the first under `within`
+    (a dotted prefix: where the causal LM's own config sits, `lm_prefix`) when there is one there. A multimodal
+    config holds its vision tower's count too, which may come first (Llama 4's)."""
+    found = [path for path, key, value in walk(cfg)
+             if key in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") and is_size(value)]
+    return next((path for path in found if path.startswith(within)), found[0] if found else None)
+
+
+def lm_prefix(config) -> str:
+    """Where the causal LM's config sits inside `config` (a transformers config): "" when it is the config itself,
+    else its field's name and a dot (Llama 4's "text_config."), as transformers' `get_text_config` finds it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return next((f"{name}." for name, value in vars(config).items() if value is text and text is not config), "")

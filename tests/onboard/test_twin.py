@@ -107,3 +107,17 @@ def test_the_twin_records_every_field_it_changed_and_why():
         Twin.build(source, layers=62)
     with pytest.raises(OnboardError, match="at least 1"):
         Twin.build(source, width=0)
+
+
+def test_a_multimodal_configs_twin_cuts_its_language_models_layers():
+    """Llama 4's config holds its vision tower's layer count before its text model's: the twin and `--layers` cut
+    the language model's (the causal LM is built from `text_config`), with its per-layer lists and MoE indices."""
+    from onboard.twin.fields import layers_key, lm_prefix
+
+    source = resolve("llama-4-scout")
+    assert lm_prefix(source.config) == "text_config."
+    assert layers_key(source.config.to_dict(), "text_config.") == "text_config.num_hidden_layers"
+    twin = Twin.build(source)
+    assert twin.config.num_hidden_layers == 4 and twin.config.layer_types[3] == "full_attention"
+    two = Twin.build(source, layers=2, check=False)
+    assert len(two.model.model.layers) == two.config.num_hidden_layers == 2 and two.config.moe_layers == [0, 1]
