@@ -70,23 +70,36 @@ def declare_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg: dict) 
     from runtime.parallel.context_split import declare_chunks
 
     declare_tensor_parallel(model, spec, full, cfg)
-    prefix = spec["layers_path"]
-    kept = list(enumerate(spec.get("layers", [])))[:len(model.get_submodule(prefix))]
-    chunked = [(i, layer) for i, layer in kept if (layer.get("attention") or {}).get("kind") == "chunked"]
-    if chunked:
-        record = trained_record({**spec, "layers": [layer for _, layer in chunked]}, full, cfg, model)
-        chunk = next((m.get("window") for m in record.get("mixers") or [] if m.get("kind") == "chunked"), None)
-        if chunk:
-            declare_chunks(model, {f"{prefix}.{i}.{layer['attention']['path']}": chunk for i, layer in chunked})
+    for _, paths, _, mixer in _attention_by_kind(model, spec, full, cfg, ("chunked",)):
+        if mixer.get("window"):
+            declare_chunks(model, {path: mixer["window"] for path in paths})
+
+
+def _kept_layers(model: torch.nn.Module, spec: dict) -> list[tuple[int, dict]]:
+    """(index, spec layer) of the layers the model has (a prefix of the spec's when it trains fewer)."""
+    return list(enumerate(spec.get("layers", [])))[:len(model.get_submodule(spec["layers_path"]))]
+
+
+def _attention_by_kind(model: torch.nn.Module, spec: dict, full: dict, cfg: dict, kinds) -> list:
+    """For each attention kind among `kinds` the model's layers hold: (kind, the attention modules' paths, the run
+    log's record of those layers alone, read back from the trained config `cfg` as `trained_record` reads it, and
+    its mixer of that kind, {} when it has none)."""
+    prefix, out = spec["layers_path"], []
+    kept = [(i, layer) for i, layer in _kept_layers(model, spec) if (layer.get("attention") or {}).get("kind") in kinds]
+    for kind in sorted({layer["attention"]["kind"] for _, layer in kept}):
+        layers = [(i, layer) for i, layer in kept if layer["attention"]["kind"] == kind]
+        record = trained_record({**spec, "layers": [layer for _, layer in layers]}, full, cfg, model)
+        mixer = next((m for m in record.get("mixers") or [] if m.get("kind") == kind), {})
+        out.append((kind, [f"{prefix}.{i}.{layer['attention']['path']}" for i, layer in layers], record, mixer))
+    return out
 
 
 def _key_heads(cfg: dict) -> int | None:
     """Linear attention's key heads where the config gives them apart from its value heads (Gated DeltaNet: each
     key head serves a group of value heads, as a key/value head serves query heads), else None."""
-    from onboard.twin.fields import is_size, walk
-    from onboard.twin.meanings import meaning_of
+    from onboard.twin.fields import sizes_by_meaning
 
-    return next((v for _, key, v in walk(cfg) if meaning_of(key) == "linear_k_heads" and is_size(v)), None)
+    return next((v for _, v in sizes_by_meaning(cfg).get("linear_k_heads", []) if v > 0), None)
 
 
 def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg: dict) -> None:
@@ -100,18 +113,13 @@ def declare_tensor_parallel(model: torch.nn.Module, spec: dict, full: dict, cfg:
     from runtime.parallel.tensor import Heads, declare
 
     prefix = spec["layers_path"]
-    kept = list(enumerate(spec.get("layers", [])))[:len(model.get_submodule(prefix))]
-    split = [(i, layer) for i, layer in kept if (layer.get("attention") or {}).get("kind") in TP_ATTENTION]
+    kept = _kept_layers(model, spec)
     attention = {}
-    for kind in sorted({layer["attention"]["kind"] for _, layer in split}):  # a hybrid's kinds differ in heads
-        layers = [(i, layer) for i, layer in split if layer["attention"]["kind"] == kind]
-        record = trained_record({**spec, "layers": [layer for _, layer in layers]}, full, cfg, model)
-        mixer = next((m for m in record.get("mixers") or [] if m.get("kind") == kind), {})
+    for kind, paths, record, mixer in _attention_by_kind(model, spec, full, cfg, TP_ATTENTION):
         heads = mixer.get("heads") or record.get("heads")
         kv_heads = (_key_heads(cfg) if kind.startswith("linear:") else record.get("kv_heads")) or heads
         if heads:
-            attention.update({f"{prefix}.{i}.{layer['attention']['path']}": Heads(heads, kv_heads)
-                              for i, layer in layers})
+            attention.update({path: Heads(heads, kv_heads) for path in paths})
     mlps = [f"{prefix}.{i}.{layer['mlp']['path']}" for i, layer in kept
             if (layer.get("mlp") or {}).get("kind") == "dense" and layer["mlp"].get("path")]
     blocks = [f"{prefix}.{i}.{part['path']}" for i, layer in kept

@@ -41,7 +41,16 @@ from onboard.errors import OnboardError, one_line
 from onboard.source import ModelSource
 from onboard.twin import behaviour
 from onboard.twin import layers as depth
-from onboard.twin.fields import get, layers_key, lm_prefix, per_layer_lists, put, truncate_layers, walk
+from onboard.twin.fields import (
+    get,
+    layers_key,
+    lm_prefix,
+    per_layer_lists,
+    put,
+    sizes_by_meaning,
+    truncate_layers,
+    walk,
+)
 from onboard.twin.meanings import meaning_of
 from onboard.twin.scale import widen
 from onboard.twin.shrink import SIZES, Shrink, fit_token_ids, shrink_config_dict
@@ -85,7 +94,7 @@ class Twin:
             return _scaled(source, plan, layers, width, check)
         twin = _shrunk_or_as_is(source, plan, check)
         twin.full_model = instantiate(source, device="meta")
-        twin.full_sizes = _sizes_by_meaning(source.config.to_dict())
+        twin.full_sizes = sizes_by_meaning(source.config.to_dict())
         return twin
 
     @property
@@ -161,16 +170,6 @@ def instantiate(source: ModelSource, config=None, *, device: str | None = None,
             return AutoModelForCausalLM.from_config(config, **kwargs)
         except Exception as exc:  # model code we do not own: say which model and why, in one line
             raise OnboardError(f"{source.name}: building the model failed: {one_line(exc)}") from exc
-
-
-def _sizes_by_meaning(full: dict) -> dict[str, list[tuple[str, int]]]:
-    """The integer fields of a config dict whose names have a meaning: {meaning: [(path, value), ...]}."""
-    sizes: dict[str, list[tuple[str, int]]] = {}
-    for path, key, value in walk(full):
-        meaning = meaning_of(key)
-        if meaning and isinstance(value, int) and not isinstance(value, bool):
-            sizes.setdefault(meaning, []).append((path, value))
-    return sizes
 
 
 def config_of(source: ModelSource, cfg_dict: dict):

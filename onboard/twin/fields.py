@@ -3,6 +3,8 @@ per-layer lists that follow it when a model is cut to its first layers."""
 
 from __future__ import annotations
 
+from onboard.twin.meanings import meaning_of
+
 
 def walk(d: dict, prefix: str = ""):
     """(dotted path, key, value) of every leaf, depth first."""
@@ -77,3 +79,13 @@ def lm_prefix(config) -> str:
     else its field's name and a dot (Llama 4's "text_config."), as transformers' `get_text_config` finds it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return next((f"{name}." for name, value in vars(config).items() if value is text and text is not config), "")
+
+
+def sizes_by_meaning(cfg: dict) -> dict[str, list[tuple[str, int]]]:
+    """The integer fields of a config dict whose names have a meaning: {meaning: [(path, value), ...]}."""
+    sizes: dict[str, list[tuple[str, int]]] = {}
+    for path, key, value in walk(cfg):
+        meaning = meaning_of(key)
+        if meaning and isinstance(value, int) and not isinstance(value, bool):
+            sizes.setdefault(meaning, []).append((path, value))
+    return sizes

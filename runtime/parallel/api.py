@@ -89,7 +89,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: ParallelMesh, *, trace: list
         local = ()
         if plan.folded:  # each tp rank's MoE blocks route its own tokens
             local = _folded_moe_blocks(model, mesh)
-            blocks = {path: b for path, b in blocks.items() if id(b) not in {id(m) for m in local}}
+            routed = {id(m) for m in local}
+            blocks = {path: b for path, b in blocks.items() if id(b) not in routed}
         apply_tensor_parallel(model, mesh.tp, splits, sequence=set(blocks))
         apply_sequence_parallel(decoder_layers(model), blocks, {s.path for s in splits} & set(blocks), mesh.tp,
                                 {s.path for s in splits if s.partial}, local)
