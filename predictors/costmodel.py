@@ -36,6 +36,7 @@ TRAINED_BYTES = 16
 # elementwise passes (norms, activations, residual adds, softmax) over the saved activations
 ELEMENTWISE_PASSES = 4
 FP8_CAST_BYTES = 5  # per element an FP8 GEMM's operand is cast: `fp8_cast_bytes_per_token`
+LOSS_BYTES_PER_LOGIT = 38  # HBM bytes the loss moves per logit, forward and backward: `loss_bytes_per_token`
 # Eager dispatch: aten operators one decoder layer issues per micro-step, (forward, backward), counted with
 # `runtime.op_count.OpCounter` on the runtime-adapted layers (`python bench/dispatch.py`: Llama-3.1-8B's dense
 # layer, Mixtral-8x7B's MoE layer). Each costs the host `Hardware.op_dispatch_us` whatever the tensors' size, which
@@ -53,7 +54,7 @@ class Estimate:
     compute_s: float
     recompute_s: float
     bubble_s: float
-    memory_s: float  # elementwise and optimizer traffic through HBM
+    memory_s: float  # elementwise, loss and optimizer traffic through HBM
     overhead_s: float  # host dispatch time the device's work does not hide (`dispatch_s`)
     tp_s: float
     cp_s: float
@@ -70,6 +71,7 @@ class Estimate:
     expert_gemm_s: float = 0.0  # what the experts' small grouped GEMMs take beyond the large-GEMM rate
     permute_s: float = 0.0  # routing, permutation and un-permutation: memory-bound passes over HBM
     expert_efficiency: float = 1.0  # share of the dense rate the experts' GEMMs reach (`moe_cost.expert_efficiency`)
+    loss_s: float = 0.0  # the loss's passes over the logits (`loss_bytes_per_token`), inside memory_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -134,6 +136,29 @@ def fp8_cast_bytes_per_token(d: Dims) -> float:
     return FP8_CAST_BYTES * (attention + moe_share * routed + (1 - moe_share) * dense)
 
 
+def loss_bytes_per_token(d: Dims, plan: Plan) -> float:
+    """HBM bytes per token the language-model loss moves over its logits, forward and backward, on a rank of the
+    last stage: V / tp logits (the head is vocabulary-parallel under tp) times LOSS_BYTES_PER_LOGIT.
+
+    The head's GEMM is priced with the FLOPs; what follows it does almost no arithmetic per byte. Counted per logit
+    for cross-entropy computed in fp32 over bf16 logits, as PyTorch's `cross_entropy(logits.float())` and
+    Megatron-Core's vocab-parallel cross-entropy both do:
+
+        forward   head writes the logits (bf16)                          2
+                  upcast: read bf16, write fp32                          2 + 4
+                  log-softmax: read for max and sum-exp, write           4 + 4
+        backward  the loss's gradient written densely (fp32)             4
+                  log-softmax backward: read gradient and output, write  4 + 4 + 4
+                  downcast: read fp32, write bf16                        4 + 2
+                                                                        = 38
+
+    A chunked or fused loss (`Plan.loss_chunk`) moves the same bytes a chunk at a time; it saves memory, not
+    traffic. The term matters where the vocabulary is large beside the model: a GPT of hidden 1024 and 50,257
+    tokens moves 1.9 MB a token here, 0.94 us on an A100-80G, beside about 14 us for its 24 layers' training FLOPs
+    under full recompute at the cost model's rate."""
+    return d.vocab / plan.tp * LOSS_BYTES_PER_LOGIT
+
+
 def activation_bytes_per_token(d: Dims, plan: Plan) -> dict:
     """Bytes saved for backward per token per layer (averaged over layers), by what the policy keeps."""
     h = d.hidden
@@ -193,8 +218,8 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
              gradient_overlap: bool = True) -> Estimate:
     """The step of `plan` priced piece by piece. `imbalance`: the busiest expert-parallel rank's routed tokens over
     the mean (`predictors.imbalance`: measured, or assumed); every MoE layer waits for that rank, so its routed
-    expert compute and its All-to-All volume are charged that many times the balanced share. 1 prices perfect balance; without expert parallelism (ep = 1) every rank computes its own
-    tokens and none is charged.
+    expert compute and its All-to-All volume are charged that many times the balanced share. 1 prices perfect
+    balance; without expert parallelism (ep = 1) every rank computes its own tokens and none is charged.
     `gradient_overlap`: whether data-parallel traffic hides behind compute (DP_OVERLAP of it at most: FSDP prefetch,
     bucketed gradient all-reduce, what every framework the planner targets does); False for a run that all-reduces
     its gradients after the whole backward (a run log's `meta.gradient_overlap`, `predictors.published`).
@@ -224,9 +249,11 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     traffic = rank_tokens * per["layer"] * shape.layers_stage * ELEMENTWISE_PASSES
     if precision == "fp8":
         traffic += rank_tokens * fp8_cast_bytes_per_token(d) * shape.layers_stage
+    # the last stage's loss over the logits; a rank holds the whole sequence there (the head gathers it under tp)
+    loss_s = rank_tokens * plan.tp * loss_bytes_per_token(d, plan) / (hw.memory_bw_gbs * 1e9)
     trained_local = shape.n_lora / (plan.tp * shape.fsdp * plan.pp) if shape.lora else local
     traffic += trained_local * TRAINED_BYTES * 2  # the optimizer reads and writes its state once a step
-    memory_s = traffic / (hw.memory_bw_gbs * 1e9) + permute_s
+    memory_s = traffic / (hw.memory_bw_gbs * 1e9) + permute_s + loss_s
     overhead_s = dispatch_s(busy + memory_s, host_dispatch_s(d, plan, hw, shape.layers_stage), hw)
 
     # -- overlap ------------------------------------------------------------------------------
@@ -244,7 +271,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
                     tp_s=tp_s, cp_s=cp_s, pp_s=pp_s, dp_s=dp_s, ep_s=ep_s, offload_s=offload_s,
                     exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=plan.tokens_per_step,
                     memory=memory, imbalance_s=imbalance_s, imbalance=skew, expert_gemm_s=expert_gemm_s,
-                    permute_s=permute_s, expert_efficiency=moe.efficiency)
+                    permute_s=permute_s, expert_efficiency=moe.efficiency, loss_s=loss_s)
 
 
 def moe_extra_flops(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> float:

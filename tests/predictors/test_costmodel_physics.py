@@ -2,7 +2,8 @@
 
 - full recompute reruns the forward's two tensor-parallel all-reduces (six per layer and micro-step, not four);
 - under FP8 the linear layers run at the FP8 peak and the attention core at the BF16 peak;
-- a run that all-reduces its gradients after the whole backward (no bucketing) hides none of that traffic.
+- a run that all-reduces its gradients after the whole backward (no bucketing) hides none of that traffic;
+- the loss's passes over the logits are HBM traffic on the last stage, V / tp logits a token (issue 37).
 """
 
 import json
@@ -77,3 +78,31 @@ def test_a_run_without_gradient_bucketing_hides_none_of_its_data_parallel_traffi
     assert exposed.step_time_s - hidden.step_time_s == pytest.approx(min(hidden.dp_s, costmodel.DP_OVERLAP *
                                                                          (hidden.compute_s + hidden.recompute_s)))
     assert unbucketed_step > bucketed_step
+
+
+def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_parallelism():
+    """38 bytes a logit (`costmodel.loss_bytes_per_token`): the vocabulary, not the layers, sets it, so a model with
+    twice the vocabulary moves twice the bytes and tp splits them; a device-bound step grows by exactly its time."""
+    hw = find("H100")
+    small, large = _dense(hidden=1024, layers=12), Dims.from_record({
+        "name": "dense", "layers": 12, "hidden": 1024, "heads": 32, "kv_heads": 8, "head_dim": 32, "ffn": 4096,
+        "vocab": 64000})
+    plan = Plan(dp_shard=8, seq_len=4096, micro_batch=4, grad_accum=2, recompute="none")
+    a, b = estimate(small, plan, hw), estimate(large, plan, hw)
+    tokens = plan.micro_batch * plan.seq_len * plan.grad_accum
+    assert a.loss_s == pytest.approx(tokens * 32000 * costmodel.LOSS_BYTES_PER_LOGIT / (hw.memory_bw_gbs * 1e9))
+    assert b.loss_s == pytest.approx(2 * a.loss_s)
+    assert a.overhead_s == 0  # device-bound: the host's dispatch hides behind it, and the loss adds its whole time
+    assert a.loss_s <= a.memory_s
+    tp = estimate(small, Plan(tp=2, dp_shard=4, seq_len=4096, micro_batch=4, grad_accum=2, recompute="none"), hw)
+    assert tp.loss_s == pytest.approx(a.loss_s / 2)
+    # a chunked loss saves memory, not traffic
+    chunked = estimate(small, Plan(dp_shard=8, seq_len=4096, micro_batch=4, grad_accum=2, recompute="none",
+                                   loss_chunk=1024), hw)
+    assert chunked.loss_s == pytest.approx(a.loss_s)
+    original = costmodel.LOSS_BYTES_PER_LOGIT
+    try:
+        costmodel.LOSS_BYTES_PER_LOGIT = 0
+        assert estimate(small, plan, hw).step_time_s == pytest.approx(a.step_time_s - a.loss_s)
+    finally:
+        costmodel.LOSS_BYTES_PER_LOGIT = original
