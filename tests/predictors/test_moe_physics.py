@@ -138,8 +138,9 @@ def test_fp8_pays_for_casting_its_operands():
 
 # -- the learned predictor on MoE runs (issue 37 items 2-4) ------------------------------------------------------
 def test_a_far_moe_run_falls_back_to_what_moe_runs_needed_and_a_dense_one_to_the_cost_model():
-    """`Fallback`: the median correction of the accelerator MoE runs it is fitted on (dense and CPU runs do not move
-    it); a far accelerator MoE run takes it, a far dense or CPU run none."""
+    """`Fallback`: the least of its sources' median corrections over their accelerator MoE runs when they all lean
+    the same way, else none (dense and CPU runs do not move it); a far accelerator MoE run takes it, a far dense or
+    CPU run none."""
     from predictors import learned
     from predictors.features import FEATURES
 
@@ -147,10 +148,14 @@ def test_a_far_moe_run_falls_back_to_what_moe_runs_needed_and_a_dense_one_to_the
     X[:5, FEATURES.index("log_tokens_per_expert")] = 5.0
     X[4, FEATURES.index("host_computes")] = 1.0  # a CPU MoE run
     target = np.array([0.1, 0.2, 0.3, 0.9, -2.0, 5.0, 5.0])  # the last two are dense
-    fb = learned.Fallback.fit(X, target)
-    assert fb.moe == pytest.approx(0.25)  # the median of 0.1, 0.2, 0.3, 0.9
-    assert fb.of(X).tolist() == pytest.approx([0.25] * 4 + [0.0] * 3)
-    assert learned.Fallback.fit(X[5:], target[5:]).moe == 0.0  # no MoE runs: the cost model
+    sources = ["a", "a", "b", "b", "cpu", "a", "b"]
+    fb = learned.Fallback.fit(X, target, sources)
+    assert fb.moe == pytest.approx(0.15)  # source a needed 0.15 (0.1, 0.2), source b 0.6 (0.3, 0.9): the least
+    assert fb.of(X).tolist() == pytest.approx([0.15] * 4 + [0.0] * 3)
+    assert learned.Fallback.fit(X, target, ["a"] * 7).moe == pytest.approx(0.25)  # one source: its median
+    assert learned.Fallback.fit(X[5:], target[5:], sources[5:]).moe == 0.0  # no MoE runs: the cost model
+    disagree = np.array([0.1, 0.2, -0.3, -0.9, -2.0, 5.0, 5.0])  # a leans slow, b fast: no shared correction
+    assert learned.Fallback.fit(X, disagree, sources).moe == 0.0
     # far from every training run (weight 0) the multiplier is the fallback's; near (weight 1) the trees'
     assert learned.shrunk(np.array([0.5]), np.array([0.0]), 0.3)[0] == pytest.approx(np.exp(0.3))
     assert learned.shrunk(np.array([0.5]), np.array([1.0]), 0.3)[0] == pytest.approx(np.exp(0.5))

@@ -378,7 +378,7 @@ def test_the_correction_fades_as_a_run_leaves_the_training_runs():
     """Issue 19: a run among the training runs keeps the whole correction; one moved away from all of them
     (another chip's figures, 100x the devices) keeps less and less, down to the cost model's answer."""
     model = learned.load()
-    assert model.reach is not None and model.label == "throughput-v12"
+    assert model.reach is not None and model.label == "throughput-v13"
     data = load_dataset(learned.default_training_paths())
     x = data.X[len(data) // 2]
     assert not data.moe[len(data) // 2]  # a dense run: far away, its correction falls back to none (`Fallback`)
