@@ -27,8 +27,8 @@ MATMUL_EFFICIENCY = 0.55
 # gradient, 4096 x (8192 + 16384), and the weight's 8192 x 16384: about 0.35 ms at 3.35 TB/s; the cost model charges
 # the first two per token and leaves the weight's once-a-step cast out), three GEMMs of 4.6 ms in bf16 (at a
 # cuBLAS-like 72 % of peak; 6.1 ms at MATMUL_EFFICIENCY) take 3.0 ms (4.0 ms) in float8: 1.55x (1.51x), not the 2x of
-# the peaks. The same README: "the gemm speedup approaching 2x as M, K, N
-# increase", so this is a training-sized GEMM's figure, not an upper bound.
+# the peaks. The same README has "the gemm speedup approaching 2x as M, K, N increase": this is a training-sized
+# GEMM's figure, not an upper bound.
 FP8_GEMM_SPEEDUP = 1.5
 REQUIRED = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbs",
             "devices_per_node")

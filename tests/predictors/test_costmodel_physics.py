@@ -86,7 +86,7 @@ def test_a_run_without_gradient_bucketing_hides_none_of_its_data_parallel_traffi
     assert unbucketed_step > bucketed_step
 
 
-def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_parallelism():
+def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_parallelism(monkeypatch):
     """38 bytes a logit (`costmodel.loss_bytes_per_token`): the vocabulary, not the layers, sets it, so a model with
     twice the vocabulary moves twice the bytes and tp splits them; a device-bound step grows by exactly its time."""
     hw = find("H100")
@@ -106,9 +106,5 @@ def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_paral
     chunked = estimate(small, Plan(dp_shard=8, seq_len=4096, micro_batch=4, grad_accum=2, recompute="none",
                                    loss_chunk=1024), hw)
     assert chunked.loss_s == pytest.approx(a.loss_s)
-    original = costmodel.LOSS_BYTES_PER_LOGIT
-    try:
-        costmodel.LOSS_BYTES_PER_LOGIT = 0
-        assert estimate(small, plan, hw).step_time_s == pytest.approx(a.step_time_s - a.loss_s)
-    finally:
-        costmodel.LOSS_BYTES_PER_LOGIT = original
+    monkeypatch.setattr(costmodel, "LOSS_BYTES_PER_LOGIT", 0)
+    assert estimate(small, plan, hw).step_time_s == pytest.approx(a.step_time_s - a.loss_s)
