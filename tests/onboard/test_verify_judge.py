@@ -4,9 +4,11 @@ largest true value, never the model's. A gradient 10 % off is caught however sma
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, judge
+from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, _against_truth, judge
 
 
 def _tensors(scale: float, seed: int = 0):
@@ -48,3 +50,33 @@ def test_the_scale_is_the_tensors_own_not_the_models():
     model_scale_error = float((wrong.double() - truth).abs().max() / big.abs().max())
     assert model_scale_error < ERR_FLOOR * 3  # what a model-wide scale would see
     assert judge(hf, wrong, truth)[2] > 0
+
+
+def _scalar_model(grad: torch.Tensor, dtype=torch.float32) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.scale = torch.nn.Parameter(torch.zeros(grad.shape, dtype=dtype))
+    model.scale.grad = grad.to(dtype)
+    return model
+
+
+def _run(logits: torch.Tensor, loss: torch.Tensor):
+    return SimpleNamespace(logits=logits, loss=loss)
+
+
+def test_a_tensor_huggingface_summed_luckily_is_held_to_fp32_not_to_the_luck():
+    """A gradient that is a cancelling sum (DeepSeek-V4's hc_scale: terms of 1e-3 summing to 3e-5) lands, in one
+    summation order, ten times closer to the truth than fp32 promises. Judged on that run alone, an adapter
+    summing in another order fails; with HuggingFace's error also taken in a second order (the batch reversed),
+    it passes. A tenth off still fails with both orders."""
+    truth_grad = torch.tensor([2.9e-5, -1.1e-5], dtype=torch.float64)
+    logits, loss = torch.randn(1, 2, 4, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
+    truth = _scalar_model(truth_grad, torch.float64)
+    out_truth = out_hf = _run(logits, loss)
+    lucky = _scalar_model(truth_grad * (1 + 5e-7))  # HuggingFace's order: 5e-7 off
+    other_order = {"logits": logits.float(), "loss": loss.float(),
+                   "grads": {"scale": (truth_grad * (1 + 2e-6)).float()}}  # the same sum, another order: 2e-6
+    for error, verdict_alone, verdict_both in ((1.7e-5, 1, 0), (0.1, 1, 1)):
+        adapted = _scalar_model(truth_grad * (1 + error))
+        args = (lucky, out_hf, loss.float(), logits.float(), dict(adapted.named_parameters()), truth, out_truth)
+        assert len(_against_truth(*args).failures) == verdict_alone, error
+        assert len(_against_truth(*args, again=other_order).failures) == verdict_both, error
