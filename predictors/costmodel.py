@@ -228,11 +228,7 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
     (`expert_gemm_s`), routing and permutation as HBM traffic (`permute_s`), the exchanges by where the EP group's
     peers are (`ep_s`), hidden as far as the plan overlaps them; pipeline stages are balanced and priced with those
     costs (`pipeline.share`'s `moe_extra`)."""
-    if imbalance < 1:
-        raise ValueError(f"expert load imbalance is the busiest rank over the mean: at least 1, got {imbalance}")
-    skew = imbalance if plan.ep > 1 and d.moe_layers else 1.0
-    moe = _MoE.of(d, plan, hw, precision, skew)
-    shape = _Layout.of(d, plan, moe.extra_flops)
+    skew, moe, shape = _priced_layout(d, plan, hw, precision, imbalance)
     compute_s, recompute_s, imbalance_s = _compute(d, plan, hw, precision, skew, shape)
     stage_moe_layers = d.moe_layers * shape.stage_share / plan.pp
     rank_tokens = plan.micro_batch * plan.seq_len / (plan.cp * plan.tp) * plan.grad_accum  # through its stage
@@ -272,6 +268,22 @@ def estimate(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalan
                     exposed_comm_s=exposed + offload_exposed, step_time_s=step, tokens_per_step=plan.tokens_per_step,
                     memory=memory, imbalance_s=imbalance_s, imbalance=skew, expert_gemm_s=expert_gemm_s,
                     permute_s=permute_s, expert_efficiency=moe.efficiency, loss_s=loss_s)
+
+
+def memory_per_device(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> float:
+    """The bytes a device of `plan` holds at its peak: `estimate(...).memory_per_device_bytes`, without pricing the
+    step's time (a planner asks it of every memory policy of every layout, and prices the step of those it keeps)."""
+    _, _, shape = _priced_layout(d, plan, hw, precision, imbalance)
+    return _memory(d, plan, shape)[0]["total"]
+
+
+def _priced_layout(d: Dims, plan: Plan, hw: Hardware, precision: str, imbalance: float):
+    """(the expert load skew priced, the MoE layer's costs, what the step reads of the layout)."""
+    if imbalance < 1:
+        raise ValueError(f"expert load imbalance is the busiest rank over the mean: at least 1, got {imbalance}")
+    skew = imbalance if plan.ep > 1 and d.moe_layers else 1.0
+    moe = _MoE.of(d, plan, hw, precision, skew)
+    return skew, moe, _Layout.of(d, plan, moe.extra_flops)
 
 
 def moe_extra_flops(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16", imbalance: float = 1.0) -> float:
@@ -450,5 +462,7 @@ def _communication(d: Dims, plan: Plan, hw: Hardware, shape: _Layout) -> tuple[f
     return tp_s, cp_s, pp_s, dp_s
 
 
-def fits(est: Estimate, hw: Hardware) -> bool:
-    return est.memory_per_device_bytes <= hw.memory_bytes * USABLE_FRACTION
+def fits(est: Estimate | float, hw: Hardware) -> bool:
+    """Whether an estimate's memory per device (or that many bytes) fits the device, less what stays unusable."""
+    total = est if isinstance(est, (int, float)) else est.memory_per_device_bytes
+    return total <= hw.memory_bytes * USABLE_FRACTION

@@ -82,10 +82,13 @@ class Hardware:
     def matmul_rate(self, dtype: str) -> float:
         """FLOP/s a large matmul-bound step reaches in `dtype`: the peak times MATMUL_EFFICIENCY; FP8 at most
         FP8_GEMM_SPEEDUP times the BF16 rate (training-sized FP8 GEMMs do not reach the FP8 peak's 2x)."""
-        peak = self.peak_flops(dtype)
-        if dtype == "fp8":
-            peak = min(peak, FP8_GEMM_SPEEDUP * self.peak_flops("bf16"))
-        return peak * MATMUL_EFFICIENCY
+        cache = self.__dict__.setdefault("_matmul_rate", {})  # frozen fields; a planner asks thousands of times
+        if dtype not in cache:
+            peak = self.peak_flops(dtype)
+            if dtype == "fp8":
+                peak = min(peak, FP8_GEMM_SPEEDUP * self.peak_flops("bf16"))
+            cache[dtype] = peak * MATMUL_EFFICIENCY
+        return cache[dtype]
 
     def link_gbs(self, span: int) -> float:
         """Bandwidth of a group whose members lie within `span` consecutive devices."""

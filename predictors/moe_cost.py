@@ -97,14 +97,20 @@ def expert_efficiency(d: Dims, plan: Plan, hw: Hardware, precision: str = "bf16"
     attention projections of the same micro-batch, (b s / (cp tp), h) @ (h, h), by the same formula; so a small
     model whose every GEMM is small (the CPU twins) is not charged twice for it."""
     m, h, f = local_gemm(d, plan)
-    gemms = [(m, h, 2 * f), (m, f, h), (m, h, f), (m, 2 * f, h)]
-    if plan.lora is None:
-        gemms += [(h, m, 2 * f), (f, m, h)]
-    flops = [a * b * c for a, b, c in gemms]
-    time = sum(w / gemm_efficiency(a, b, c, hw, precision) for w, (a, b, c) in zip(flops, gemms))
     tokens = plan.micro_batch * plan.seq_len / (plan.cp * plan.tp)
-    reference = gemm_efficiency(tokens, h, h, hw, precision)
-    return min(1.0, sum(flops) / time / reference)
+    # kept on the chip's instance by the shapes it depends on: a planner asks for a few hundred shapes thousands
+    # of times (the Dims cache's pattern; frozen fields, the cache is no field)
+    cache = hw.__dict__.setdefault("_expert_efficiency", {})
+    key = (m, h, f, tokens, plan.lora is None, precision)
+    if key not in cache:
+        gemms = [(m, h, 2 * f), (m, f, h), (m, h, f), (m, 2 * f, h)]
+        if plan.lora is None:
+            gemms += [(h, m, 2 * f), (f, m, h)]
+        flops = [a * b * c for a, b, c in gemms]
+        time = sum(w / gemm_efficiency(a, b, c, hw, precision) for w, (a, b, c) in zip(flops, gemms))
+        reference = gemm_efficiency(tokens, h, h, hw, precision)
+        cache[key] = min(1.0, sum(flops) / time / reference)
+    return cache[key]
 
 
 def permutation_bytes(d: Dims, passes: int) -> float:

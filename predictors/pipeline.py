@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from runtime.dims import Dims
 from runtime.plan import Plan
 
@@ -25,24 +27,26 @@ from runtime.plan import Plan
 @lru_cache(maxsize=256)
 def _balance(costs: tuple[float, ...], stages: int, tail: float) -> tuple[int, ...]:
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    # segment[i, j]: the layers j..i-1 as one stage; segments that do not end after they start are never taken
+    segment = prefix[:, None] - prefix[None, :]
+    ends_after = np.arange(n + 1)[None, :] < np.arange(n + 1)[:, None]
     # best[k][i]: the slowest stage when the first i layers form k stages; cut[k][i]: where the last one starts
-    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
+    # (the first j that attains it, as a loop over j taking only strict improvements would find)
+    best = np.full((stages + 1, n + 1), np.inf)
+    cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    rows = np.arange(n + 1)
     for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            extra = tail if k == stages else 0.0
-            for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
-                if worst < best[k][i]:
-                    best[k][i], cut[k][i] = worst, j
+        last = segment + tail if k == stages else segment
+        worst = np.where(ends_after, np.maximum(best[k - 1][None, :], last), np.inf)
+        reachable = (rows >= k) & (rows <= n - (stages - k))
+        cut[k] = np.where(reachable, worst.argmin(axis=1), 0)
+        best[k] = np.where(reachable, worst[rows, cut[k]], np.inf)
     counts, i = [], n
     for k in range(stages, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
+        counts.append(i - int(cut[k][i]))
+        i = int(cut[k][i])
     return tuple(reversed(counts))
 
 
@@ -95,10 +99,14 @@ def share(d: Dims, plan: Plan, moe_extra: float = 0.0) -> float:
         return 1.0
     if not d.stack or len(d.stack) != d.layers:
         return math.ceil(d.layers / plan.pp) * plan.pp / d.layers
-    costs = layer_costs(d, plan.seq_len, moe_extra)
-    counts = plan.pp_layers if plan.pp_layers and sum(plan.pp_layers) == len(costs) else even(len(costs), plan.pp)
-    per_stage = stage_costs(costs, counts, d.head_flops())
-    return max(per_stage) * plan.pp / sum(per_stage)
+    counts = plan.pp_layers if plan.pp_layers and sum(plan.pp_layers) == len(d.stack) else even(len(d.stack), plan.pp)
+    # kept on the model's instance (as `Dims.layer_flops` is): a planner prices each split under several policies
+    cache = d.__dict__.setdefault("_stage_share", {})
+    key = (plan.seq_len, tuple(counts), moe_extra)
+    if key not in cache:
+        per_stage = stage_costs(layer_costs(d, plan.seq_len, moe_extra), counts, d.head_flops())
+        cache[key] = max(per_stage) * plan.pp / sum(per_stage)
+    return cache[key]
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from predictors import pipeline
-from predictors.costmodel import Estimate, estimate, fits, moe_extra_flops
+from predictors.costmodel import Estimate, estimate, fits, memory_per_device, moe_extra_flops
 from predictors.features import FEATURES, features
 from predictors.hardware import Hardware
 from runtime.dims import Dims
@@ -118,26 +118,28 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
     result = SearchResult([], [])
     for layout in layouts(d, devices, hw, seq_len, global_batch):
         result.layouts += 1
-        best = None
         if imbalance is not None and layout["ep"] not in skew:
             skew[layout["ep"]] = max(1.0, float(imbalance(layout["ep"])))
         # balanced by cost where the stack is known, an MoE layer's costs beyond its FLOPs included
         extra = moe_extra_flops(d, Plan(**layout, seq_len=seq_len, lora=lora), hw, precision,
                                 skew.get(layout["ep"], 1.0)) if layout["pp"] > 1 and d.moe_layers else 0.0
         stages = pipeline.layers_per_stage(d, layout["pp"], seq_len, extra)
+        # the first policy that fits is priced and ranked; a layout none fits keeps the one needing least memory
+        fitting, least = None, None
         for recompute, offload, chunk in POLICIES:
             plan = Plan(**layout, seq_len=seq_len, recompute=recompute, offload=offload, lora=lora, dtype=precision,
                         loss_chunk=LOSS_CHUNK if chunk else None, pp_layers=stages,
                         pp_schedule="1f1b" if layout["grad_accum"] >= layout["pp"] else "gpipe")
-            est = estimate(d, plan, hw, precision, skew.get(plan.ep, 1.0))
-            result.estimates += 1
-            if fits(est, hw):
-                result.ranked.append(Candidate(plan, est, est.step_time_s, model=d))
+            needs = memory_per_device(d, plan, hw, precision, skew.get(plan.ep, 1.0))
+            if fits(needs, hw):
+                fitting = plan
                 break
-            if best is None or est.memory_per_device_bytes < best.memory_bytes:
-                best = Candidate(plan, est, est.step_time_s, model=d)
-        else:
-            result.infeasible.append(best)
+            if least is None or needs < least[1]:
+                least = (plan, needs)
+        plan = fitting if fitting is not None else least[0]
+        est = estimate(d, plan, hw, precision, skew.get(plan.ep, 1.0))
+        result.estimates += 1
+        (result.ranked if fitting else result.infeasible).append(Candidate(plan, est, est.step_time_s, model=d))
     if global_batch % devices and not result.layouts:
         result.notes.append(f"global batch {global_batch} leaves no legal data-parallel split of {devices} devices")
     if predictor is not None and result.ranked:

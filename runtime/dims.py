@@ -243,8 +243,12 @@ class Dims:
         return 2 * self.hidden * self.head_dim * (self.heads + self.kv_heads)
 
     def mixing_flops(self, seq_len: int) -> float:
-        """Forward FLOPs per token of token mixing (scores and weighted sums), summed over layers."""
-        return mixing_flops(self.mixers, seq_len)
+        """Forward FLOPs per token of token mixing (scores and weighted sums), summed over layers; kept per
+        sequence length on the instance, as `layer_flops` is."""
+        cache = self.__dict__.setdefault("_mixing_flops", {})
+        if seq_len not in cache:
+            cache[seq_len] = mixing_flops(self.mixers, seq_len)
+        return cache[seq_len]
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         return 2 * self.params_active + self.mixing_flops(seq_len)

@@ -46,6 +46,23 @@ def test_stages_balanced_by_cost_are_within_20_percent_where_a_split_by_count_is
         assert max(pipeline.stage_costs(costs, other, d.head_flops())) >= slowest * (1 - 1e-12)
 
 
+def test_the_split_is_the_best_contiguous_one_for_any_costs_ties_and_a_head_included():
+    """Random stacks, equal costs among them (where many splits tie), with and without the head on the last stage:
+    the slowest stage is as fast as any contiguous split makes it, every stage non-empty."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        costs = [float(rng.choice((1, 2, 3))) if rng.random() < 0.5 else rng.uniform(0.1, 5) for _ in range(n)]
+        stages, tail = rng.randint(1, n), rng.choice((0.0, rng.uniform(0, 4)))
+        counts = pipeline.balance(costs, stages, tail)
+        assert len(counts) == stages and min(counts) >= 1 and sum(counts) == n
+        best = min(max(pipeline.stage_costs(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))], tail))
+                   for cuts in itertools.combinations(range(1, n), stages - 1))
+        assert max(pipeline.stage_costs(costs, counts, tail)) == pytest.approx(best, rel=1e-12)
+
+
 def test_the_cost_model_prices_the_slowest_stage():
     d = dims([False] * 3 + [True] * 21)
     hw = find("H100")

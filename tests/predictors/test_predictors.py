@@ -92,6 +92,20 @@ def test_memory_parts_follow_the_plan():
     assert chunk["logits"] == pytest.approx(base["logits"] / 8)
 
 
+def test_the_planners_memory_check_is_the_estimates_memory():
+    """The planner checks each policy's memory without pricing its step (`memory_per_device`); it must be the
+    figure the full estimate gives, or the planner ranks plans that do not fit."""
+    from predictors.costmodel import memory_per_device
+
+    d, hw = Dims.from_record(MOE), find("H100")
+    for plan in (Plan(dp_shard=8, seq_len=4096), Plan(dp_shard=4, ep=4, tp=2, seq_len=4096, recompute="full"),
+                 Plan(dp_shard=2, pp=4, grad_accum=8, seq_len=8192, offload="moe", loss_chunk=512),
+                 Plan(dp_shard=8, seq_len=4096, lora=LoRA(rank=8), recompute="selective")):
+        for imbalance in (1.0, 1.7):
+            full = estimate(d, plan, hw, "bf16", imbalance).memory_per_device_bytes
+            assert memory_per_device(d, plan, hw, "bf16", imbalance) == full
+
+
 def test_communication_terms():
     d = Dims.from_record(MOE)
     hw = find("H100")
