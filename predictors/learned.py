@@ -27,8 +27,10 @@ training files with their digests, row counts per source, skipped lines, scikit-
 model file's sha256, which loading checks) and, from v6, `throughput-vN.reach.npz` (the standardised training
 runs, sha256 in the JSON) and, from v8, the calibration of its interval (`Interval`: every prediction comes with
 one), and from v11 its `Fallback` and the MoE features (`predictors.features`: a version predicts from the features
-it was trained on). Training writes the next free version; nothing is ever overwritten or deleted.
-joblib files are pickles: load only files you or this package wrote.
+it was trained on), and from v14 its trees as arrays (`throughput-vN.trees.npz`, sha256 in the JSON;
+`predictors.trees`), which is what predicts: a version with them loads without scikit-learn or unpickling. Training
+writes the next free version; nothing is ever overwritten or deleted. joblib files are pickles: load only files you
+or this package wrote.
 """
 
 from __future__ import annotations
@@ -41,18 +43,21 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import joblib
+from typing import TYPE_CHECKING
+
 import numpy as np
-import sklearn
-from sklearn.ensemble import HistGradientBoostingRegressor
 from threadpoolctl import threadpool_limits
 
 from predictors.costmodel import Estimate, estimate
 from predictors.errors import PredictorError
 from predictors.features import FEATURES, RENAMED, Dataset, features, load_dataset
 from predictors.hardware import Hardware
+from predictors.trees import Trees
 from runtime.dims import Dims
 from runtime.plan import Plan
+
+if TYPE_CHECKING:  # scikit-learn is imported where a model is fitted or unpickled, never to predict (Trees)
+    from sklearn.ensemble import HistGradientBoostingRegressor
 
 MODELS_DIR = Path(__file__).parent / "models"
 DATA_DIR = Path(__file__).parent / "data"
@@ -246,6 +251,8 @@ def _weights(sources: list) -> np.ndarray:
 
 
 def fit(X: np.ndarray, y: np.ndarray, sources: list) -> HistGradientBoostingRegressor:
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
     model = HistGradientBoostingRegressor(max_iter=100, learning_rate=0.1, max_leaf_nodes=15, min_samples_leaf=8,
                                           l2_regularization=1.0, random_state=0)
     # one thread: these fits take a fraction of a second, and OpenMP threads on a busy machine make
@@ -286,7 +293,7 @@ def _next_version(directory: Path) -> int:
 
 @dataclass
 class Predictor:
-    model: HistGradientBoostingRegressor
+    model: HistGradientBoostingRegressor | Trees  # the trees (`predictors.trees`) from v14; what predicts either way
     meta: dict
     path: Path | None = None
     reach: Reach | None = None  # None for versions trained before v6: the correction is not shrunk
@@ -380,16 +387,21 @@ def train(paths=None, out=None) -> Predictor:
         raise PredictorError(f"{out} is a file: --out takes a new .joblib path or a directory")
     if out.suffix == ".joblib":
         target = out
-        if target.exists() or target.with_suffix(".json").exists() or target.with_suffix(".reach.npz").exists():
+        if any(target.with_suffix(suffix).exists() for suffix in (".joblib", ".json", ".reach.npz", ".trees.npz")):
             raise PredictorError(f"{target} exists; retraining never overwrites a model, choose a new name")
         version = _next_version(target.parent)
     else:
         out.mkdir(parents=True, exist_ok=True)
         version = _next_version(out)
         target = out / f"{STEM}-v{version}.joblib"
+    import joblib
+    import sklearn
+
     model = fit(data.X, data.target, data.sources)
     target.parent.mkdir(parents=True, exist_ok=True)
     joblib.dump(model, target)
+    trees_file = target.with_suffix(".trees.npz")
+    Trees.of(model).save(trees_file)
     reach = Reach.fit(data.X)
     fallback = Fallback.fit(data.X, data.target, data.sources)
     interval = calibrate(data)
@@ -401,6 +413,7 @@ def train(paths=None, out=None) -> Predictor:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sklearn": sklearn.__version__, "features": list(FEATURES), "model_sha256": _sha256(target),
         "reach": {"file": reach_file.name, "sha256": _sha256(reach_file), "factor": reach.factor},
+        "trees": {"file": trees_file.name, "sha256": _sha256(trees_file)},
         "fallback": {"moe": fallback.moe},
         "interval": {"coverage": COVERAGE, "folds": FOLDS, "learned": interval.learned,
                      "cost_model": interval.cost_model, "scale": interval.scale,
@@ -485,13 +498,32 @@ def load(path=None) -> Predictor:
         raise PredictorError(f"predictor model file {path} is missing")
     if _sha256(path) != meta.get("model_sha256"):
         raise PredictorError(f"predictor model file {path} is corrupt (its sha256 does not match {sidecar.name})")
+    model = _load_trees(path, meta) if meta.get("trees") else _unpickle(path)
+    return Predictor(model, meta, path, _load_reach(path, meta))
+
+
+def _unpickle(path: Path):
+    """The scikit-learn estimator of a version saved before its trees were (v14)."""
+    import joblib
+
     try:
         model = joblib.load(path)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
         raise PredictorError(f"predictor model file {path} cannot be loaded: {type(e).__name__}: {e}") from None
     if not hasattr(model, "predict"):
         raise PredictorError(f"predictor model file {path} does not hold an estimator")
-    return Predictor(model, meta, path, _load_reach(path, meta))
+    return model
+
+
+def _load_trees(path: Path, meta: dict) -> Trees:
+    record = meta["trees"]
+    file = path.with_name(str(record.get("file")))
+    if not file.is_file() or _sha256(file) != record.get("sha256"):
+        raise PredictorError(f"predictor trees file {file} is missing or corrupt (its sha256 does not match)")
+    try:
+        return Trees.load(file)
+    except (OSError, ValueError, KeyError) as e:
+        raise PredictorError(f"predictor trees file {file} cannot be read: {type(e).__name__}: {e}") from None
 
 
 def _load_reach(path: Path, meta: dict) -> Reach | None:

@@ -505,7 +505,7 @@ def _reordered(model: nn.Module, batch: dict) -> dict:
 
 
 @dataclass
-class _AgainstTruth:
+class AgainstTruth:
     """Every tensor judged against the fp64 truth: what failed, where the adapted error lies furthest past its
     bound, and the logits' and the loss's errors (HuggingFace's, the adapted model's)."""
     failures: list[str]
@@ -514,8 +514,8 @@ class _AgainstTruth:
     loss: tuple[float, float, float]
 
 
-def _against_truth(ref, out_ref, loss_adapted, logits_adapted, adapted_params, truth, out_truth,
-                   again: dict | None = None) -> _AgainstTruth:
+def against_truth(ref, out_ref, loss_adapted, logits_adapted, adapted_params, truth, out_truth,
+                   again: dict | None = None) -> AgainstTruth:
     """Judge the logits, the loss and every gradient against the truth. HuggingFace's fp32 error on a tensor is
     the larger of its run's and, when `again` (`_reordered`) is given, of the same run summed in another order:
     one summation order can land a tensor much closer to the truth than fp32 promises (a gradient that is a
@@ -542,7 +542,7 @@ def _against_truth(ref, out_ref, loss_adapted, logits_adapted, adapted_params, t
     loss = judged(out_ref.loss, loss_adapted, out_truth.loss, again["loss"] if again else None)
     failures += [f"{what}: error {ad:.2g} against fp64, HuggingFace's own fp32 error {hf:.2g}"
                  for what, (hf, ad, excess) in (("logits", logits), ("loss", loss)) if excess > 0]
-    return _AgainstTruth(failures, worst, logits, loss)
+    return AgainstTruth(failures, worst, logits, loss)
 
 
 def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, runtime_calls,
@@ -576,12 +576,12 @@ def _compare(seed, ref, out_ref, loss_adapted, logits_adapted, adapted_params, r
             failures.append(f"{name}: max |dgrad| {diff:.3g} vs max |grad| {ref_max:.3g}")
     logits_ok = max_abs <= LOGITS_RTOL * scale
     loss_ok = abs(loss_ref - loss_ad) <= LOSS_RTOL * max(1.0, abs(loss_ref))
-    judged = _AgainstTruth([], (-math.inf, 0.0, 0.0, ""), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    judged = AgainstTruth([], (-math.inf, 0.0, 0.0, ""), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
     if truth is not None:
         args = (ref, out_ref, loss_adapted, logits_adapted, adapted_params, truth, out_truth)
-        judged = _against_truth(*args)
+        judged = against_truth(*args)
         if judged.failures and reorder is not None:
-            judged = _against_truth(*args, again=reorder())
+            judged = against_truth(*args, again=reorder())
         failures += judged.failures
         logits_ok, loss_ok = judged.logits[2] <= 0, judged.loss[2] <= 0
     _, err_hf, err_ad, err_name = judged.worst

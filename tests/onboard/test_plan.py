@@ -119,8 +119,8 @@ def test_predictor_verbs(tmp_path, capsys):
     assert "throughput-v1: 60 runs" in out and "1 skipped" in out and "not JSON" in out
     assert main(["predictor", "train", "--logs", str(logs), "--only", "--out", str(models)]) == 0
     assert sorted(p.name for p in models.iterdir()) == [
-        "throughput-v1.joblib", "throughput-v1.json", "throughput-v1.reach.npz",
-        "throughput-v2.joblib", "throughput-v2.json", "throughput-v2.reach.npz"]
+        "throughput-v1.joblib", "throughput-v1.json", "throughput-v1.reach.npz", "throughput-v1.trees.npz",
+        "throughput-v2.joblib", "throughput-v2.json", "throughput-v2.reach.npz", "throughput-v2.trees.npz"]
     capsys.readouterr()
     assert main(["predictor", "eval", "--logs", str(logs)]) == 0
     table = capsys.readouterr().out

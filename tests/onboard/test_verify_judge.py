@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, _against_truth, judge
+from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, against_truth, judge
 
 
 def _tensors(scale: float, seed: int = 0):
@@ -78,5 +78,5 @@ def test_a_tensor_huggingface_summed_luckily_is_held_to_fp32_not_to_the_luck():
     for error, verdict_alone, verdict_both in ((1.7e-5, 1, 0), (0.1, 1, 1)):
         adapted = _scalar_model(truth_grad * (1 + error))
         args = (lucky, out_hf, loss.float(), logits.float(), dict(adapted.named_parameters()), truth, out_truth)
-        assert len(_against_truth(*args).failures) == verdict_alone, error
-        assert len(_against_truth(*args, again=other_order).failures) == verdict_both, error
+        assert len(against_truth(*args).failures) == verdict_alone, error
+        assert len(against_truth(*args, again=other_order).failures) == verdict_both, error

@@ -267,8 +267,10 @@ def test_corrupt_model_files_give_clear_errors(tmp_path):
         f.write(b"garbage")
     with pytest.raises(PredictorError, match="corrupt"):
         learned.load(broken)
-    # a file whose digest matches but which is not a pickle (written by hand, or a truncated copy re-stamped)
+    # a file whose digest matches but which is not a pickle (written by hand, or a truncated copy re-stamped), in a
+    # version from before v14, whose estimator is unpickled to predict (from v14 its trees are read instead)
     meta = json.loads(broken.with_suffix(".json").read_text())
+    meta.pop("trees")
     broken.write_bytes(b"not a pickle")
     meta["model_sha256"] = learned._sha256(broken)
     broken.with_suffix(".json").write_text(json.dumps(meta))
@@ -392,7 +394,7 @@ def test_the_correction_fades_as_a_run_leaves_the_training_runs():
     """Issue 19: a run among the training runs keeps the whole correction; one moved away from all of them
     (another chip's figures, 100x the devices) keeps less and less, down to the cost model's answer."""
     model = learned.load()
-    assert model.reach is not None and model.label == "throughput-v13"
+    assert model.reach is not None and model.label == "throughput-v14"
     data = load_dataset(learned.default_training_paths())
     x = data.X[len(data) // 2]
     assert not data.moe[len(data) // 2]  # a dense run: far away, its correction falls back to none (`Fallback`)
