@@ -462,7 +462,6 @@ def _communication(d: Dims, plan: Plan, hw: Hardware, shape: _Layout) -> tuple[f
     return tp_s, cp_s, pp_s, dp_s
 
 
-def fits(est: Estimate | float, hw: Hardware) -> bool:
-    """Whether an estimate's memory per device (or that many bytes) fits the device, less what stays unusable."""
-    total = est if isinstance(est, (int, float)) else est.memory_per_device_bytes
-    return total <= hw.memory_bytes * USABLE_FRACTION
+def fits(memory_bytes: float, hw: Hardware) -> bool:
+    """Whether a device holds `memory_bytes` (`memory_per_device`, or an estimate's), less what stays unusable."""
+    return memory_bytes <= hw.memory_bytes * USABLE_FRACTION

@@ -139,7 +139,8 @@ def search(d: Dims, devices: int, hw: Hardware, *, lora: LoRA | None = None, seq
         plan = fitting if fitting is not None else least[0]
         est = estimate(d, plan, hw, precision, skew.get(plan.ep, 1.0))
         result.estimates += 1
-        (result.ranked if fitting else result.infeasible).append(Candidate(plan, est, est.step_time_s, model=d))
+        kept = result.ranked if fitting is not None else result.infeasible
+        kept.append(Candidate(plan, est, est.step_time_s, model=d))
     if global_batch % devices and not result.layouts:
         result.notes.append(f"global batch {global_batch} leaves no legal data-parallel split of {devices} devices")
     if predictor is not None and result.ranked:

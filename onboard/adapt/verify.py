@@ -432,10 +432,14 @@ def _error(x: torch.Tensor, truth: torch.Tensor) -> float:
     return float((x - truth).abs().max() / truth.abs().max().clamp_min(TENSOR_SCALE_MIN))
 
 
-def judge(hf: torch.Tensor, adapted: torch.Tensor, truth: torch.Tensor) -> tuple[float, float, float]:
+def judge(hf: torch.Tensor, adapted: torch.Tensor, truth: torch.Tensor,
+          hf_again: torch.Tensor | None = None) -> tuple[float, float, float]:
     """One tensor against its fp64 truth: (HuggingFace's fp32 error, the adapted error, how far the adapted error
-    lies past its bound; > 0 fails). Both errors are relative to this tensor's own largest true value."""
+    lies past its bound; > 0 fails). Both errors are relative to this tensor's own largest true value. With
+    `hf_again`, HuggingFace's same tensor summed in another order, HuggingFace's error is the larger of the two."""
     e_hf, e_ad = _error(hf, truth), _error(adapted, truth)
+    if hf_again is not None:
+        e_hf = max(e_hf, _error(hf_again, truth))
     return e_hf, e_ad, _excess(e_ad, e_hf)
 
 
@@ -520,26 +524,19 @@ def against_truth(ref, out_ref, loss_adapted, logits_adapted, adapted_params, tr
     the larger of its run's and, when `again` (`_reordered`) is given, of the same run summed in another order:
     one summation order can land a tensor much closer to the truth than fp32 promises (a gradient that is a
     cancelling sum of many terms), and a bound ten times that luck is a bound on the luck, not on the adapter."""
-    def hf_error(hf, other, t):
-        return max(_error(hf, t), _error(other, t)) if other is not None else _error(hf, t)
-
-    def judged(hf, adapted, t, other):
-        e_hf, e_ad = hf_error(hf, other, t), _error(adapted, t)
-        return e_hf, e_ad, _excess(e_ad, e_hf)
-
     true_params = dict(truth.named_parameters())
     failures, worst = [], (-math.inf, 0.0, 0.0, "")
     for name, p in ref.named_parameters():
         q, t = adapted_params[name], true_params.get(name)
         if p.grad is None or q.grad is None or t is None or t.grad is None:
             continue
-        e_hf, e_ad, margin = judged(p.grad, q.grad, t.grad, again["grads"].get(name) if again else None)
+        e_hf, e_ad, margin = judge(p.grad, q.grad, t.grad, again["grads"].get(name) if again else None)
         worst = max(worst, (margin, e_hf, e_ad, name), key=lambda w: w[0])
         if margin > 0:
             failures.append(f"{name}: error {e_ad:.2g} against fp64, HuggingFace's own fp32 error {e_hf:.2g} "
                             f"(largest true value {float(t.grad.abs().max()):.1e})")
-    logits = judged(out_ref.logits, logits_adapted, out_truth.logits, again["logits"] if again else None)
-    loss = judged(out_ref.loss, loss_adapted, out_truth.loss, again["loss"] if again else None)
+    logits = judge(out_ref.logits, logits_adapted, out_truth.logits, again["logits"] if again else None)
+    loss = judge(out_ref.loss, loss_adapted, out_truth.loss, again["loss"] if again else None)
     failures += [f"{what}: error {ad:.2g} against fp64, HuggingFace's own fp32 error {hf:.2g}"
                  for what, (hf, ad, excess) in (("logits", logits), ("loss", loss)) if excess > 0]
     return AgainstTruth(failures, worst, logits, loss)
