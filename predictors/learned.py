@@ -39,6 +39,7 @@ import datetime
 import hashlib
 import json
 import re
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -521,8 +522,8 @@ def _load_trees(path: Path, meta: dict) -> Trees:
     if not file.is_file() or _sha256(file) != record.get("sha256"):
         raise PredictorError(f"predictor trees file {file} is missing or corrupt (its sha256 does not match)")
     try:
-        return Trees.load(file)
-    except (OSError, ValueError, KeyError) as e:
+        return Trees.load(file, len(meta["features"]))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise PredictorError(f"predictor trees file {file} cannot be read: {type(e).__name__}: {e}") from None
 
 

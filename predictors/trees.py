@@ -81,6 +81,22 @@ class Trees:
         np.savez(path, **{f: getattr(self, f) for f in FIELDS}, baseline=self.baseline, depth=self.depth)
 
     @classmethod
-    def load(cls, path: Path) -> Trees:
+    def load(cls, path: Path, features: int) -> Trees:
+        """The trees saved at `path`, for rows of `features` columns; ValueError naming what does not hold when the
+        file is not a forest (a file is data from wherever it came: indices out of range or a depth past the node
+        count would raise or walk for ever in `predict`)."""
         with np.load(path, allow_pickle=False) as z:
-            return cls(**{f: z[f] for f in FIELDS}, baseline=float(z["baseline"]), depth=int(z["depth"]))
+            trees = cls(**{f: z[f] for f in FIELDS}, baseline=float(z["baseline"]), depth=int(z["depth"]))
+        n = len(trees.value)
+        if any(getattr(trees, f).ndim != 1 or len(getattr(trees, f)) != n for f in FIELDS if f != "roots") \
+                or trees.roots.ndim != 1 or not len(trees.roots):
+            raise ValueError("its node arrays are not one entry per node, or it has no tree")
+        inner = ~trees.leaf.astype(bool)  # a leaf's children and feature are never read
+        for name, index, bound, where in (("left", trees.left, n, inner), ("right", trees.right, n, inner),
+                                          ("roots", trees.roots, n, slice(None)),
+                                          ("feature", trees.feature, features, inner)):
+            if not np.issubdtype(index.dtype, np.integer) or ((index < 0) | (index >= bound))[where].any():
+                raise ValueError(f"a '{name}' entry lies outside 0..{bound - 1}")
+        if not 0 <= trees.depth <= n or not np.isfinite(trees.value).all() or not np.isfinite(trees.baseline):
+            raise ValueError("its depth or its values are out of range")
+        return trees

@@ -48,9 +48,9 @@ def test_a_freshly_fitted_model_round_trips_through_its_file(tmp_path):
     Trees.of(model).save(tmp_path / "t.npz")
     query = rng.normal(size=(200, 4)) * 2
     query[rng.random(query.shape) < 0.1] = np.nan
-    assert np.array_equal(Trees.load(tmp_path / "t.npz").predict(query), model.predict(query))
+    assert np.array_equal(Trees.load(tmp_path / "t.npz", 4).predict(query), model.predict(query))
     # a planted difference is seen: one leaf's value changed changes the predictions
-    trees = Trees.load(tmp_path / "t.npz")
+    trees = Trees.load(tmp_path / "t.npz", 4)
     trees.value[np.flatnonzero(trees.leaf)[3]] += 1e-3
     assert not np.array_equal(trees.predict(query), model.predict(query))
 
@@ -87,6 +87,45 @@ def test_a_damaged_trees_file_is_refused_in_one_line(tmp_path):
     meta = json.loads(sidecar.read_text())
     assert meta["trees"]["file"] == trees.name
     meta["trees"]["sha256"] = learned._sha256(trees)
+    sidecar.write_text(json.dumps(meta))
+    with pytest.raises(PredictorError, match="trees file .* cannot be read"):
+        learned.load(tmp_path / version.name)
+
+
+def test_a_trees_file_that_is_not_a_forest_is_refused_in_one_line(tmp_path):
+    """The file is data from wherever it came, and its digest only says it is the file the JSON names (both can be
+    rewritten together): a child or a feature out of range, a depth that would walk past the nodes, a value that is
+    not finite, a truncated archive, each is refused when it loads, not met as a traceback or a hang in predict."""
+    version = learned.load().path
+    for f in version.parent.glob(version.stem + ".*"):
+        shutil.copy(f, tmp_path / f.name)
+    trees_file, sidecar = tmp_path / (version.stem + ".trees.npz"), tmp_path / (version.stem + ".json")
+    good = Trees.load(trees_file, len(learned.load().feature_names))
+    inner = np.flatnonzero(~good.leaf)[0]
+
+    def edited(**change):
+        arrays = {f: getattr(good, f).copy() for f in ("feature", "threshold", "missing_left", "left", "right",
+                                                       "leaf", "value", "roots")}
+        arrays.update(baseline=good.baseline, depth=good.depth)
+        for name, (at, value) in change.items():
+            if at is None:
+                arrays[name] = value
+            else:
+                arrays[name][at] = value
+        return arrays
+
+    cases = {"child": edited(left=(inner, 10 ** 9)), "feature": edited(feature=(inner, 999)),
+             "depth": edited(depth=(None, 10 ** 12)), "value": edited(value=(0, np.nan)),
+             "root": edited(roots=(0, -1)), "shape": edited(right=(None, good.right[:-1]))}
+    for what, arrays in cases.items():
+        np.savez(trees_file, **arrays)
+        meta = json.loads(sidecar.read_text())
+        meta["trees"]["sha256"] = learned._sha256(trees_file)
+        sidecar.write_text(json.dumps(meta))
+        with pytest.raises(PredictorError, match="trees file .* cannot be read: ValueError"):
+            learned.load(tmp_path / version.name)
+    trees_file.write_bytes((version.parent / trees_file.name).read_bytes()[:2000])  # a zip cut short
+    meta["trees"]["sha256"] = learned._sha256(trees_file)
     sidecar.write_text(json.dumps(meta))
     with pytest.raises(PredictorError, match="trees file .* cannot be read"):
         learned.load(tmp_path / version.name)
