@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, against_truth, judge
+from onboard.adapt.verify import ERR_FACTOR, ERR_FLOOR, TENSOR_SCALE_MIN, against_truth, judge, same_function
 
 
 def _tensors(scale: float, seed: int = 0):
@@ -80,3 +80,19 @@ def test_a_tensor_huggingface_summed_luckily_is_held_to_fp32_not_to_the_luck():
         args = (lucky, out_hf, loss.float(), logits.float(), dict(adapted.named_parameters()), truth, out_truth)
         assert len(against_truth(*args).failures) == verdict_alone, error
         assert len(against_truth(*args, again=other_order).failures) == verdict_both, error
+
+
+def test_a_reversed_run_that_computes_something_else_is_not_taken_as_fp32s_noise():
+    """The reversed batch is a second sample of fp32's error only for a model whose output does not depend on the
+    batch's order. A model that drops tokens past an expert's capacity, first come first served, computes something
+    else reversed: its logits move by far more than fp32's agreement, and its errors, which would loosen every
+    bound, are not taken. A reversal that moves only the last digits is."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 8, 16, generator=gen)
+    first = _run(logits, torch.tensor(2.5))
+    noise = {"logits": logits * (1 + 1e-7), "loss": torch.tensor(2.5 * (1 + 1e-7))}
+    assert same_function(first, noise)
+    dropped = logits.clone()
+    dropped[1, 5:] = 0.0  # the second row's last tokens routed nowhere when it came first
+    assert not same_function(first, {"logits": dropped, "loss": torch.tensor(2.5)})
+    assert not same_function(first, {"logits": logits, "loss": torch.tensor(2.6)})
