@@ -339,7 +339,7 @@ def _trained(model) -> None:
 def _retrain(args) -> int:
     from onboard.plan import retrain_predictor
 
-    result = retrain_predictor(args.logs, args.out, make_default=args.make_default)
+    result = retrain_predictor(args.logs, args.out, make_default=args.make_default, jobs=args.jobs)
     _trained(result.predictor)
 
     def pct(x):
@@ -411,12 +411,12 @@ def cmd_predictor(args) -> int:
                                "train on)")
         if args.logs and not args.only:
             return _retrain(args)
-        model = train_predictor(args.logs, args.out)
+        model = train_predictor(args.logs, args.out, jobs=args.jobs)
         _trained(model)
         return 0
     for by in ("model", "source") if args.hold_out == "both" else (args.hold_out,):
         try:
-            scores, data = evaluate_predictor(args.logs, by=by, measured_only=args.measured_only)
+            scores, data = evaluate_predictor(args.logs, by=by, measured_only=args.measured_only, jobs=args.jobs)
         except OnboardError as exc:
             if args.hold_out != "both" or by == "model":
                 raise
@@ -599,6 +599,9 @@ def _predictor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--make-default", action="store_true",
                    help="train: make the new version the default even where it prices the shipped runs worse")
     p.add_argument("--out", help="train: new model file (.joblib) or directory; never overwrites; list: the directory")
+    p.add_argument("--jobs", type=POSITIVE, metavar="N",
+                   help="train, eval: worker processes for the held-out fits (default: every core this process may "
+                        "use); the results do not depend on it")
 
 
 def _report_options(p: argparse.ArgumentParser) -> None:

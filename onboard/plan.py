@@ -283,19 +283,19 @@ def plot_frontier(report: PlanReport, path) -> Path:
     return Path(path)
 
 
-def train_predictor(logs: list[str] | None, out: str | None):
+def train_predictor(logs: list[str] | None, out: str | None, jobs: int | None = None):
     try:
-        return learned.train(logs or None, out)
+        return learned.train(logs or None, out, jobs=jobs)
     except PredictorError as e:
         raise OnboardError(str(e)) from None
 
 
-def retrain_predictor(logs: list[str], out: str | None, *, make_default: bool = False):
+def retrain_predictor(logs: list[str], out: str | None, *, make_default: bool = False, jobs: int | None = None):
     """A new version on what ships plus `logs`, held back where it is worse (`predictors.retrain`)."""
     from predictors.retrain import retrain
 
     try:
-        return retrain(logs, out=out, make_default=make_default)
+        return retrain(logs, out=out, make_default=make_default, jobs=jobs)
     except PredictorError as e:
         raise OnboardError(str(e)) from None
 
@@ -315,8 +315,9 @@ def predictor_versions(directory: str | None) -> tuple[list[tuple[str, dict]], s
     return found, default
 
 
-def evaluate_predictor(logs: list[str] | None, by: str = "model", measured_only: bool = False):
+def evaluate_predictor(logs: list[str] | None, by: str = "model", measured_only: bool = False,
+                       jobs: int | None = None):
     try:
-        return learned.evaluate(logs or None, by=by, measured_only=measured_only)
+        return learned.evaluate(logs or None, by=by, measured_only=measured_only, jobs=jobs)
     except PredictorError as e:
         raise OnboardError(str(e)) from None

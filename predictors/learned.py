@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from predictors import workers
 from predictors.costmodel import Estimate, estimate
 from predictors.errors import PredictorError
 from predictors.features import FEATURES, RENAMED, Dataset, features, load_dataset
@@ -163,31 +164,38 @@ def _source_weighted_quantile(values: np.ndarray, sources: list, q: float) -> fl
     return float(values[order][min(len(values) - 1, int(np.searchsorted(cumulative, q)))])
 
 
-def held_out(data: Dataset, groups) -> tuple[np.ndarray, np.ndarray]:
+def held_out(data: Dataset, groups, run: workers.Mapper = map) -> tuple[np.ndarray, np.ndarray]:
     """(log multiplier, distance to the training runs in reach units) of every run, each predicted by a model
-    fitted without the runs of its group (`groups`: one label per run)."""
+    fitted without the runs of its group (`groups`: one label per run). `run` maps the fits (a `workers.pool`)."""
     groups = np.asarray(groups)
     log, distance = np.empty(len(data)), np.empty(len(data))
-    for name in sorted(set(groups.tolist())):
-        held, keep = groups == name, groups != name
-        model = fit(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k])
-        with threadpool_limits(1):
-            raw = model.predict(data.X[held])
-        reach = Reach.fit(data.X[keep])
-        distance[held] = reach.distance(data.X[held])
-        prior = Fallback.fit(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k])
-        log[held] = np.log(shrunk(raw, np.exp(-distance[held] ** 2), prior.of(data.X[held])))
+    names = sorted(set(groups.tolist()))
+    folds = [(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k], data.X[~keep])
+             for keep in (groups != name for name in names)]
+    for name, (fold_log, fold_distance) in zip(names, run(_held_out_fold, folds)):
+        log[groups == name], distance[groups == name] = fold_log, fold_distance
     return log, distance
 
 
-def calibrate(data: Dataset) -> Interval:
+def _held_out_fold(fold) -> tuple[np.ndarray, np.ndarray]:
+    """One fold of `held_out`: fitted on the kept runs, the held-out runs' (log multiplier, distance)."""
+    X, target, sources, held = fold
+    model = fit(X, target, sources)
+    with threadpool_limits(1):
+        raw = model.predict(held)
+    distance = Reach.fit(X).distance(held)
+    prior = Fallback.fit(X, target, sources)
+    return np.log(shrunk(raw, np.exp(-distance ** 2), prior.of(held))), distance
+
+
+def calibrate(data: Dataset, run: workers.Mapper = map) -> Interval:
     """The interval's half-widths from held-out predictions of `data`: `learned` and `cost_model` with folds by
     model, then `scale`, held out a source at a time, so that the intervals cover COVERAGE of the runs of sources
     they were not fitted on (each source weighing the same)."""
     names = sorted(set(data.groups))
     fold_of = {name: i % FOLDS for i, name in enumerate(names)}
     folds = [fold_of[g] for g in data.groups] if len(names) > 1 else [0] * len(data)
-    by_model, _ = held_out(data, folds) if len(names) > 1 else (np.zeros(len(data)), None)
+    by_model, _ = held_out(data, folds, run) if len(names) > 1 else (np.zeros(len(data)), None)
     moe = data.moe if data.moe is not None else np.zeros(len(data), bool)
     moe_width = (_typical(np.abs(data.target[moe]), [s for s, m in zip(data.sources, moe) if m])
                  if moe.any() else None)
@@ -195,7 +203,7 @@ def calibrate(data: Dataset) -> Interval:
                     moe_cost_model=moe_width)
     if len(set(data.sources)) < 2:
         return base
-    by_source, distance = held_out(data, data.sources)
+    by_source, distance = held_out(data, data.sources, run)
     ratio = np.abs(data.target - by_source) / np.maximum(base.half_width(distance, moe), 1e-9)
     return Interval(base.learned, base.cost_model, _source_weighted_quantile(ratio, data.sources, COVERAGE), moe_width)
 
@@ -373,8 +381,10 @@ class Predictor:
         return f"{STEM}-v{self.meta.get('version')}"
 
 
-def train(paths=None, out=None) -> Predictor:
-    """Train on run logs and save as a new version; `out` is a directory or a new .joblib path."""
+def train(paths=None, out=None, jobs: int | None = None) -> Predictor:
+    """Train on run logs and save as a new version; `out` is a directory or a new .joblib path. `jobs`: worker
+    processes for the calibration's held-out fits (`workers.pool`; None: every core); the version does not depend
+    on it."""
     paths = [Path(p) for p in (paths or default_training_paths())]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
@@ -405,7 +415,8 @@ def train(paths=None, out=None) -> Predictor:
     Trees.of(model).save(trees_file)
     reach = Reach.fit(data.X)
     fallback = Fallback.fit(data.X, data.target, data.sources)
-    interval = calibrate(data)
+    with workers.pool(jobs) as run:
+        interval = calibrate(data, run)
     reach_file = target.with_suffix(".reach.npz")
     with open(reach_file, "wb") as f:
         np.savez(f, mean=reach.mean, scale=reach.scale, points=reach.points, radius=np.array(reach.radius))
@@ -554,12 +565,13 @@ HOLD_OUT = ("model", "source")  # what evaluate holds out at a time
 
 
 def evaluate(paths=None, data: Dataset | None = None, by: str = "model",
-             measured_only: bool = False) -> tuple[list[SourceScore], Dataset]:
+             measured_only: bool = False, jobs: int | None = None) -> tuple[list[SourceScore], Dataset]:
     """Absolute % error of step time, pure cost model vs learned, per source, for the MoE runs (together and by
     model) and 'all', each run predicted by a model trained without its group: leave-one-model-out (`by="model"`),
     or leave-one-source-out (`"source"`: a whole benchmark suite held out, as a new cluster or framework is). Held
     out by source, each run also gets the 90 % interval calibrated without its source, and the share of runs it
-    covers is reported. `measured_only` leaves out the runs with a value taken from elsewhere (`meta.assumed`)."""
+    covers is reported. `measured_only` leaves out the runs with a value taken from elsewhere (`meta.assumed`).
+    `jobs`: worker processes for the fits (`workers.pool`; None: every core); the scores do not depend on it."""
     if by not in HOLD_OUT:
         raise PredictorError(f"hold out by {by!r}: choose from {', '.join(HOLD_OUT)}")
     data = data or load_dataset([Path(p) for p in (paths or default_training_paths())])
@@ -568,14 +580,17 @@ def evaluate(paths=None, data: Dataset | None = None, by: str = "model",
     groups = np.array(data.groups if by == "model" else data.sources)
     if len(set(groups)) < 2:
         raise PredictorError(f"leave-one-{by}-out needs runs of at least two {by}s")
-    log, distance = held_out(data, groups)
+    names = sorted(set(groups.tolist()))
+    with workers.pool(jobs) as run:
+        log, distance = held_out(data, groups, run)
+        # each source's interval calibrated without it: a calibration a worker, each fitting its folds in turn
+        intervals = list(run(calibrate, [data.subset(groups != name) for name in names])) if by == "source" else []
     predicted = data.cost_step * np.exp(log)
     covered = None
     if by == "source":
         covered = np.zeros(len(data), bool)
-        for name in sorted(set(groups.tolist())):
+        for name, interval in zip(names, intervals):
             held = groups == name
-            interval = calibrate(data.subset(~held))
             moe_held = None if data.moe is None else data.moe[held]
             covered[held] = np.abs(data.target[held] - log[held]) <= interval.half_width(distance[held], moe_held)
     cost_err = np.abs(data.cost_step - data.measured) / data.measured

@@ -59,7 +59,8 @@ def _rows(keys: list, old: np.ndarray | None, new: np.ndarray) -> list[Row]:
                 float(np.median(new[keys == k]))) for k in sorted(set(keys))]
 
 
-def retrain(logs: list, *, out=None, shipped: list | None = None, make_default: bool = False) -> Retrained:
+def retrain(logs: list, *, out=None, shipped: list | None = None, make_default: bool = False,
+            jobs: int | None = None) -> Retrained:
     """Train a new version on `shipped` (default: what ships) plus `logs`, compare it with the default in `out`,
     and hold it back where it is worse (module docstring)."""
     logs = [Path(p) for p in logs]
@@ -76,7 +77,7 @@ def retrain(logs: list, *, out=None, shipped: list | None = None, make_default: 
         current = learned.load(directory) if directory.is_dir() and learned.versions(directory) else None
     except PredictorError:
         current = None
-    new = learned.train([*shipped, *logs], out)
+    new = learned.train([*shipped, *logs], out, jobs=jobs)
     base = load_dataset(shipped)
     old_shipped = errors(current, base) if current is not None else None
     shipped_rows = _rows(base.sources, old_shipped, errors(new, base))

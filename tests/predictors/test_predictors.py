@@ -379,7 +379,7 @@ def test_leave_one_source_out_holds_a_whole_source_back(tmp_path, monkeypatch):
         return fit(X, y, sources)
 
     monkeypatch.setattr(learned, "fit", spy)
-    scores, data = learned.evaluate([_head(40, tmp_path)], by="source")
+    scores, data = learned.evaluate([_head(40, tmp_path)], by="source", jobs=1)  # fits here, where the spy sees them
     names = sorted(set(data.sources))
     # first one fit per source, then each held-out source's interval calibrated on the others alone
     assert len(names) >= 2 and len(seen) > len(names)
@@ -388,6 +388,16 @@ def test_leave_one_source_out_holds_a_whole_source_back(tmp_path, monkeypatch):
     assert scores[-1].runs == len(data) and all(np.isfinite(s.learned_mean) for s in scores)
     with pytest.raises(learned.PredictorError, match="hold out by"):
         learned.evaluate([_head(40, tmp_path)], by="chip")
+
+
+def test_worker_processes_change_no_score(tmp_path):
+    """The held-out fits spread over processes (`--jobs`) give every score, interval coverage included, to the
+    last bit, as the fits one after another in this process do (each fit is deterministic and single-threaded)."""
+    logs = [_head(40, tmp_path)]
+    here, _ = learned.evaluate(logs, by="source", jobs=1)
+    spread, _ = learned.evaluate(logs, by="source", jobs=3)
+    assert len(here) > 2 and all(s.coverage is not None for s in here)
+    assert here == spread
 
 
 def test_the_correction_fades_as_a_run_leaves_the_training_runs():
