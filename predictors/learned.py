@@ -170,8 +170,8 @@ def held_out(data: Dataset, groups, run: workers.Mapper = map) -> tuple[np.ndarr
     groups = np.asarray(groups)
     log, distance = np.empty(len(data)), np.empty(len(data))
     names = sorted(set(groups.tolist()))
-    folds = [(data.X[keep], data.target[keep], [s for s, k in zip(data.sources, keep) if k], data.X[~keep])
-             for keep in (groups != name for name in names)]
+    kept = [(data.subset(groups != name), data.X[groups == name]) for name in names]
+    folds = [(train.X, train.target, train.sources, held) for train, held in kept]
     for name, (fold_log, fold_distance) in zip(names, run(_held_out_fold, folds)):
         log[groups == name], distance[groups == name] = fold_log, fold_distance
     return log, distance
