@@ -7,7 +7,8 @@ not depend on each other, so `pool` hands them to separate processes: the result
 whatever the number of workers (each fit is deterministic: fixed random state, one thread).
 
 Workers are spawned, not forked: a forked child of a process whose OpenMP runtime already ran threads (torch,
-scikit-learn) can hang in its first parallel region.
+scikit-learn) can hang in its first parallel region. They end themselves when the process that started them is
+gone (`runtime.parent_watch`): a pool's workers outlive a parent killed outright, blocked on its queue for ever.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
+
+from runtime.parent_watch import end_with_parent
 
 
 def cores() -> int:
@@ -43,5 +46,6 @@ def pool(jobs: int | None) -> Iterator[Mapper]:
     if jobs == 1:
         yield map
         return
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as executor:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=end_with_parent, initargs=(os.getpid(),)) as executor:
         yield executor.map

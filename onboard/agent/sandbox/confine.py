@@ -27,6 +27,8 @@ import os
 import resource
 import sys
 
+from runtime.parent_watch import end_with_parent
+
 REFUSED = "REFUSED"
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 
@@ -87,26 +89,13 @@ def _namespace() -> str:
     return ""
 
 
-def _watch(parent_pid: int) -> None:
-    """End this process (at once, whatever it is running) when its parent is gone."""
-    import threading
-    import time
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
 def early(parent_pid: int, *, files: int = 256, file_bytes: int = 1 << 30) -> str:
     """The walls raised before the process imports anything heavy; returns "" or why it has no network
     namespace of its own."""
     if os.getppid() != parent_pid:
         os._exit(1)
     why = _namespace()  # before any thread: a process that has threads cannot enter a new user namespace
-    _watch(parent_pid)
+    end_with_parent(parent_pid)
     for limit, value in ((resource.RLIMIT_NOFILE, files), (resource.RLIMIT_FSIZE, file_bytes),
                          (resource.RLIMIT_CORE, 0)):
         soft, hard = resource.getrlimit(limit)
