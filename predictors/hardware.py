@@ -50,7 +50,14 @@ class Hardware:
     # The default is an accelerator under eager PyTorch: 11 us measured on the project's EPYC host for the
     # runtime's layers (bench/dispatch.py) plus ~2 us for cudaLaunchKernel (sources/hardware.md).
     op_dispatch_us: float = 13.0
+    # The same for an operator of an MoE layer, where it was measured apart (bench/dispatch.py on the CPU: the runtime's
+    # MoE layer issues index and scatter bookkeeping that costs the host more per operator); None: op_dispatch_us. No
+    # accelerator framework's MoE layer has been measured, so none gives one.
+    moe_op_dispatch_us: float | None = None
     dispatch_overlaps: bool = True
+    # Share of `peak_tflops` the cost model's matmuls reach (`matmul_rate`): MATMUL_EFFICIENCY for a vendor's peak; 1
+    # for a chip whose peaks are themselves measured matmul rates (the CPU's), which must not be discounted twice.
+    matmul_efficiency: float = MATMUL_EFFICIENCY
     # A GEMM of M rows, reduction depth K and N columns reaches M / (M + gemm_fill_rows) x K / (K + gemm_fill_depth) x
     # N / (N + gemm_fill_width) of a large GEMM's rate (`predictors.moe_cost.gemm_efficiency`). The defaults are a
     # GPU's tiled kernels, read from DeepGEMM's published GEMM tables (H800; derivation beside moe_cost.M_FILL); a
@@ -80,14 +87,14 @@ class Hardware:
         raise PredictorError(f"hardware {self.name} has no peak_tflops entry")
 
     def matmul_rate(self, dtype: str) -> float:
-        """FLOP/s a large matmul-bound step reaches in `dtype`: the peak times MATMUL_EFFICIENCY; FP8 at most
+        """FLOP/s a large matmul-bound step reaches in `dtype`: the peak times `matmul_efficiency`; FP8 at most
         FP8_GEMM_SPEEDUP times the BF16 rate (training-sized FP8 GEMMs do not reach the FP8 peak's 2x)."""
         cache = self.__dict__.setdefault("_matmul_rate", {})  # frozen fields; a planner asks thousands of times
         if dtype not in cache:
             peak = self.peak_flops(dtype)
             if dtype == "fp8":
                 peak = min(peak, FP8_GEMM_SPEEDUP * self.peak_flops("bf16"))
-            cache[dtype] = peak * MATMUL_EFFICIENCY
+            cache[dtype] = peak * self.matmul_efficiency
         return cache[dtype]
 
     def link_gbs(self, span: int) -> float:
@@ -124,8 +131,11 @@ def _problems(data: dict) -> list[str]:
     for name in ("gemm_fill_rows", "gemm_fill_depth", "gemm_fill_width"):
         if name in data and not (_number(data[name]) and data[name] >= 0):
             out.append(f"{name} must be a number of at least 0, got {data[name]!r}")
-    if "op_dispatch_us" in data and not (_number(data["op_dispatch_us"]) and data["op_dispatch_us"] >= 0):
-        out.append(f"op_dispatch_us must be a number of at least 0, got {data['op_dispatch_us']!r}")
+    for name in ("op_dispatch_us", "moe_op_dispatch_us"):
+        if name in data and not (_number(data[name]) and data[name] >= 0):
+            out.append(f"{name} must be a number of at least 0, got {data[name]!r}")
+    if "matmul_efficiency" in data and not (_number(data["matmul_efficiency"]) and 0 < data["matmul_efficiency"] <= 1):
+        out.append(f"matmul_efficiency must be a number above 0 and at most 1, got {data['matmul_efficiency']!r}")
     if "dispatch_overlaps" in data and not isinstance(data["dispatch_overlaps"], bool):
         out.append(f"dispatch_overlaps must be true or false, got {data['dispatch_overlaps']!r}")
     if "layer_overhead_ms" in data:

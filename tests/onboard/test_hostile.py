@@ -374,10 +374,14 @@ def test_adapt_out_at_the_current_directory_or_a_symlink(out, tmp_path):
     ({"memory_bw_gbs": -3350}, "memory_bw_gbs must be a positive number"),
     ({"devices_per_node": 8.5}, "devices_per_node must be a whole number"),
     ({"op_dispatch_us": -1}, "op_dispatch_us must be a number of at least 0"),
+    ({"moe_op_dispatch_us": "slow"}, "moe_op_dispatch_us must be a number of at least 0"),
+    ({"matmul_efficiency": 1.5}, "matmul_efficiency must be a number above 0 and at most 1"),
+    ({"matmul_efficiency": 0}, "matmul_efficiency must be a number above 0 and at most 1"),
     ({"dispatch_overlaps": "yes"}, "dispatch_overlaps must be true or false"),
     ({"layer_overhead_ms": 300}, "layer_overhead_ms is gone: give op_dispatch_us"),
 ], ids=["non-number peak", "zero memory", "missing peak", "zero host bandwidth", "negative bandwidth",
-        "fractional devices", "negative dispatch", "non-bool overlap", "removed per-layer overhead"])
+        "fractional devices", "negative dispatch", "non-number MoE dispatch", "efficiency above 1",
+        "zero efficiency", "non-bool overlap", "removed per-layer overhead"])
 def test_bad_hardware_files_are_one_line(change, words, tmp_path):
     import yaml
 

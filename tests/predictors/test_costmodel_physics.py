@@ -7,6 +7,7 @@
 - the loss's passes over the logits are HBM traffic on the last stage, V / tp logits a token (issue 37).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -88,8 +89,9 @@ def test_a_run_without_gradient_bucketing_hides_none_of_its_data_parallel_traffi
 
 def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_parallelism(monkeypatch):
     """38 bytes a logit (`costmodel.loss_bytes_per_token`): the vocabulary, not the layers, sets it, so a model with
-    twice the vocabulary moves twice the bytes and tp splits them; a device-bound step grows by exactly its time."""
-    hw = find("H100")
+    twice the vocabulary moves twice the bytes and tp splits them; with no host time to combine with (`dispatch_s`),
+    the step grows by exactly its time."""
+    hw = dataclasses.replace(find("H100"), op_dispatch_us=0.0)
     small, large = _dense(hidden=1024, layers=12), Dims.from_record({
         "name": "dense", "layers": 12, "hidden": 1024, "heads": 32, "kv_heads": 8, "head_dim": 32, "ffn": 4096,
         "vocab": 64000})
@@ -98,7 +100,7 @@ def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_paral
     tokens = plan.micro_batch * plan.seq_len * plan.grad_accum
     assert a.loss_s == pytest.approx(tokens * 32000 * costmodel.LOSS_BYTES_PER_LOGIT / (hw.memory_bw_gbs * 1e9))
     assert b.loss_s == pytest.approx(2 * a.loss_s)
-    assert a.overhead_s == 0  # device-bound: the host's dispatch hides behind it, and the loss adds its whole time
+    assert a.overhead_s == 0
     assert a.loss_s <= a.memory_s
     tp = estimate(small, Plan(tp=2, dp_shard=4, seq_len=4096, micro_batch=4, grad_accum=2, recompute="none"), hw)
     assert tp.loss_s == pytest.approx(a.loss_s / 2)
@@ -108,3 +110,13 @@ def test_the_loss_over_the_logits_is_priced_as_hbm_traffic_split_by_tensor_paral
     assert chunked.loss_s == pytest.approx(a.loss_s)
     monkeypatch.setattr(costmodel, "LOSS_BYTES_PER_LOGIT", 0)
     assert estimate(small, plan, hw).step_time_s == pytest.approx(a.step_time_s - a.loss_s)
+
+
+def test_a_measured_peak_is_not_discounted_twice():
+    """A vendor's peak is discounted to what training matmuls reach (hardware.MATMUL_EFFICIENCY); the CPU's peaks are
+    this machine's measured matmul rates already, so its spec says matmul_efficiency: 1 and the rate is the peak."""
+    from predictors import hardware
+
+    cpu, h100 = find("cpu"), find("H100")
+    assert cpu.matmul_efficiency == 1.0 and cpu.matmul_rate("fp32") == pytest.approx(cpu.peak_flops("fp32"))
+    assert h100.matmul_rate("bf16") == pytest.approx(hardware.MATMUL_EFFICIENCY * h100.peak_flops("bf16"))

@@ -89,12 +89,9 @@ def test_plan_prices_the_measured_imbalance(tmp_path, mixtral):
     assert ep_plans and all(c.estimate.imbalance > 1.5 for c in ep_plans)
     same = {_layout(c): c for c in plain.result.ranked}
     slower = [c for c in ep_plans if _layout(c) in same]
-    # a step the host's dispatch bounds hides the busiest rank's extra work (`costmodel.dispatch_s`): there the
-    # imbalance shows only where it is exposed; where the device sets the pace, every such plan is slower
-    device_bound = [c for c in slower if same[_layout(c)].estimate.overhead_s == 0]
-    assert device_bound and all(c.estimate.step_time_s > same[_layout(c)].estimate.step_time_s
-                                for c in device_bound)
-    assert all(c.estimate.step_time_s > 0.999 * same[_layout(c)].estimate.step_time_s for c in slower)
+    # host dispatch and the device's work combine as a p-norm (`costmodel.dispatch_s`), which grows with the device's
+    # work wherever the host stands: the busiest rank's extra work makes every such plan slower
+    assert slower and all(c.estimate.step_time_s > same[_layout(c)].estimate.step_time_s for c in slower)
     note = measured.imbalance_note()
     assert note and "expert load imbalance" in note
     assumed = plan_model(mixtral, imbalance=3.0, **kwargs)
