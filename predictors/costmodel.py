@@ -21,7 +21,7 @@ from predictors.hardware import Hardware
 from runtime.dims import Dims
 from runtime.plan import Plan
 
-# MATMUL_EFFICIENCY (predictors.hardware): the fraction of peak a large matmul-bound step reaches
+# Hardware.matmul_efficiency (predictors.hardware): the fraction of peak a large matmul-bound step reaches
 # Share of FSDP / data-parallel traffic that hides behind compute when prefetching works.
 DP_OVERLAP = 0.8
 OFFLOAD_OVERLAP = 0.7

@@ -1,6 +1,6 @@
 """What a Mixture-of-Experts layer costs beyond its FLOPs: the physics `predictors.costmodel` adds for MoE layers.
 
-The dense cost model prices every FLOP at one fraction of the chip's peak (`hardware.MATMUL_EFFICIENCY`). An MoE
+The dense cost model prices every FLOP at one fraction of the chip's peak (`Hardware.matmul_efficiency`). An MoE
 layer breaks that in four ways, each a function below with its formula and its source:
 
 - `expert_efficiency`: its experts run small grouped GEMMs, far below a large GEMM's rate when each local expert
@@ -66,7 +66,7 @@ def gemm_efficiency(m: float, k: float, n: float, hw: Hardware, precision: str =
     """Share of a large GEMM's rate an (M x K) @ (K x N) GEMM reaches: a roofline times the tile fill.
 
         intensity I = 2 M K N / (bytes per element * (M K + K N + M N))      FLOPs per byte moved
-        ridge     R = rate / HBM bandwidth,  rate = peak * MATMUL_EFFICIENCY  (the dense model's rate)
+        ridge     R = rate / HBM bandwidth,  rate = peak * matmul_efficiency  (the dense model's rate)
         efficiency  = min(1, I / R) * M / (M + M_FILL) * K / (K + K_FILL) * N / (N + N_FILL)
                                                                              (the chip's own fills)
 
