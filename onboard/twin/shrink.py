@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from onboard.twin.fields import get, is_size, put, walk
-from onboard.twin.meanings import meaning_of
+from onboard.twin.meanings import meaning_of, per_layer_meaning
 
 # Target values at twin scale for plain size fields.
 SIZES = {
@@ -130,12 +130,29 @@ def _heads(plan: _ConfigEdit) -> None:
             continue
         prefix = path[: -len(key)]
         plan.put(path, "heads", SIZES["heads"])
+        kv_twin = SIZES["heads"]
         for kv_path, kv_key, kv_value in list(walk(plan.cfg)):
             if (kv_path[: -len(kv_key)] != prefix or plan.meaning(kv_path, kv_key) != "kv_heads"
                     or not is_size(kv_value)):
                 continue
-            twin = SIZES["heads"] if kv_value >= value else (1 if kv_value == 1 else 2)
-            plan.put(kv_path, "kv_heads", twin)
+            kv_twin = SIZES["heads"] if kv_value >= value else (1 if kv_value == 1 else 2)
+            plan.put(kv_path, "kv_heads", kv_twin)
+        _per_layer_heads(plan, prefix, value, kv_twin)
+
+
+def _per_layer_heads(plan: _ConfigEdit, prefix: str, full_heads: int, kv_twin: int) -> None:
+    """A per-layer head count list beside the heads at `prefix` follows them: each layer's count scaled as the
+    heads were, a whole multiple of the twin's key/value heads (transformers groups queries over them), layers that
+    differed still differing. Left at full scale it would either keep the full model's heads in the twin or, where
+    the twin's key/value heads outnumber a layer's own (a 2-head model's twin has 4 of each), not run at all."""
+    for path, key, value in list(walk(plan.cfg)):
+        if path[: -len(key)] != prefix or per_layer_meaning(key, value) != "heads":
+            continue
+        twin_of, previous = {}, 0
+        for count in sorted(set(value)):
+            scaled = max(kv_twin, round(count * SIZES["heads"] / full_heads / kv_twin) * kv_twin)
+            twin_of[count] = previous = max(scaled, previous + kv_twin)
+        plan.put(path, "heads", [twin_of[count] for count in value])
 
 
 def _linear_heads(plan: _ConfigEdit) -> None:
@@ -196,7 +213,8 @@ def _tie_equal_head_dims(plan: _ConfigEdit) -> None:
 def _derived_sizes(plan: _ConfigEdit) -> None:
     """Unknown size fields that were a sum or small multiple of shrunk ones follow them down."""
     known = {s.path for s in plan.shrinks}
-    dims = [s for s in plan.shrinks if s.meaning in HEAD_DIMS + ("hidden", "heads", "kv_heads", "ffn")]
+    dims = [s for s in plan.shrinks
+            if s.meaning in HEAD_DIMS + ("hidden", "heads", "kv_heads", "ffn") and is_size(s.full)]
     # the hidden size first, shrunk or not: a width that is a multiple of it (Zamba's attention over the hidden
     # state and the embeddings side by side, 2 x hidden) follows it, also where a head size has the same value
     hidden = plan.shrunk_meaning("hidden") or next((Shrink(p, "hidden", v, v) for p, v in plan.fields("hidden")), None)

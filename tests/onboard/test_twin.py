@@ -121,3 +121,32 @@ def test_a_multimodal_configs_twin_cuts_its_language_models_layers():
     assert twin.config.num_hidden_layers == 4 and twin.config.layer_types[3] == "full_attention"
     two = Twin.build(source, layers=2, check=False)
     assert len(two.model.model.layers) == two.config.num_hidden_layers == 2 and two.config.moe_layers == [0, 1]
+
+
+def test_a_per_layer_head_count_list_shrinks_and_widens_with_the_heads(tmp_path):
+    """Laguna overrides its head count layer by layer (`num_attention_heads_per_layer`). The twin scales every
+    layer's count as it scales the heads, to a whole multiple of its key/value heads, layers that differed still
+    differing. Left at full scale, a 2-head model's twin (4 query and 4 key/value heads) does not run (CI's varied
+    config laguna-794), and a 48-head model's twin keeps its 48 heads."""
+    from transformers import LagunaConfig
+
+    LagunaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
+                 num_attention_heads_per_layer=[2, 4, 2], layer_types=["full_attention"] * 3,
+                 mlp_layer_types=["dense", "sparse", "sparse"], num_experts=6, num_experts_per_tok=2,
+                 vocab_size=2048).save_pretrained(tmp_path / "laguna")
+    source = resolve(str(tmp_path / "laguna"))
+    twin = Twin.build(source)  # runs forward and backward
+    heads, kv = twin.config.num_attention_heads_per_layer, twin.config.num_key_value_heads
+    assert kv == 4 and heads[0] == 4 and heads[1] > heads[0] and all(h % kv == 0 for h in heads)
+    assert twin.model.model.layers[0].self_attn.q_proj.out_features == heads[0] * twin.config.head_dim
+    assert {s.path: (s.full, s.twin) for s in twin.changes}["num_attention_heads_per_layer"][0] == [2, 4, 2]
+    wider = Twin.build(source, width=2, check=False)
+    assert wider.config.num_attention_heads_per_layer == [2 * h for h in twin.config.num_attention_heads_per_layer]
+
+    default = Twin.build(resolve(str(_saved(LagunaConfig(), tmp_path / "default"))), check=False)
+    assert set(default.config.num_attention_heads_per_layer) == {default.config.num_attention_heads}
+
+
+def _saved(config, folder):
+    config.save_pretrained(folder)
+    return folder
