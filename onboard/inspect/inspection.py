@@ -109,11 +109,15 @@ class FullScale:
             return None
         for meaning in (meanings if isinstance(meanings, (list, tuple)) else [meanings]):
             # several fields may share a twin value (a multimodal config's vision tower): prefer the
-            # language model's own fields, the least nested first
+            # language model's own fields, the least nested first; a per-layer list (Laguna's heads per layer)
+            # before all, as it overrides the field it is named after
             candidates = sorted((s for s in self.twin.shrinks if s.meaning == meaning),
-                                key=lambda s: (_foreign(s.path), s.path.count(".")))
+                                key=lambda s: (not isinstance(s.twin, list), _foreign(s.path), s.path.count(".")))
             for s in candidates:
-                if s.twin == observed:
+                if isinstance(s.twin, list):  # the twin keeps distinct counts distinct: one full count each
+                    if observed in s.twin:
+                        return s.full[s.twin.index(observed)]
+                elif s.twin == observed:
                     return s.full
         # a field behaviour found sizing the model, of no known meaning, has a twin value of its own
         return next((s.full for s in self.twin.shrinks if s.meaning == "width" and s.twin == observed), observed)

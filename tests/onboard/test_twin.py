@@ -126,8 +126,8 @@ def test_a_multimodal_configs_twin_cuts_its_language_models_layers():
 def test_a_per_layer_head_count_list_shrinks_and_widens_with_the_heads(tmp_path):
     """Laguna overrides its head count layer by layer (`num_attention_heads_per_layer`). The twin scales every
     layer's count as it scales the heads, to a whole multiple of its key/value heads, layers that differed still
-    differing. Left at full scale, a 2-head model's twin (4 query and 4 key/value heads) does not run (CI's varied
-    config laguna-794), and a 48-head model's twin keeps its 48 heads."""
+    differing, and inspect reads each layer's count back. Left at full scale, a 2-head model's twin (4 query and 4
+    key/value heads) does not run (CI's varied config laguna-794), and a 48-head model's twin keeps its 48 heads."""
     from transformers import LagunaConfig
 
     LagunaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
@@ -140,6 +140,11 @@ def test_a_per_layer_head_count_list_shrinks_and_widens_with_the_heads(tmp_path)
     assert kv == 4 and heads[0] == 4 and heads[1] > heads[0] and all(h % kv == 0 for h in heads)
     assert twin.model.model.layers[0].self_attn.q_proj.out_features == heads[0] * twin.config.head_dim
     assert {s.path: (s.full, s.twin) for s in twin.changes}["num_attention_heads_per_layer"][0] == [2, 4, 2]
+    from onboard.inspect.inspection import inspect_source
+
+    spec = inspect_source(source)[0]  # each layer's twin count read back as the layer's own full count
+    assert [layer.attention.num_heads for layer in spec.layers] == [2, 4, 2]
+    assert {layer.attention.num_kv_heads for layer in spec.layers} == {2}
     wider = Twin.build(source, width=2, check=False)
     assert wider.config.num_attention_heads_per_layer == [2 * h for h in twin.config.num_attention_heads_per_layer]
 
