@@ -145,6 +145,7 @@ def test_a_per_layer_head_count_list_shrinks_and_widens_with_the_heads(tmp_path)
     spec = inspect_source(source)[0]  # each layer's twin count read back as the layer's own full count
     assert [layer.attention.num_heads for layer in spec.layers] == [2, 4, 2]
     assert {layer.attention.num_kv_heads for layer in spec.layers} == {2}
+    assert all(layer.attention.output_gate for layer in spec.layers)  # softplus(g_proj(x)) times each head
     wider = Twin.build(source, width=2, check=False)
     assert wider.config.num_attention_heads_per_layer == [2 * h for h in twin.config.num_attention_heads_per_layer]
 

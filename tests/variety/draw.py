@@ -275,10 +275,10 @@ def _layers(family: str, have: dict, out: dict, rng: random.Random) -> None:
         per_layer = isinstance(value, list) and len(value) == full and bool(value)
         if per_layer and all(isinstance(v, str) for v in value):
             out[path] = [rng.choice(sorted(set(value))) for _ in range(layers)]  # a mix of the family's own types
+        elif per_layer and "head" in key:  # drawn where the class would derive it too: Laguna's checkpoints vary it
+            out[path] = [rng.choice([heads, 2 * heads]) for _ in range(layers)]
         elif path in derived:
             continue
-        elif per_layer and "head" in key:
-            out[path] = [rng.choice([heads, 2 * heads]) for _ in range(layers)]
         elif per_layer:
             out[path] = [rng.choice(value) for _ in range(layers)]
         elif _index_list(value, full):

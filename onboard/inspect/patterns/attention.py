@@ -236,9 +236,11 @@ def _has_sinks(view: GraphView, region, num_heads) -> bool:
 
 
 def _has_output_gate(view: GraphView, region, attn) -> bool:
+    """A positive gate computed beside the attention, not from it, that multiplies its result: sigmoid (Qwen3-Next)
+    or softplus (Laguna)."""
     after = view.descendants(attn)
     for n in region:
-        if op_name(n) == "sigmoid" and n not in after and view.index[n] > 0:
+        if op_name(n) in ("sigmoid", "softplus") and n not in after and view.index[n] > 0:
             if any(op_name(u) == "mul" and u in after for u in view.descendants(n)):
                 return True
     return False
