@@ -211,7 +211,9 @@ def _tie_equal_head_dims(plan: _ConfigEdit) -> None:
 
 
 def _derived_sizes(plan: _ConfigEdit) -> None:
-    """Unknown size fields that were a sum or small multiple of shrunk ones follow them down."""
+    """Unknown size fields that were a sum or small multiple of shrunk ones follow them down: a count of heads
+    follows head counts, a width follows widths (LongCat's qk_head_dim of 24 with 6 heads is nope + rope, not
+    4 x heads), and a sum of two head sizes follows them whether or not each shrank."""
     known = {s.path for s in plan.shrinks}
     dims = [s for s in plan.shrinks
             if s.meaning in HEAD_DIMS + ("hidden", "heads", "kv_heads", "ffn") and is_size(s.full)]
@@ -220,24 +222,27 @@ def _derived_sizes(plan: _ConfigEdit) -> None:
     hidden = plan.shrunk_meaning("hidden") or next((Shrink(p, "hidden", v, v) for p, v in plan.fields("hidden")), None)
     if hidden is not None:
         dims = [hidden] + [s for s in dims if s is not hidden]
+    head_sizes = [s for s in dims if s.meaning in HEAD_DIMS]
+    head_sizes += [Shrink(p, m, v, v) for m in HEAD_DIMS for p, v in plan.fields(m) if p not in known]
     for path, key, value in list(walk(plan.cfg)):
         if path in known or not is_size(value) or not re.search(r"dim|size|heads?$", key):
             continue
         if plan.meaning(path, key) is not None or key.startswith("max_") or "position" in key or "vocab" in key:
             continue
+        counts = re.search(r"heads?$", key) is not None
         twin = None
         for s in dims:
+            if (s.meaning in ("heads", "kv_heads")) != counts:
+                continue
             for mult in (1, 2, 4):
                 if value == mult * s.full:
                     twin = mult * s.twin
                     break
             if twin is not None:
                 break
-        if twin is None:
-            for a in dims:
-                for b in dims:
-                    if a is not b and a.meaning in HEAD_DIMS and b.meaning in HEAD_DIMS and value == a.full + b.full:
-                        twin = a.twin + b.twin
+        if twin is None and not counts:
+            twin = next((a.twin + b.twin for a in head_sizes for b in head_sizes
+                         if a is not b and value == a.full + b.full), None)
         if twin is not None and twin != value:
             plan.put(path, "derived", twin)
 

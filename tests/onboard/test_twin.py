@@ -82,6 +82,22 @@ def test_shrink_records_every_change():
     assert "rope_theta" not in changed and "num_experts_per_tok" not in changed
 
 
+def test_unknown_sizes_follow_the_sizes_they_were_made_of():
+    """A field of no known meaning follows what it was at full scale: a count of heads follows the head counts, a
+    width follows widths and sums of head sizes, shrunk or not. CI's varied LongCat-Flash (seed 70 of 2026-12-08:
+    6 heads, qk_head_dim 24 = nope 16 + rope 8) had its qk_head_dim taken for 4 x heads and shrunk to 16, so the
+    twin split 16 values into 16 + 8 and did not run."""
+    mla = {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 6, "kv_lora_rank": 64,
+           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 32, "qk_head_dim": 24,
+           "swa_num_attention_heads": 6, "swa_hidden_size": 384}
+    twin, _ = shrink_config_dict(mla)
+    assert twin["qk_head_dim"] == twin["qk_nope_head_dim"] + twin["qk_rope_head_dim"] == 24
+    assert twin["swa_num_attention_heads"] == twin["num_attention_heads"] == 4  # a count follows a count
+    assert twin["swa_hidden_size"] == 2 * twin["hidden_size"]  # a width follows a width
+    twin, _ = shrink_config_dict(dict(mla, qk_nope_head_dim=32, qk_head_dim=40))  # one part shrinks, one does not
+    assert twin["qk_head_dim"] == twin["qk_nope_head_dim"] + twin["qk_rope_head_dim"] == 16 + 8
+
+
 def test_the_twin_records_every_field_it_changed_and_why():
     """One entry point: the twin, and a model a user trains at a size of their own, each with the record of every
     config field changed, from what, to what and why; the model is built at exactly that config."""
