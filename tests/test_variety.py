@@ -9,18 +9,18 @@ every family. A draw the family's own code refuses every attempt of describes no
 other seed, and a seed named in ONBOARD_VARIETY_SEEDS is skipped, saying why.
 
     python -m tests.variety.report --seeds 4    # how many varied configs each family passed (the README column)
+    python -m tests.variety.report --runs 20261207-20261213    # the draws CI makes on those dates
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import random
 
 import pytest
 
 from onboard.review.families import UNSUPPORTED, discover
-from tests.variety.check import check
+from tests.variety.check import check, seed_of_run
 from tests.variety.draw import draw
 from tests.variety.structure import LayerExpect, disagreements
 
@@ -50,7 +50,7 @@ def _cases() -> list:
     if named:
         return [pytest.param(family, (seed,), id=f"{family}-{seed}") for family in FAMILIES for seed in _seeds(named)]
     run = run_seed()
-    seeds = {family: random.Random(f"{run}:{family}").randrange(1000) for family in FAMILIES}
+    seeds = {family: seed_of_run(run, family) for family in FAMILIES}
     return [pytest.param(family, (seeds[family], seeds[family] + 1), id=f"{family}-{seeds[family]}")
             for family in FAMILIES]
 
@@ -87,3 +87,19 @@ def test_the_checker_sees_a_wrong_spec():
     assert disagreements(spec("moe", 8), expect) == []
     assert any("layer is MoE" in d for d in disagreements(spec("dense", None), expect))
     assert any("the config says 8" in d for d in disagreements(spec("moe", 6), expect))
+
+
+def test_the_report_names_the_draws_ci_makes_on_coming_dates(monkeypatch):
+    """`python -m tests.variety.report --runs A-B` checks the seeds this test draws on those dates (across a month
+    and a year's end), so a failure CI would meet on a coming day is found before that day."""
+    import argparse
+
+    from tests.variety.report import _runs
+
+    assert _runs("20261230-20270102") == [20261230, 20261231, 20270101, 20270102]
+    assert _runs("20261207,20261209") == [20261207, 20261209]
+    for bad in ("2026-1", "20261332", "tomorrow"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _runs(bad)
+    monkeypatch.setenv("ONBOARD_VARIETY_RUN", "20270101")
+    assert {p.id for p in _cases()} == {f"{f}-{seed_of_run(20270101, f)}" for f in FAMILIES}

@@ -4,6 +4,7 @@ from its folder, inspected (and adapted and verified), and the spec held against
 
 from __future__ import annotations
 
+import random
 import tempfile
 import time
 from dataclasses import dataclass
@@ -12,6 +13,11 @@ from pathlib import Path
 from onboard.errors import one_line
 from tests.variety.structure import disagreements, expected
 from tests.variety.draw import Draw, draw
+
+
+def seed_of_run(run: int, family: str) -> int:
+    """The seed of `family` that CI's variety test draws in the run seeded `run` (the UTC date as YYYYMMDD)."""
+    return random.Random(f"{run}:{family}").randrange(1000)
 
 
 @dataclass
