@@ -94,12 +94,12 @@ def test_the_report_names_the_draws_ci_makes_on_coming_dates(monkeypatch):
     and a year's end), so a failure CI would meet on a coming day is found before that day."""
     import argparse
 
-    from tests.variety.report import _runs
+    from tests.variety.report import run_dates
 
-    assert _runs("20261230-20270102") == [20261230, 20261231, 20270101, 20270102]
-    assert _runs("20261207,20261209") == [20261207, 20261209]
+    assert run_dates("20261230-20270102") == [20261230, 20261231, 20270101, 20270102]
+    assert run_dates("20261207,20261209") == [20261207, 20261209]
     for bad in ("2026-1", "20261332", "tomorrow"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _runs(bad)
+            run_dates(bad)
     monkeypatch.setenv("ONBOARD_VARIETY_RUN", "20270101")
     assert {p.id for p in _cases()} == {f"{f}-{seed_of_run(20270101, f)}" for f in FAMILIES}

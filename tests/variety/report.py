@@ -22,7 +22,7 @@ def _seed_count(text: str) -> int:
     return int(text)
 
 
-def _runs(text: str) -> list[int]:
+def run_dates(text: str) -> list[int]:
     """"20261207-20261213" (every date between, both included) or "20261207,20261209": run seeds."""
     try:
         if "-" in text:
@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=_seed_count, default=4, metavar="N", help="seeds per family (0 .. N-1)")
     parser.add_argument("--families", help="comma-separated families (default: every supported one)")
-    parser.add_argument("--runs", type=_runs, metavar="DATES",
+    parser.add_argument("--runs", type=run_dates, metavar="DATES",
                         help="the draws CI makes on these UTC dates (YYYYMMDD-YYYYMMDD or a comma list), not seeds")
     args = parser.parse_args()
     supported = [f for f in discover() if f not in UNSUPPORTED]
