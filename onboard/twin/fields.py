@@ -46,6 +46,17 @@ def is_index_list(key: str, value) -> bool:
     )
 
 
+PER_LAYER_SUFFIX = "_per_layer"
+
+
+def per_layer_meaning(key: str, value) -> str | None:
+    """The meaning of each entry of a list that overrides a field layer by layer (Laguna's
+    ``num_attention_heads_per_layer``: one head count per layer), or None for any other field."""
+    if not (key.endswith(PER_LAYER_SUFFIX) and isinstance(value, list) and value and all(map(is_size, value))):
+        return None
+    return meaning_of(key[: -len(PER_LAYER_SUFFIX)])
+
+
 def per_layer_lists(cfg: dict, num_layers: int) -> list[str]:
     """Paths of the lists that hold one value per layer."""
     return [

@@ -58,18 +58,6 @@ def meaning_of(key: str) -> str | None:
     return None
 
 
-PER_LAYER_SUFFIX = "_per_layer"
-
-
-def per_layer_meaning(key: str, value) -> str | None:
-    """The meaning of each entry of a list that overrides a field layer by layer (Laguna's
-    ``num_attention_heads_per_layer``: one head count per layer), or None for any other field."""
-    if not (key.endswith(PER_LAYER_SUFFIX) and isinstance(value, list) and value
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        return None
-    return meaning_of(key[: -len(PER_LAYER_SUFFIX)])
-
-
 # meanings that grow with --width: more heads of the same size, wider MLPs (head sizes stay)
 WIDENED = ("hidden", "heads", "kv_heads", "ffn", "expert_ffn", "shared_ffn")
 # a ModelSpec / run-log number -> the meaning of the config field that holds it

@@ -4,8 +4,8 @@ or what the twin found a field drives where its name says nothing)."""
 
 from __future__ import annotations
 
-from onboard.twin.fields import get, put, walk
-from onboard.twin.meanings import WIDENED, meaning_of, per_layer_meaning
+from onboard.twin.fields import get, per_layer_meaning, put, walk
+from onboard.twin.meanings import WIDENED, meaning_of
 from onboard.twin.shrink import Shrink
 
 
@@ -18,9 +18,9 @@ def widen(cfg: dict, changes: list[Shrink], width: int) -> list[Shrink]:
                 and value > 0):
             put(cfg, path, value * width)
             wider.append(Shrink(path, found.get(path, meaning_of(key)), value, value * width, f"--width {width}"))
-        elif per_layer_meaning(key, value) in WIDENED:  # each layer's own head count grows with the rest
+        elif (meaning := per_layer_meaning(key, value)) in WIDENED:  # each layer's own head count grows too
             put(cfg, path, [v * width for v in value])
-            wider.append(Shrink(path, per_layer_meaning(key, value), value, get(cfg, path), f"--width {width}"))
+            wider.append(Shrink(path, meaning, value, get(cfg, path), f"--width {width}"))
     return wider
 
 

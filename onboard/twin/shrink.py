@@ -14,8 +14,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from onboard.twin.fields import get, is_size, put, walk
-from onboard.twin.meanings import meaning_of, per_layer_meaning
+from onboard.twin.fields import get, is_size, per_layer_meaning, put, walk
+from onboard.twin.meanings import meaning_of
 
 # Target values at twin scale for plain size fields.
 SIZES = {
