@@ -17,6 +17,7 @@ stale for it: the file hashes say whether what the bundle was made from changed.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import subprocess
@@ -94,15 +95,23 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
 def _imports(path: Path, package: str) -> set[str]:
     """The modules `path` (a module of `package`) imports: absolute names, relative ones resolved; for `from A
     import B` both A and A.B (B may be a submodule)."""
+    return set(_imports_of(path.read_bytes(), package))
+
+
+# Parsing the runtime's modules is most of a bundle's provenance; a process that writes many bundles (onboard check,
+# the tests) reads the same bytes each time, so what they parse to is kept by their bytes (an edited file is new
+# bytes, parsed again).
+@functools.lru_cache(maxsize=1024)
+def _imports_of(source: bytes, package: str) -> frozenset[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(node, package)
             out.add(base)
             out |= {f"{base}.{alias.name}" for alias in node.names}
-    return out
+    return frozenset(out)
 
 
 def runtime_modules(sources: list[Path], root: Path = ROOT) -> dict[str, Path]:
@@ -178,7 +187,12 @@ class _FirstNames(ast.NodeTransformer):
 def module_digest(path: Path, name: str, renamed: dict[str, str]) -> str:
     """sha256 of module `name`'s syntax tree under first names (module docstring)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = _FirstNames(package, renamed).visit(ast.parse(path.read_bytes()))
+    return _digest_of(path.read_bytes(), package, tuple(sorted(renamed.items())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest_of(source: bytes, package: str, renamed: tuple) -> str:
+    tree = _FirstNames(package, dict(renamed)).visit(ast.parse(source))
     return _sha256(ast.dump(tree, include_attributes=False).encode())
 
 

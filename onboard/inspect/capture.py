@@ -69,8 +69,26 @@ def _detach(value):
     return value
 
 
+@contextlib.contextmanager
+def _without_stack_traces():
+    """Export keeps the Python stack of every node it traces (`node.meta["stack_trace"]`), which no matcher reads:
+    walking and symbolising those stacks is about a sixth of a Gated DeltaNet layer's capture. torch.fx's own switch
+    turns it off (torch 2.9 and later; older releases keep recording)."""
+    config = torch.fx.config
+    before = getattr(config, "do_not_emit_stack_traces", None)
+    if before is None:
+        yield
+        return
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def _export(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, dict[str, str]]:
-    ep = torch.export.export(module, args, kwargs, strict=False)
+    with _without_stack_traces():
+        ep = torch.export.export(module, args, kwargs, strict=False)
     sig = ep.graph_signature
     params = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     return ep.graph_module, params
