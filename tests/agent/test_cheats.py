@@ -304,10 +304,21 @@ def test_the_timing_run_is_judged_like_the_rest(sandbox):
 def test_draws_differ_between_candidates_and_repeat_for_one():
     from onboard.agent.sandbox.judge import draw
 
-    key = os.urandom(32)
+    key, other = bytes(range(32)), bytes(range(1, 33))  # fixed keys: the gate draws nothing from the OS
     assert draw(key, "a", TASK, "1") == draw(key, "a", TASK, "1")
     assert draw(key, "a", TASK, "1") != draw(key, "b", TASK, "1")
-    assert draw(key, "a", TASK, "1") != draw(os.urandom(32), "a", TASK, "1")
+    assert draw(key, "a", TASK, "1") != draw(other, "a", TASK, "1")
+
+
+def test_the_second_case_mirrors_the_first_under_any_key():
+    """The second case is the first's inputs negated (same token and weight seeds): a candidate right for one sign
+    of anything its inputs sum to is looked at with both, whatever the key."""
+    from onboard.agent.sandbox.judge import draw
+
+    for key in (bytes(range(32)), bytes(32), b"\xff" * 32, bytes(range(100, 132))):
+        first, second, *_ = draw(key, "a", TASK, "1")
+        assert (second["ids_seed"], second["weights_seed"]) == (first["ids_seed"], first["weights_seed"])
+        assert second["negate"] and not first["negate"]
 
 
 # --- nothing left behind ----------------------------------------------------------------------------------------
