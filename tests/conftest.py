@@ -1,6 +1,10 @@
-"""Test settings: offline, quiet, two threads at most (CI has 2 cores) that sleep rather than spin while they wait
-for work, and a kernel store of the session's own (rendered kernels never land in the checkout's
-runtime/kernels/store)."""
+"""Test settings: offline, quiet, one torch thread a process (the suite runs on two pytest-xdist workers, one a core
+of CI's two) that sleeps rather than spins while it waits for work, a kernel store and spec cache of the session's
+own (rendered kernels never land in the checkout's runtime/kernels/store), and a fixed judge key.
+
+Tests that share setup outliving one test (`tests/budget.py` declares it) run on one worker
+(`pytest_xdist_make_scheduler`), and every gloo world a test starts is counted against the same registry
+(`tests.budget.install`)."""
 
 import os
 import tempfile
@@ -9,9 +13,15 @@ import warnings
 os.environ.setdefault("ONBOARD_KERNEL_STORE", tempfile.mkdtemp(prefix="onboard-kernel-store-"))
 # plans read inspections from a cache (onboard.inspect.cache): the session's own, never the user's
 os.environ.setdefault("ONBOARD_CACHE_DIR", tempfile.mkdtemp(prefix="onboard-cache-"))
+# the judge's key keys the inputs the agent's judge draws: a fixed one of the session's own, so the gate draws the same
+# inputs on every machine (the user's ~/.cache/onboard/judge.key is neither read nor made)
+_key = os.path.join(tempfile.mkdtemp(prefix="onboard-judge-"), "judge.key")
+with open(_key, "wb") as _f:
+    _f.write(bytes(range(32)))
+os.environ.setdefault("ONBOARD_JUDGE_KEY", _key)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ["OMP_NUM_THREADS"] = "1"  # two workers share two cores; every process they start inherits it
 # OpenMP's threads otherwise spin after each parallel region: on a busy machine (other tests, other processes)
 # a thread spins while the one it waits for is off the CPU, and the same test costs up to twice the CPU time
 # (measured: 2.9 s of CPU passive, 3.8-8.6 s spinning, for one inspection). Set before torch loads OpenMP, and
@@ -21,7 +31,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+from tests import budget  # noqa: E402
+
+torch.set_num_threads(1)
+budget.install()
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -120,9 +133,43 @@ def twin_adapter():
 WIDE = ("family", "multiprocess", "interpreter")  # marks whose tests leave the fast lane
 
 
-def pytest_collection_modifyitems(items):
+def pytest_configure(config):
+    budget.DISCOVERY = bool(config.getoption("--discovery", False))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--discovery", action="store_true",
+                     help="also run the discovery lane's tests (marked discovery: exhaustive sweeps beyond the gate's "
+                          "fixed case of each kind, checks whose outcome rides on the machine's load)")
+
+
+def pytest_collection_modifyitems(config, items):
     """Family-wide, multi-process and kernel-interpreter tests are slow: `pytest -m "not slow"` is the fast lane,
-    `pytest` (what CI runs) runs everything."""
+    `pytest` (the gate, what CI runs) runs everything but the discovery lane, which `--discovery` adds."""
+    if not config.getoption("--discovery"):
+        apart = [item for item in items if item.get_closest_marker("discovery")]
+        if apart:
+            config.hook.pytest_deselected(items=apart)
+            items[:] = [item for item in items if not item.get_closest_marker("discovery")]
     for item in items:
         if any(item.get_closest_marker(mark) for mark in WIDE) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load scheduling, with each unit of `tests.budget.scope_of` sent to one worker whole (a file that asks
+    for a module fixture, files sharing a session fixture declared one_worker, the tests of one family where they
+    share its bundle): what they share is made once. xdist's `--dist` modes other than the default are left as they
+    are."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = budget.worker_groups()
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return budget.scope_of(nodeid, groups)
+
+    return SharedSetupScheduling(config, log)

@@ -1,62 +1,36 @@
 """Families beyond their default configs (issue 13): for every family the support table lists, varied configs
 drawn by the tests' own seeded generator (`tests.variety.draw`), saved with `save_pretrained` and read back,
 must inspect right against the instantiated model's own structure (`tests.variety.structure`, which shares no
-reading with the matchers) and adapt with verification passing. CI checks one varied config of every family
-(`family` tests, so outside the fast lane; about a minute in all), its seed drawn from the run's seed, which is
-the UTC date unless ONBOARD_VARIETY_RUN names one: no single config is what passes, and a failure reproduces with
-`ONBOARD_VARIETY_SEEDS=N -k FAMILY`, N from its test id. ONBOARD_VARIETY_SEEDS=0-7 checks every listed seed of
-every family. A draw the family's own code refuses every attempt of describes no checkpoint: CI then checks the family's
-other seed, and a seed named in ONBOARD_VARIETY_SEEDS is skipped, saying why.
+reading with the matchers) and adapt with verification passing.
 
-    python -m tests.variety.report --seeds 4    # how many varied configs each family passed (the README column)
-    python -m tests.variety.report --runs 20261207-20261213    # the draws CI makes on those dates
+The gate checks fixed cases only (`tests.variety.cases`, issue 53): seeds 0 and 1 of every family (a seed the
+family's own code refuses falls back to a fixed later one) and every varied config that ever failed
+(`tests/variety/regressions.jsonl`). Nothing here reads the date, the clock, the host or the environment. New
+draws are discovery's job (`python -m tests.variety.discover`, daily in `.github/workflows/discovery.yml`); a
+failure found there prints the line that adds it to the regression list.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 
 from onboard.review.families import UNSUPPORTED, discover
-from tests.variety.check import check, seed_of_run
+from tests.variety.cases import FIXED_SEEDS, regressions, seeds_of_slot
+from tests.variety.check import check, check_changes
 from tests.variety.draw import draw
 from tests.variety.structure import LayerExpect, disagreements
 
 FAMILIES = [f for f in discover() if f not in UNSUPPORTED]
 
 
-def _seeds(text: str) -> list[int]:
-    """"0-7" or "0,3,5"."""
-    if "-" in text:
-        low, high = text.split("-")
-        return list(range(int(low), int(high) + 1))
-    return [int(s) for s in text.split(",")]
-
-
-def run_seed() -> int:
-    """The run's seed: ONBOARD_VARIETY_RUN, else the UTC date as YYYYMMDD, so CI draws other configs every day
-    (and the same ones all day: a failure reproduces with the seed its test id names)."""
-    named = os.environ.get("ONBOARD_VARIETY_RUN")
-    return int(named) if named else int(datetime.datetime.now(datetime.UTC).strftime("%Y%m%d"))
-
-
-def _cases() -> list:
-    """(family, seeds to try in turn): every named seed of every family with ONBOARD_VARIETY_SEEDS; by default one
-    seed per family drawn from the run's seed (`run_seed`), the next tried where the first describes no
-    checkpoint."""
-    named = os.environ.get("ONBOARD_VARIETY_SEEDS")
-    if named:
-        return [pytest.param(family, (seed,), id=f"{family}-{seed}") for family in FAMILIES for seed in _seeds(named)]
-    run = run_seed()
-    seeds = {family: seed_of_run(run, family) for family in FAMILIES}
-    return [pytest.param(family, (seeds[family], seeds[family] + 1), id=f"{family}-{seeds[family]}")
-            for family in FAMILIES]
+def _fixed_cases() -> list:
+    """(family, seeds to try in turn) for each of the family's fixed slots."""
+    return [pytest.param(family, seeds_of_slot(seed), id=f"{family}-{seed}")
+            for family in FAMILIES for seed in FIXED_SEEDS]
 
 
 @pytest.mark.family
-@pytest.mark.parametrize("family, seeds", _cases())
+@pytest.mark.parametrize("family, seeds", _fixed_cases())
 def test_a_varied_config_inspects_right_and_verifies(family, seeds, tmp_path):
     refused = []
     for seed in seeds:
@@ -66,6 +40,15 @@ def test_a_varied_config_inspects_right_and_verifies(family, seeds, tmp_path):
             return
         refused.append(f"seed {seed}: {outcome.problems[-1][:200]}")
     pytest.skip(f"{family}: the family's own code refused every draw of {'; '.join(refused)}")
+
+
+@pytest.mark.family
+@pytest.mark.parametrize("case", [pytest.param(r, id=r.case) for r in regressions()])
+def test_every_varied_config_that_ever_failed_passes(case, tmp_path):
+    """The regression list: each config kept as the changes that were drawn, checked as a fresh draw is."""
+    assert case.family in FAMILIES, f"{case.case}: {case.family} is no longer a supported family"
+    outcome = check_changes(case.family, case.changes, tmp_path, seed=case.seed)
+    assert outcome.status == "passed", f"{case.case} (found {case.found}, {case.fix}):\n" + "\n".join(outcome.problems)
 
 
 def test_draws_are_seeded_and_vary():
@@ -89,17 +72,49 @@ def test_the_checker_sees_a_wrong_spec():
     assert any("the config says 8" in d for d in disagreements(spec("moe", 6), expect))
 
 
-def test_the_report_names_the_draws_ci_makes_on_coming_dates(monkeypatch):
-    """`python -m tests.variety.report --runs A-B` checks the seeds this test draws on those dates (across a month
-    and a year's end), so a failure CI would meet on a coming day is found before that day."""
+def test_the_regression_list_is_read_strictly(tmp_path):
+    """Planted: a line that is not a case (a field missing, a wrong type, a case twice) is an error naming its line,
+    never a smaller gate."""
+    from tests.variety.cases import REGRESSIONS
+
+    good = REGRESSIONS.read_text().splitlines()[0]
+    assert len(regressions()) >= 8 and {"laguna-794", "longcat_flash-70", "longcat_flash-96"} <= {
+        r.case for r in regressions()}
+    for text in (good.replace('"fix"', '"fixed"'), good.replace('"seed": 794', '"seed": "794"'), f"{good}\n{good}"):
+        (tmp_path / "list.jsonl").write_text(text + "\n")
+        with pytest.raises(ValueError, match="list.jsonl:[12]"):
+            regressions(tmp_path / "list.jsonl")
+
+
+def test_discovery_draws_by_date_and_prints_the_regression_line(monkeypatch, capsys, tmp_path):
+    """`python -m tests.variety.discover --dates A-B` draws each family's seed of those dates (across a month and a
+    year's end); a failure prints the line that adds it to the regression list, which reads back as a case."""
     import argparse
+    import json
 
-    from tests.variety.report import run_dates
+    from tests.variety import discover
+    from tests.variety.check import Outcome
 
-    assert run_dates("20261230-20270102") == [20261230, 20261231, 20270101, 20270102]
-    assert run_dates("20261207,20261209") == [20261207, 20261209]
+    assert discover.run_dates("20261230-20270102") == [20261230, 20261231, 20270101, 20270102]
+    assert discover.run_dates("20261207,20261209") == [20261207, 20261209]
     for bad in ("2026-1", "20261332", "tomorrow"):
         with pytest.raises(argparse.ArgumentTypeError):
-            run_dates(bad)
-    monkeypatch.setenv("ONBOARD_VARIETY_RUN", "20270101")
-    assert {p.id for p in _cases()} == {f"{f}-{seed_of_run(20270101, f)}" for f in FAMILIES}
+            discover.run_dates(bad)
+    assert discover.seed_range("2-4") == [2, 3, 4] and discover.seed_range("0,5") == [0, 5]
+    seen = []
+
+    def fake_check(family, seed, workdir):  # stands in for a whole adapt: what is tested is the bookkeeping
+        seen.append((family, seed))
+        status = "failed" if family == "qwen3_moe" else "passed"
+        return Outcome(family, seed, status, ["planted"], 0, 0.0, {"hidden_size": 96})
+
+    monkeypatch.setattr(discover, "check", fake_check)
+    assert discover.main(["--dates", "20270101", "--families", "qwen3_moe,olmoe"]) == 1
+    assert seen == [("qwen3_moe", discover.seed_of_run(20270101, "qwen3_moe")),
+                    ("olmoe", discover.seed_of_run(20270101, "olmoe"))]
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    row = json.loads(line)
+    assert row["case"] == f"qwen3_moe-{seen[0][1]}" and row["changes"] == {"hidden_size": 96} and row["fix"] == "open"
+    assert "the draw of 20270101" in row["how"]
+    (tmp_path / "list.jsonl").write_text(line + "\n")
+    assert [r.case for r in regressions(tmp_path / "list.jsonl")] == [row["case"]]

@@ -98,3 +98,17 @@ def test_the_review_script_reviews_what_a_pull_request_changes(tmp_path):
     assert (repo / "review" / "number").read_text().strip() == "17"
     assert "# onboard review: olmoe-1b-7b -> olmoe-1b-7b" in text and "+# an edit in the pull request" in text
     assert "# onboard review: mixtral-8x7b\n" in text and "qwen3-8b" not in text
+
+
+def test_discovery_runs_daily_apart_from_the_gate():
+    """Issue 53: the date-seeded draws and the tests the gate leaves out run in a scheduled workflow of their own,
+    which no pull request waits on; the pull request's workflow runs the gate alone."""
+    import yaml
+
+    discovery = yaml.safe_load((ROOT / ".github" / "workflows" / "discovery.yml").read_text())
+    triggers = discovery[True]  # YAML 1.1 reads the key `on` as true
+    assert "schedule" in triggers and "pull_request" not in triggers and "push" not in triggers
+    runs = "\n".join(step.get("run", "") for job in discovery["jobs"].values() for step in job["steps"])
+    assert "python -m tests.variety.discover" in runs and "--discovery -m discovery" in runs
+    gate = (ROOT / ".github" / "workflows" / "pull-request.yml").read_text()
+    assert "--discovery" not in gate and "tests.variety.discover" not in gate

@@ -105,6 +105,7 @@ def test_a_right_but_slower_candidate_is_not_swapped_in_unless_asked(zaya, tmp_p
     assert kept.takes and kept.rounds[0]["outcome"] == "passed the probe"
 
 
+@pytest.mark.discovery  # its outcome rides on the machine's load by design: apart from the gate
 def test_the_speed_rule_gives_the_same_verdicts_on_a_loaded_machine(zaya, tmp_path):
     """Two processes spinning on this machine's two cores while the default rule times a slow candidate and one
     doing the module's own operations: the same verdicts as on an idle machine (CPU time from the kernel, both

@@ -274,7 +274,8 @@ def test_a_bundle_moved_aside_by_a_killed_run_is_moved_back(bundle, tmp_path):
     aside = shutil.copytree(bundle, tmp_path / ".b.old-1a2b3c4d")
     staging = tmp_path / ".b.onboard-xyz"
     staging.mkdir()
-    (staging / ".onboard-staging").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))
+    host = os.uname().nodename  # gate: the staging check compares it with its own reading of this host's name
+    (staging / ".onboard-staging").write_text(json.dumps({"pid": 2**22 + 12345, "host": host}))
     result = cli("adapt", "qwen3-8b", "--out", tmp_path / "b")
     assert refused(result, "already holds files") and not aside.exists() and not staging.exists()
     assert is_bundle(tmp_path / "b")

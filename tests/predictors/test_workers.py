@@ -42,15 +42,15 @@ def test_workers_do_not_outlive_a_parent_killed_outright():
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, start_new_session=True)
     try:
-        deadline = time.time() + 60
-        while len(_children(parent.pid)) < 3 and time.time() < deadline:  # two workers and the resource tracker
+        deadline = time.monotonic() + 60
+        while len(_children(parent.pid)) < 3 and time.monotonic() < deadline:  # two workers and the resource tracker
             time.sleep(0.1)
         workers = [pid for pid in _children(parent.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert workers, "the pool started no worker"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=30)
-        deadline = time.time() + 20
-        while any(_alive(pid) for pid in workers) and time.time() < deadline:
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [pid for pid in workers if _alive(pid)]
         for pid in left:

@@ -24,6 +24,8 @@ from tests.runtime.test_parallel import (  # noqa: F401,F811 (models: a fixture)
     assert_trains_as_reference,
     batch_for,
     launch,
+    launched,
+    lanes,
     models,
 )
 
@@ -66,6 +68,15 @@ CASES = [(2, "qwen3-30b-a3b", "cp", False, False), (2, "qwen3-30b-a3b", "cp", Tr
          (4, "qwen3-30b-a3b", "cp_tp", True, True), (4, "qwen3-next-80b-a3b", "cp_tp", False, False),
          # two pipeline stages, each micro-batch's forward under its own split (1F1B over two micro-batches)
          (4, "qwen3-30b-a3b", "cp_pp", False, False), (4, "qwen3-next-80b-a3b", "cp_pp", True, True)]
+
+# The gate runs every attention kind once at cp 2 (full and LoRA, plain and packed each among them) and every world-4
+# layout once; the other cases are the discovery lane's (pytest --discovery).
+GATE = {(2, "qwen3-30b-a3b", "cp", True, True), (2, "qwen3-next-80b-a3b", "cp", False, True),
+        (2, "kimi-linear-48b-a3b", "cp", False, False), (2, "deepseek-v3.2", "cp", True, False),
+        (2, "family:nemotron_h", "cp", False, True), (2, "family:minimax", "cp", True, False),
+        (2, "gpt-oss-120b", "cp", False, False), (2, "llama-4-scout", "cp", False, True),
+        (4, "deepseek-v3.2", "cp_fsdp_ep", False, False), (4, "qwen3-next-80b-a3b", "cp_tp", False, False),
+        (4, "qwen3-30b-a3b", "cp_pp", False, False)}
 
 
 def plan_for(world: int, layout: str, lora: bool) -> Plan:
@@ -135,16 +146,16 @@ def launches(tmp_path_factory, cases_of) -> callable:
 
 
 @pytest.fixture(scope="module")
-def results(models, tmp_path_factory):  # noqa: F811
+def results(models, tmp_path_factory, request):  # noqa: F811
     return launches(tmp_path_factory, lambda world, folder: [
         {"id": case_id(w, name, layout, lora, packed), "model": str(models[model_key(name, layout)]),
          "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)), "lora_seed": 3,
          "steps": STEPS, "lr": LR, "packed": PACKED if packed else None, "router_loss": router_loss(name, layout)}
-        for w, name, layout, lora, packed in CASES if w == world])
+        for w, name, layout, lora, packed in launched(request.config, CASES, GATE) if w == world])
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "name", "layout", "lora", "packed"), CASES, ids=[case_id(*c) for c in CASES])
+@pytest.mark.parametrize(("world", "name", "layout", "lora", "packed"), lanes(CASES, GATE, case_id))
 def test_context_parallel_model_matches_one_process(results, models, world, name, layout, lora, packed):  # noqa: F811
     run = results(world)
     got = run["out"][case_id(world, name, layout, lora, packed)]

@@ -21,7 +21,7 @@ import pytest
 from runtime.plan import LoRA, Plan
 
 from tests.runtime.test_context_model import LR, PACKED, SEQ, STEPS, assert_case_trains_as_reference, launches
-from tests.runtime.test_parallel import batch_for, models  # noqa: F401
+from tests.runtime.test_parallel import batch_for, launched, lanes, models  # noqa: F401
 
 LAYOUTS = {2: {"tp": {"tp": 2}, "tp_fold": {"tp": 2, "ep": 2, "etp": 1}},
            4: {"tp_cp": {"tp": 2, "cp": 2}, "tp_fsdp_ep": {"tp": 2, "dp_shard": 2, "ep": 2},
@@ -39,6 +39,14 @@ CASES = [(2, "deepseek-v3.2", "tp", False, False), (2, "deepseek-v3.2", "tp", Tr
          (2, "qwen3-30b-a3b", "tp_fold", False, True), (2, "deepseek-v3.2", "tp_fold", True, False),
          (4, "qwen3-30b-a3b", "tp_fsdp_fold", True, False), (4, "deepseek-v3.2", "tp_cp_fold", False, True)]
 
+# The gate runs every attention kind once at tp 2 and every other layout once; the other cases are the discovery
+# lane's (pytest --discovery)
+GATE = {(2, "deepseek-v3.2", "tp", True, True), (2, "deepseek-v3", "tp", False, True),
+        (2, "kimi-linear-48b-a3b", "tp", True, False), (2, "gpt-oss-120b", "tp", False, False),
+        (2, "qwen3-next-80b-a3b", "tp", True, True), (2, "qwen3-30b-a3b", "tp_fold", False, True),
+        (4, "kimi-linear-48b-a3b", "tp_cp", False, True), (4, "deepseek-v3.2", "tp_fsdp_ep", False, True),
+        (4, "qwen3-30b-a3b", "tp_fsdp_fold", True, False), (4, "deepseek-v3.2", "tp_cp_fold", False, True)}
+
 
 def plan_for(world: int, layout: str, lora: bool) -> Plan:
     return Plan(**LAYOUTS[world][layout], seq_len=SEQ, dtype="fp32", lora=LoRA(rank=4, alpha=8.0) if lora else None)
@@ -49,16 +57,16 @@ def case_id(world, name, layout, lora, packed) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(models, tmp_path_factory):  # noqa: F811
+def results(models, tmp_path_factory, request):  # noqa: F811
     return launches(tmp_path_factory, lambda world, folder: [
         {"id": case_id(w, name, layout, lora, packed), "model": str(models[name]),
          "plan": plan_for(w, layout, lora).to_dict(), "batch": str(batch_for(w, folder)), "lora_seed": 3,
          "steps": STEPS, "lr": LR, "packed": PACKED if packed else None}
-        for w, name, layout, lora, packed in CASES if w == world])
+        for w, name, layout, lora, packed in launched(request.config, CASES, GATE) if w == world])
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "name", "layout", "lora", "packed"), CASES, ids=[case_id(*c) for c in CASES])
+@pytest.mark.parametrize(("world", "name", "layout", "lora", "packed"), lanes(CASES, GATE, case_id))
 def test_tensor_parallel_models_match_one_process(results, models, world, name, layout, lora, packed):  # noqa: F811
     run = results(world)
     got = run["out"][case_id(world, name, layout, lora, packed)]

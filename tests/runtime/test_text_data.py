@@ -256,7 +256,7 @@ def _eval_loss(model, corpus_dir, dp: int, batches: int, micro_batch: int) -> fl
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("deepseek_v3", marks=pytest.mark.discovery)])
 def test_the_whole_job_on_four_processes_reloads_in_transformers_and_peft(family, models_with_tokenizers, corpus,
                                                                           tmp_path):
     """Released weights, text tokenised by the model's tokenizer, four gloo processes with FSDP2 + expert

@@ -310,8 +310,8 @@ def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path, la
 
     ck, log = tmp_path / "ck", tmp_path / "killed.jsonl"
     victim = _torchrun(bundle, config, plan, log, ck, steps, every)
-    deadline = time.time() + 240
-    while not checkpoints(ck) and victim.poll() is None and time.time() < deadline:
+    deadline = time.monotonic() + 240
+    while not checkpoints(ck) and victim.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     pid = _rank_pid(victim.pid, 1)
     assert pid is not None, "rank 1 was not found"

@@ -352,11 +352,13 @@ def _descendants(pid: int) -> list[int]:
 ADAPTERS = LoRA(rank=4, alpha=8, targets=["attention", "experts"])
 
 
+# the gate: the full fine-tune on several processes (issue 33's bug) and LoRA in one; the other two pairs are the
+# discovery lane's (pytest --discovery)
 @pytest.mark.parametrize("layout, lora", [
-    ({}, None),
+    pytest.param({}, None, marks=pytest.mark.discovery),
     pytest.param({"dp_shard": 2, "ep": 2}, None, marks=pytest.mark.multiprocess),
     ({}, ADAPTERS),
-    pytest.param({"dp_shard": 2, "ep": 2}, ADAPTERS, marks=pytest.mark.multiprocess),
+    pytest.param({"dp_shard": 2, "ep": 2}, ADAPTERS, marks=[pytest.mark.multiprocess, pytest.mark.discovery]),
 ], ids=["full, one process", "full, fsdp2+ep", "lora, one process", "lora, fsdp2+ep"])
 def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_trained(layout, lora, qwen3_moe,
                                                                                      tmp_path):
