@@ -397,6 +397,24 @@ def test_leave_one_source_out_holds_a_whole_source_back(tmp_path, monkeypatch):
         learned.evaluate([_head(40, tmp_path)], by="chip")
 
 
+def test_each_pair_of_sources_is_fitted_once_and_gives_what_held_out_gives(tmp_path, monkeypatch):
+    """A source's interval is calibrated by holding out each other source in turn: the fit without {s, t} serves s's
+    calibration and t's. Shared, every calibration's held-out predictions are those of its own held-out fits to
+    the bit, and there is one fit a pair."""
+    data = load_dataset([_head(60, tmp_path)])  # three sources
+    groups, names = np.array(data.sources), sorted(set(data.sources))
+    fits = []
+    fit = learned.fit
+    monkeypatch.setattr(learned, "fit", lambda X, y, sources: fits.append(len(X)) or fit(X, y, sources))
+    given = learned.without_pairs(data)
+    assert len(names) >= 3 and len(fits) == len(names) * (len(names) - 1) // 2
+    for s in names:
+        kept = data.subset(groups != s)
+        log, distance = learned.held_out(kept, kept.sources)
+        assert np.array_equal(given[s][0], log) and np.array_equal(given[s][1], distance), s
+        assert learned.calibrate(kept, by_source=given[s]) == learned.calibrate(kept)
+
+
 def test_worker_processes_change_no_score(tmp_path):
     """The held-out fits spread over processes (`--jobs`) give every score, interval coverage included, to the
     last bit, as the fits one after another in this process do (each fit is deterministic and single-threaded)."""
