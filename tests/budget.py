@@ -105,6 +105,8 @@ SHARED_FIXTURES: dict[str, Shared] = {
                                                       ("tests/predictors/test_trees.py",)),
     "tests/runtime/test_context_model.py::results": Shared(
         "every case of a world size in one gloo launch (GLOO_LAUNCHES)", ("tests/runtime/test_context_model.py",)),
+    "tests/runtime/test_context_parallel.py::outputs": Shared(
+        "every attention kind's case in one gloo launch (GLOO_LAUNCHES)", ("tests/runtime/test_context_parallel.py",)),
     "tests/runtime/test_linear_attention.py::swapped": Shared(
         "a tiny linear-attention model through transformers and swapped (a parameter each)",
         ("tests/runtime/test_linear_attention.py",)),
@@ -142,7 +144,7 @@ GLOO_LAUNCHES: dict[str, Launch] = {
     "tests/runtime/test_context_model.py::test_the_flagship_trains_through_onboard_train_under_cp_as_in_one_process":
         Launch(2, "onboard train under two cp layouts"),
     "tests/runtime/test_context_parallel.py::test_attention_under_context_parallelism_matches_one_process": Launch(
-        13, "each attention kind's cp worker (two ranks)"),
+        1, "every attention kind's case in one two-rank world"),
     "tests/runtime/test_tensor_parallel_models.py::test_tensor_parallel_models_match_one_process": Launch(
         2, "every tensor-parallel case, one launch a world size"),
     "tests/runtime/test_rebalance.py::test_rebalancing_changes_nothing_but_speed": Launch(2, "two ep layouts"),

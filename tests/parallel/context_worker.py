@@ -1,7 +1,8 @@
 """One rank of the context-parallel linear attention checks (tests/runtime/test_context_parallel.py).
 
-Usage: python context_worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every rank
-draws the same whole sequence from the job's seed, keeps its segments (contiguous or zig-zag), runs the job's core
+Usage: python context_worker.py <job.json>, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set; the job is
+one case or {"cases": [...]}, run one after another in one process group (a gloo world is started once for all of
+them; a case that raises leaves its error beside its outputs, and the next case runs). Every rank draws the same whole sequence from the job's seed, keeps its segments (contiguous or zig-zag), runs the job's core
 under `runtime.parallel.context` (the gated delta rule, or scalar-decay linear attention: SSD, lightning) on them,
 backpropagates the loss sum(out * weights) and writes its segments' outputs and input gradients, with their token
 positions, for the test to compare with one process over the whole sequence.
@@ -9,6 +10,7 @@ positions, for the test to compare with one process over the whole sequence.
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -68,12 +70,21 @@ def reset_of(job: dict) -> torch.Tensor | None:
 
 
 def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    for case in job.get("cases", [job]):
+        try:
+            run(case)
+        except Exception:  # noqa: BLE001 - the test reads it and fails that case alone
+            (Path(case["out"]) / f"error{dist.get_rank()}.txt").write_text(traceback.format_exc())
+    dist.destroy_process_group()
+
+
+def run(job: dict) -> None:
     from runtime.parallel.context import (context_parallel_attention, context_parallel_conv1d,
                                           context_parallel_gated_delta, context_parallel_scalar_decay,
                                           context_parallel_sparse_attention, zigzag)
 
-    job = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     parts, weights = inputs(job)
     n_segments = 2 * world if job["zigzag"] else world
@@ -116,7 +127,6 @@ def main() -> None:
             dist.all_reduce(p.grad)
     torch.save({"positions": positions, "out": out.detach(), "grads": [x.grad for x in mine[:5]]},
                Path(job["out"]) / f"rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -109,16 +109,39 @@ CASES = {
 }
 
 
+def job_of(case: str, folder: Path) -> dict:
+    return {"seed": 3, "tokens": 48, "key_heads": 2, "heads": 4, "key_dim": 8, "value_dim": 6, "chunk": 4,
+            **CASES[case], "out": str(folder / str(list(CASES).index(case)))}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Every case run by one two-rank gloo launch, on first request: the folder of each case's rank outputs."""
+    launched = []
+
+    def get(case: str) -> Path:
+        if not launched:
+            folder = tmp_path_factory.mktemp("cp-cases")
+            jobs = [job_of(name, folder) for name in CASES]
+            for job in jobs:
+                Path(job["out"]).mkdir()
+            launch(2, {"cases": jobs}, folder, script=WORKER, timeout=300)
+            launched.append(folder)
+        return Path(job_of(case, launched[0])["out"])
+    return get
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_under_context_parallelism_matches_one_process(case, tmp_path):
-    job = {"seed": 3, "tokens": 48, "key_heads": 2, "heads": 4, "key_dim": 8, "value_dim": 6, "chunk": 4,
-           **CASES[case], "out": str(tmp_path)}
-    launch(2, job, tmp_path, script=WORKER, timeout=300)
+def test_attention_under_context_parallelism_matches_one_process(case, outputs):
+    out = outputs(case)
+    job = job_of(case, out.parent)
+    errors = sorted(out.glob("error*.txt"))
+    assert not errors, errors[0].read_text()[-3000:]
     want, want_grads = _reference(job)
     covered = torch.zeros(job["tokens"], dtype=torch.bool)
     for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+        got = torch.load(out / f"rank{rank}.pt")
         at = got["positions"]
         covered[at] = True
         seq = 2 if job.get("core") in ("softmax", "dsa", "conv") else 1  # attention takes (B, H, T, D)
