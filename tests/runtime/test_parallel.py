@@ -23,6 +23,7 @@ from tests import budget
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel" / "worker.py"
+FORKER = ROOT / "tests" / "parallel" / "forker.py"
 SEQ = 12
 LR = 0.5
 STEPS = 3
@@ -46,27 +47,29 @@ def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout
 
 
 def _launch_once(world: int, job: dict, tmp_path: Path, script: Path, timeout: int) -> list:
-    """(rank, return code, last output) of every rank that failed."""
+    """(rank, return code, last output) of every rank that failed. The ranks are forks of one process that imported
+    the torch stack once (tests/parallel/forker.py), each with its own environment rendezvous, as torchrun's."""
     (tmp_path / "job.json").write_text(json.dumps(job))
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT)}
-        if Path("/sys/class/net/lo").exists():  # gloo otherwise binds to whatever the host name resolves to
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "job.json")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
-    outputs = []
+    logs = tmp_path / "ranks"
+    logs.mkdir(exist_ok=True)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if Path("/sys/class/net/lo").exists():  # gloo otherwise binds to whatever the host name resolves to
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    forker = subprocess.Popen([sys.executable, str(FORKER), str(world), str(script), str(tmp_path / "job.json"),
+                               str(logs)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=ROOT, start_new_session=True)
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+        out = forker.communicate(timeout=timeout)[0]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [(rank, p.returncode, out[-3000:]) for rank, (p, out) in enumerate(zip(procs, outputs)) if p.returncode]
+        if forker.poll() is None:
+            os.killpg(forker.pid, 9)  # the ranks are in its process group
+            forker.wait()
+    if forker.returncode:
+        return [("forker", forker.returncode, out[-3000:])]
+    codes = {int(rank): code for rank, code in json.loads(out.strip().splitlines()[-1]).items()}
+    return [(rank, code, (logs / f"rank{rank}.log").read_text(errors="replace")[-3000:])
+            for rank, code in sorted(codes.items()) if code]
 
 
 def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:
