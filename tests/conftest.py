@@ -9,6 +9,7 @@ Tests that share setup outliving one test (`tests/budget.py` declares it) run on
 import os
 import tempfile
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("ONBOARD_KERNEL_STORE", tempfile.mkdtemp(prefix="onboard-kernel-store-"))
 # plans read inspections from a cache (onboard.inspect.cache): the session's own, never the user's
@@ -128,6 +129,32 @@ def twin_adapter():
         return spec, twin, decision, load_adapter(directory).adapt
 
     return adapter
+
+
+@pytest.fixture
+def forked_torchrun(monkeypatch):
+    """`onboard train`'s multi-process runs, for this test, as forks of this process's zygote (tests/parallel/zygote.py)
+    instead of through torchrun: the same ranks, environment contract and job file, without each rank importing the
+    torch stack again. For tests about the run; tests/runtime/test_train.py keeps the real torchrun path."""
+    import sys
+
+    from onboard.train import launch
+    from tests import budget
+    from tests.parallel.zygote import Zygote, rank_env
+
+    def forked(job_file, world, env):
+        env = {**env, **{k: v for k, v in rank_env().items() if k.startswith(("MASTER_", "GLOO_"))}}
+        argv = ["-m", "runtime.train", "--job", str(job_file)]
+        budget.note_launch(["zygote", *argv], {**env, "RANK": "0", "WORLD_SIZE": str(world)})
+        started = Zygote.shared().start(world, argv, env=env, logs=Path(job_file).parent / "ranks", cwd=Path.cwd())
+        codes = started.wait(timeout=600)
+        for rank, code in sorted(codes.items()):
+            if code:
+                print(f"rank {rank} ended with {code}:\n{started.log(rank)}", file=sys.stderr)
+        return 1 if any(codes.values()) else 0
+
+    monkeypatch.setattr(launch, "torchrun", forked)
+    return forked
 
 
 WIDE = ("family", "multiprocess", "interpreter")  # marks whose tests leave the fast lane

@@ -105,10 +105,16 @@ def run(request: TrainRequest, job: TrainJob) -> int:
         job_file.write_text(job.to_json())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
-            return subprocess.call([sys.executable, "-m", "torch.distributed.run",
-                                    *command(job_file, plan.world_size)[1:]], env=env)
+            return torchrun(job_file, plan.world_size, env)
         except KeyboardInterrupt:
             return 130
+
+
+def torchrun(job_file: Path, world: int, env: dict) -> int:
+    """Run `python -m runtime.train --job job_file` on `world` processes of this node under torchrun; its exit code.
+    (The one place a multi-process run starts: the tests' zygote takes its place where a test is about the run, not
+    the launcher.)"""
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *command(job_file, world)[1:]], env=env)
 
 
 LAUNCH = "launch.json"  # in a checkpoint folder: what `onboard export` needs to rebuild the trained model

@@ -169,7 +169,7 @@ def test_context_parallel_model_matches_one_process(results, models, world, name
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [{"cp": 2, "ep": 2}, {"tp": 2, "cp": 2, "ep": 4, "etp": 1}],
                          ids=["cp2-ep2", "tp2-cp2-ep4-folded"])
-def test_the_flagship_trains_through_onboard_train_under_cp_as_in_one_process(tmp_path, layout):
+def test_the_flagship_trains_through_onboard_train_under_cp_as_in_one_process(forked_torchrun, tmp_path, layout):
     """The flagship's twin (KDA and DSA layers, remote code from the catalogue) with LoRA: `onboard train` over
     torchrun ranks logs the losses `runtime.train` logs in this process for the same model on whole sequences. At
     cp 2 x ep 2 each rank holds half of every sequence and half of the experts; at the shape of the plan `onboard

@@ -7,9 +7,6 @@ process on all ranks' sequences at once.
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,19 +17,13 @@ from runtime.lora import apply_lora
 from runtime.moe import MoEBlock
 from runtime.plan import LoRA, Plan
 from tests import budget
+from tests.parallel.zygote import Zygote, rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "parallel" / "worker.py"
-FORKER = ROOT / "tests" / "parallel" / "forker.py"
 SEQ = 12
 LR = 0.5
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout: int = 300) -> None:
@@ -47,29 +38,15 @@ def launch(world: int, job: dict, tmp_path: Path, script: Path = WORKER, timeout
 
 
 def _launch_once(world: int, job: dict, tmp_path: Path, script: Path, timeout: int) -> list:
-    """(rank, return code, last output) of every rank that failed. The ranks are forks of one process that imported
-    the torch stack once (tests/parallel/forker.py), each with its own environment rendezvous, as torchrun's."""
+    """(rank, return code, last output) of every rank that failed. The ranks are forks of this test process's zygote,
+    which imported the torch stack once (tests/parallel/zygote.py), each with its own environment rendezvous, as
+    torchrun's."""
     (tmp_path / "job.json").write_text(json.dumps(job))
-    logs = tmp_path / "ranks"
-    logs.mkdir(exist_ok=True)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    if Path("/sys/class/net/lo").exists():  # gloo otherwise binds to whatever the host name resolves to
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    forker = subprocess.Popen([sys.executable, str(FORKER), str(world), str(script), str(tmp_path / "job.json"),
-                               str(logs)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=ROOT, start_new_session=True)
-    try:
-        out = forker.communicate(timeout=timeout)[0]
-    finally:
-        if forker.poll() is None:
-            os.killpg(forker.pid, 9)  # the ranks are in its process group
-            forker.wait()
-    if forker.returncode:
-        return [("forker", forker.returncode, out[-3000:])]
-    codes = {int(rank): code for rank, code in json.loads(out.strip().splitlines()[-1]).items()}
-    return [(rank, code, (logs / f"rank{rank}.log").read_text(errors="replace")[-3000:])
-            for rank, code in sorted(codes.items()) if code]
+    env = rank_env()
+    budget.note_launch(["zygote", str(script)], {**env, "RANK": "0", "WORLD_SIZE": str(world)})
+    started = Zygote.shared().start(world, [script, tmp_path / "job.json"], env=env, logs=tmp_path / "ranks")
+    codes = started.wait(timeout)
+    return [(rank, code, started.log(rank)) for rank, code in sorted(codes.items()) if code]
 
 
 def write_bundle(name: str, folder: Path, layers: int | None = None) -> Path:

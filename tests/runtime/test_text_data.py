@@ -257,7 +257,7 @@ def _eval_loss(model, corpus_dir, dp: int, batches: int, micro_batch: int) -> fl
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["qwen3_next", pytest.param("deepseek_v3", marks=pytest.mark.discovery)])
-def test_the_whole_job_on_four_processes_reloads_in_transformers_and_peft(family, models_with_tokenizers, corpus,
+def test_the_whole_job_on_four_processes_reloads_in_transformers_and_peft(forked_torchrun, family, models_with_tokenizers, corpus,
                                                                           tmp_path):
     """Released weights, text tokenised by the model's tokenizer, four gloo processes with FSDP2 + expert
     parallelism + LoRA, a PEFT adapter and a merged checkpoint exported: both reload in plain transformers (+ peft)

@@ -21,6 +21,8 @@ from runtime.runlog import read_runs
 from runtime.train import TrainJob, train
 from runtime.train.checkpoint import checkpoints
 from runtime.train.data import TokenFile
+from tests import budget
+from tests.parallel.zygote import Zygote, rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -261,28 +263,56 @@ def _job_args(bundle, config, plan, log, ck, steps, every, extra=()) -> list[str
     return args + [str(a) for a in extra]
 
 
-def _torchrun(bundle, config, plan, log, ck, steps, every, extra=()):
-    world = Plan.load(plan).world_size
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m",
-           "runtime.train", *_job_args(bundle, config, plan, log, ck, steps, every, extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+class _Run:
+    """`python -m runtime.train` on a plan's ranks: through the real torchrun (`torchrun=True`), or as forks of this
+    test process's zygote (tests/parallel/zygote.py: torchrun's environment and its ending when a rank fails,
+    without each rank importing the torch stack again)."""
 
+    def __init__(self, bundle, config, plan, log, ck, steps, every, extra=(), *, torchrun: bool = False):
+        world = Plan.load(plan).world_size
+        args = ["-m", "runtime.train", *_job_args(bundle, config, plan, log, ck, steps, every, extra)]
+        self.world = None
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        else:
+            env = rank_env()
+            budget.note_launch(["zygote", *args], {**env, "RANK": "0", "WORLD_SIZE": str(world)})
+            self.world = Zygote.shared().start(world, args, env=env, logs=Path(log).with_suffix(".ranks"))
 
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    try:
-        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    except OSError:
-        return None
-    for pid in children:
+    def running(self) -> bool:
+        return self.proc.poll() is None if self.world is None else self.world.poll() is None
+
+    def rank_pid(self, rank: int) -> int | None:
+        if self.world is not None:
+            return self.world.rank_pids().get(rank)
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return int(pid)
-    return None
+            return None
+        for pid in children:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return int(pid)
+        return None
+
+    def finish(self, timeout: float) -> tuple[bool, str]:
+        """Whether every rank ended well, and what they wrote (killed first if still running after `timeout`)."""
+        if self.world is not None:
+            codes = self.world.wait(timeout)
+            return not any(codes.values()), "\n".join(f"rank {r} ({c}): {self.world.log(r)}" for r, c in codes.items())
+        try:
+            out = self.proc.communicate(timeout=timeout)[0]
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode == 0, out.decode()[-6000:]
 
 
 def _step_losses(log) -> dict[int, float]:
@@ -292,7 +322,7 @@ def _step_losses(log) -> dict[int, float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("layout", "steps", "every"), [
-    ({"dp_shard": 2}, 60, 10),
+    ({"dp_shard": 2}, 60, 10),  # through the real torchrun; the others as forks of the zygote
     # two pipeline stages of one layer, each split over two tensor-parallel ranks: 4 processes
     ({"pp": 2, "tp": 2, "micro_batch": 1, "grad_accum": 2}, 16, 4),
     # issue 38: context parallelism, each sequence over two ranks whose expert-parallel group they also are
@@ -302,34 +332,29 @@ def test_sigkill_one_rank_then_resume_gives_the_same_losses(bundle, tmp_path, la
     config.write_text(json.dumps(train_config(bundle, layers=2)))
     plan = tmp_path / "plan.json"
     plan.write_text(_plan(**layout).to_json())
-    whole = _torchrun(bundle, config, plan, tmp_path / "whole.jsonl", None, steps, every)
-    out, _ = whole.communicate(timeout=300)
-    assert whole.returncode == 0, out.decode()[-6000:]
+    torchrun = layout == {"dp_shard": 2}
+    ok, out = _Run(bundle, config, plan, tmp_path / "whole.jsonl", None, steps, every, torchrun=torchrun).finish(300)
+    assert ok, out
     reference = _step_losses(tmp_path / "whole.jsonl")
     assert sorted(reference) == list(range(steps))
 
     ck, log = tmp_path / "ck", tmp_path / "killed.jsonl"
-    victim = _torchrun(bundle, config, plan, log, ck, steps, every)
+    victim = _Run(bundle, config, plan, log, ck, steps, every, torchrun=torchrun)
     deadline = time.monotonic() + 240
-    while not checkpoints(ck) and victim.poll() is None and time.monotonic() < deadline:
+    while not checkpoints(ck) and victim.running() and time.monotonic() < deadline:
         time.sleep(0.01)
-    pid = _rank_pid(victim.pid, 1)
+    pid = victim.rank_pid(1)
     assert pid is not None, "rank 1 was not found"
     os.kill(pid, signal.SIGKILL)
-    try:
-        victim.wait(timeout=120)
-    finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-    assert victim.returncode != 0
+    ok, _ = victim.finish(120)
+    assert not ok
     done_before = _step_losses(log)
     assert len(done_before) < steps, "the run finished before it was killed"
     saved = checkpoints(ck)[-1][0]
     assert saved >= every
 
-    resumed = _torchrun(bundle, config, plan, tmp_path / "resumed.jsonl", ck, steps, every)
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out.decode()[-6000:]
+    ok, out = _Run(bundle, config, plan, tmp_path / "resumed.jsonl", ck, steps, every, torchrun=torchrun).finish(300)
+    assert ok, out
     runs, _ = read_runs(tmp_path / "resumed.jsonl")
     assert runs[0].header["meta"]["resumed_from"] == saved
     after = _step_losses(tmp_path / "resumed.jsonl")
@@ -366,9 +391,8 @@ def test_memory_policies_compose_with_pipeline_and_tensor_parallelism(bundle, tm
             finally:
                 torch.set_num_threads(threads)
         else:
-            proc = _torchrun(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0, data)
-            out, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, out.decode()[-6000:]
+            ok, out = _Run(bundle, config, plan, tmp_path / f"{name}.jsonl", None, 3, 0, data).finish(300)
+            assert ok, out
         runs[name] = _step_losses(tmp_path / f"{name}.jsonl")
         held_out[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
                           if '"eval"' in line][-1]

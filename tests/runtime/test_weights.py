@@ -160,7 +160,7 @@ def test_cli_refuses_weights_of_another_model_and_twin_options(released, capsys,
 
 
 @pytest.mark.multiprocess
-def test_four_processes_with_fsdp_expert_parallelism_and_lora_start_from_the_released_loss_and_export_agreeing(
+def test_four_processes_with_fsdp_expert_parallelism_and_lora_start_from_the_released_loss_and_export_agreeing(forked_torchrun, 
         released, tmp_path):
     """One run of four processes (FSDP2 + EP + LoRA): the first step's loss is HuggingFace's own on every rank's
     batch, the adapters train, and the exports gather every shard and expert slice: the PEFT adapter on the
@@ -360,7 +360,7 @@ ADAPTERS = LoRA(rank=4, alpha=8, targets=["attention", "experts"])
     ({}, ADAPTERS),
     pytest.param({"dp_shard": 2, "ep": 2}, ADAPTERS, marks=[pytest.mark.multiprocess, pytest.mark.discovery]),
 ], ids=["full, one process", "full, fsdp2+ep", "lora, one process", "lora, fsdp2+ep"])
-def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_trained(layout, lora, qwen3_moe,
+def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_trained(forked_torchrun, layout, lora, qwen3_moe,
                                                                                      tmp_path):
     """Issue 33's bug: no LoRA, released weights, a model whose MoE router the runtime holds under a second name.
     Allocating the released model gave the two names two tensors (the router trained one, the export read the
