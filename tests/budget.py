@@ -75,6 +75,8 @@ SHARED_FIXTURES: dict[str, Shared] = {
         "DeepSeek-V4 taken on by the rules policy", ("tests/agent/test_agent.py",)),
     "tests/agent/test_cheats.py::secret_in_environment": Shared(
         "a password in onboard's environment (autouse)", ("tests/agent/test_cheats.py",)),
+    "tests/agent/test_jail.py::inside": Shared("what one probe saw from inside a jail, seccomp loaded",
+                                               ("tests/agent/test_jail.py",)),
     "tests/agent/test_cheats.py::sandbox": Shared("one ZAYA sandbox every cheat is judged in",
                                                   ("tests/agent/test_cheats.py",)),
     "tests/onboard/test_adapt.py::deepseek": Shared("DeepSeek-V3's twin, spec and decision",

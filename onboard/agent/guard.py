@@ -41,6 +41,11 @@ REACH, FALLBACK, TAMPER, IMPORT_TIME = "reach-through", "fallback", "judge tampe
 MAX_SOURCE = 200_000  # characters: a candidate is one small module
 RESERVED = frozenset(n for n in dir(nn.Module) if not n.startswith("_")) - {"forward"}  # nn.Module's own methods
 FUTURE = "__future__.annotations"
+# names that run code or reach past the tensor API, refused wherever they appear
+FORBIDDEN = frozenset("""
+exec eval compile getattr setattr delattr hasattr globals locals vars open __import__ breakpoint input
+memoryview __builtins__ __loader__ __spec__ builtins importlib
+""".split())
 
 
 def _math_entry(path: str) -> bool:
@@ -421,6 +426,55 @@ def check(source: str, state: Iterable[str] = ()) -> list[str]:
     checker = _Checker(state)
     try:
         checker.module(tree)
+        checker.problems += _scope_problems(tree, source, checker)
     except RecursionError:
         return ["line 0: nested too deeply for the guard to read"]
     return list(dict.fromkeys(checker.problems))
+
+
+def _scope_problems(tree: ast.Module, source: str, checker: _Checker) -> list[str]:
+    """Every name as Python resolves it (`symtable`), scope by scope: a name that is global where it is read is a
+    module-level import or constant, the class, or a builtin on the allow-list, whatever binds the same name in
+    another scope (a lambda's parameter, a comprehension's variable, an inner function's argument). And none of
+    the names that run or reach code (`FORBIDDEN`) in any form: a name, an attribute, an import, an argument."""
+    import symtable
+
+    problems = []
+    for node in ast.walk(tree):
+        words = []
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, ast.alias):
+            words = [*node.name.split("."), node.asname or ""]
+        elif isinstance(node, ast.arg):
+            words = [node.arg]
+        elif isinstance(node, ast.keyword):
+            words = [node.arg or ""]
+        elif isinstance(node, ast.FunctionDef):
+            words = [node.name]
+        for word in words:
+            if word in FORBIDDEN:
+                problems.append(f"line {getattr(node, 'lineno', 0)}: {REACH}: {word}, in any form, runs or reaches "
+                                "code outside the tensor computation")
+    try:
+        top = symtable.symtable(source, "<candidate>", "exec")
+    except (SyntaxError, ValueError) as exc:
+        return problems + [f"line 0: {REACH}: the guard could not read the file's scopes ({exc})"]
+    module_names = set(checker.modules) | set(checker.entries) | checker.constants | {CLASS_NAME}
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        if table.get_type() == "module":
+            continue  # its names are the imports and constants the module-level check read
+        for symbol in table.get_symbols():
+            name = symbol.get_name()
+            if not symbol.is_referenced() or not (symbol.is_global() or symbol.is_declared_global()):
+                continue
+            if name in module_names or name in cap.BUILTINS:
+                continue
+            problems.append(f"line {table.get_lineno()}: {REACH}: {name} is global where it is read (in "
+                            f"{table.get_name()}) and not an import, a constant or an allowed builtin")
+    return problems

@@ -2,9 +2,9 @@
 
     python -m onboard.agent.sandbox.candidate_worker READ_FD WRITE_FD PARENT_PID MEMORY_BYTES
 
-It raises its walls first (`confine.early`: dies with its parent, its own network namespace, limits), imports
-torch and the runtime API and nothing of transformers or of the judge, warms torch up, installs the audit hook
-(`confine.audit`) and only then reads requests, one frame each (`wire`), on its own pipe (its stdout is its
+It runs in the kernel's jail (`jail`: PARENT_PID 0), raises its own walls first (`confine.early`: limits),
+imports torch and the runtime API and nothing of transformers or of the judge, warms torch up, loads its seccomp
+allow-list (`confine.seccomp`) and the audit hook (`confine.audit`), and only then reads requests, one frame each (`wire`), on its own pipe (its stdout is its
 stderr, so nothing a candidate prints is a reply):
 
     load      {key, name, code}                   compile a candidate's file as a module of its own
@@ -150,6 +150,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     _warm()
     reader, writer = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
+    if parent == 0:  # in the jail: the kernel's allow-list of calls, then the audit hook
+        confine.seccomp()
     confine.audit(os.getcwd())
     server = Server(reader, writer)
     server.reply({"ready": os.getpid(), "network": network or "a network namespace of its own",

@@ -28,11 +28,15 @@ import threading
 import time
 from pathlib import Path
 
-from onboard.agent.sandbox import wire
+from onboard.agent.sandbox import jail, wire
 from onboard.agent.sandbox.confine import REFUSED
 
 # what the reference process may see of the user's environment: where HuggingFace keeps its files
 REFERENCE_ENV = ("HOME", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME")
+
+
+OUTPUT_CAP = 8 << 20  # bytes a worker may write to stderr while starting, or in one request
+LINE_BYTES = 2000  # of a line on stderr, what is kept
 
 
 class Stopped(Exception):
@@ -50,23 +54,74 @@ def environment(scratch: Path, *, passed: tuple[str, ...] = ()) -> dict:
     return env
 
 
+_launches: queue.Queue = queue.Queue()
+_launcher_lock = threading.Lock()
+_launcher: threading.Thread | None = None
+
+
+def _launch_forever() -> None:
+    while True:
+        args, kwargs, done, started = _launches.get()
+        try:
+            done.append(subprocess.Popen(args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            done.append(exc)
+        started.set()
+
+
+def _popen(args: list[str], **kwargs) -> subprocess.Popen:
+    """Popen from one thread that lives as long as this process: bubblewrap's --die-with-parent is the kernel's
+    parent-death signal, which follows the *thread* that started a process, and the sandbox starts workers from
+    threads that end."""
+    global _launcher
+    with _launcher_lock:
+        if _launcher is None or not _launcher.is_alive():
+            _launcher = threading.Thread(target=_launch_forever, name="onboard-jail-launcher", daemon=True)
+            _launcher.start()
+    done: list = []
+    started = threading.Event()
+    _launches.put((args, kwargs, done, started))
+    started.wait()
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+def _leaf(pid: int) -> int:
+    """The deepest process below `pid` along first children: a jailed worker under bubblewrap's two processes."""
+    while True:
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return pid
+        if not children:
+            return pid
+        pid = int(children[0])
+
+
 class Worker:
     def __init__(self, module: str, scratch: Path, *, memory_bytes: int, passed_env: tuple[str, ...] = (),
-                 max_reply: int = wire.MAX_PAYLOAD, start_seconds: float = 120.0):
+                 max_reply: int = wire.MAX_PAYLOAD, start_seconds: float = 120.0, jailed: bool = False,
+                 output_cap: int = OUTPUT_CAP):
         self.scratch = Path(scratch)
         self.scratch.mkdir(parents=True, exist_ok=True)
         to_child, from_parent = os.pipe()[::-1]  # (write end here, read end there)
         from_child, to_parent = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(from_parent), str(to_parent), str(os.getpid()), str(memory_bytes)],
-            pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, cwd=self.scratch, env=environment(self.scratch, passed=passed_env),
-            start_new_session=True)
+        argv = [sys.executable, "-m", module, str(from_parent), str(to_parent), str(0 if jailed else os.getpid()),
+                str(memory_bytes)]
+        env = environment(self.scratch, passed=passed_env)
+        if jailed:  # its walls are the kernel's (`jail`): no pid of ours to watch, bubblewrap ends it with us
+            argv = jail.command(argv)  # (its PYTHONPATH, HOME and TMPDIR are the jail's)
+        self.proc = (_popen if jailed else subprocess.Popen)(
+            argv, pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True)
         os.close(from_parent)
         os.close(to_parent)
-        self.pid = self.proc.pid
+        self.jailed = jailed
+        self.pid = self.proc.pid  # the worker's own pid once it is ready (under bubblewrap: two levels down)
         self.errors: collections.deque = collections.deque(maxlen=30)
         self.refusals: list[str] = []
+        self.output_bytes, self.output_cap, self.flooded = 0, output_cap, False
         self.replies: queue.Queue = queue.Queue()
         self.dead = ""  # why the worker can no longer answer
         self._writer = os.fdopen(to_child, "wb")
@@ -75,6 +130,8 @@ class Worker:
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._drain, daemon=True).start()
         self.ready = self._reply(start_seconds, "starting")[0]
+        if jailed:
+            self.pid = _leaf(self.proc.pid)
 
     def _read(self) -> None:
         try:
@@ -86,13 +143,35 @@ class Worker:
             self.replies.put(exc)
 
     def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            if line.startswith(REFUSED):
-                if len(self.refusals) < 50:
-                    self.refusals.append(line[len(REFUSED):].strip()[:300])
-            elif line.strip():
-                self.errors.append(line[:500])
+        """Read the worker's stderr in chunks as it comes, keeping at most a line's head: however much it writes,
+        with or without newlines, this side holds a few kilobytes of it. Past `output_cap` bytes since the last
+        request began, the worker is killed (a process that floods its output is not computing an answer)."""
+        fd, partial = self.proc.stderr.fileno(), b""
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                break
+            self.output_bytes += len(chunk)
+            if self.output_bytes > self.output_cap and not self.flooded:
+                self.flooded = True
+                self.kill()
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()[:LINE_BYTES]  # an unfinished line: its head only
+            for raw in lines:
+                self._line(raw[:LINE_BYTES])
+        if partial:
+            self._line(partial)
+
+    def _line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        if line.startswith(REFUSED):
+            if len(self.refusals) < 50:
+                self.refusals.append(line[len(REFUSED):].strip()[:300])
+        elif line.strip():
+            self.errors.append(line[:500])
 
     def last_error(self) -> str:
         return self.errors[-1] if self.errors else "no output"
@@ -108,7 +187,9 @@ class Worker:
             return got
         self.kill()
         code = self.proc.wait()
-        if got is None:
+        if self.flooded:
+            self.dead = f"wrote more than {self.output_cap >> 20} MiB of output while {doing} and was stopped"
+        elif got is None:
             self.dead = f"ended with code {code} while {doing}: {self.last_error()[:300]}"
         else:
             self.dead = f"wrote something that is not a reply while {doing} ({got})"
@@ -122,6 +203,7 @@ class Worker:
             raise Stopped(self.dead)
         if cpu_seconds is not None:
             self.limit_cpu(cpu_seconds)
+        self.output_bytes = 0
         failed: list = []
 
         def send():
@@ -137,7 +219,10 @@ class Worker:
     def limit_cpu(self, seconds: float) -> None:
         used = int(self.cpu_seconds()) + 1
         try:
-            resource.prlimit(self.pid, resource.RLIMIT_CPU, (used + max(1, int(seconds)), resource.RLIM_INFINITY))
+            limit = used + max(1, int(seconds))
+            # hard = soft where we may raise a hard limit later (root); else a soft limit its seccomp keeps it from raising
+            hard = limit if os.geteuid() == 0 else resource.RLIM_INFINITY
+            resource.prlimit(self.pid, resource.RLIMIT_CPU, (limit, hard))
         except (OSError, ValueError):
             pass  # the wall clock still bounds it
 
@@ -155,8 +240,13 @@ class Worker:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
+            if self.pid != self.proc.pid:  # the jailed worker first (bubblewrap's own death would end it too)
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             try:
-                os.killpg(self.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 self.proc.kill()
 

@@ -1,4 +1,5 @@
-"""An agent session's sandbox: the reference's process, and a fresh candidate's process for every candidate.
+"""An agent session's sandbox: the reference's process, and a fresh candidate's process, in a jail of the kernel's
+(`jail`), for every candidate.
 
     with Sandbox(model_ref, trust_remote_code=False, limits=Limits()) as sandbox:
         reference = sandbox.reference()      # one per session: it builds the twin once
@@ -19,7 +20,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from onboard.agent.sandbox import jail
 from onboard.agent.sandbox.process import REFERENCE_ENV, Stopped, Worker
+from onboard.errors import OnboardError
 
 CANDIDATE = "onboard.agent.sandbox.candidate_worker"
 REFERENCE = "onboard.agent.sandbox.reference_worker"
@@ -41,12 +44,12 @@ class _Starting:
     def __init__(self, module: str, scratch: Path, limits: Limits, passed_env: tuple[str, ...] = ()):
         self.worker: Worker | None = None
         self.error: BaseException | None = None
-        reply = limits.reply_bytes if module == CANDIDATE else None
+        candidate = module == CANDIDATE
 
         def start():
             try:
                 self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env,
-                                     **({"max_reply": reply} if reply else {}))
+                                     jailed=candidate, **({"max_reply": limits.reply_bytes} if candidate else {}))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
                 self.error = exc
 
@@ -71,6 +74,11 @@ def _close_all() -> None:
 
 class Sandbox:
     def __init__(self, model_ref: str = "", *, trust_remote_code: bool = False, limits: Limits = Limits()):
+        """OnboardError, one line saying what to install, where a candidate's jail cannot be made here: there is no
+        weaker sandbox to fall back to."""
+        why = jail.why_not()
+        if why:
+            raise OnboardError(f"no sandbox for candidate code: {why}")
         self.model_ref, self.trust_remote_code, self.limits = model_ref, trust_remote_code, limits
         _OPEN.add(self)
         self._scratch = Path(tempfile.mkdtemp(prefix="onboard-sandbox-"))

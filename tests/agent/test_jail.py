@@ -1,0 +1,171 @@
+"""The kernel's boundary around candidate code (issue 54): seen from inside a jailed process, with the worker's own
+seccomp allow-list loaded and no audit hook (what is tested here is the layer beneath it), and from outside.
+
+Inside, the process finds only its own pid namespace in /proc; no home directory, no judge key, no transformers,
+no judge or agent code of onboard; `execve`, `fork`, signals to any other process, sockets and writes outside its
+scratch directory all fail; its only network interface is a loopback. Outside, a candidate's worker starts in the
+jail, a sandbox refuses in one line where the jail cannot be made, and a worker that floods its output is stopped
+with this process's memory kept small."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from onboard.agent.sandbox import jail
+from onboard.errors import OnboardError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = textwrap.dedent('''
+    import errno, json, os, signal, socket, sys
+    from onboard.agent.sandbox import confine
+    confine.seccomp()
+    seen = {"uid": os.getuid(), "pid": os.getpid(), "proc": sorted(int(n) for n in os.listdir("/proc") if n.isdigit())}
+    seen["present"] = {p: os.path.exists(p) for p in json.loads(sys.argv[1])}
+    seen["interfaces"] = sorted(line.split(":")[0].strip() for line in open("/proc/self/net/dev").read().splitlines()[2:])
+    seen["capabilities"] = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0]
+
+    def fails(name, act):
+        try:
+            act()
+        except OSError as exc:
+            seen[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+        except ValueError as exc:  # setrlimit's EPERM
+            seen[name] = "EPERM" if "not allowed" in str(exc) else str(exc)
+        else:
+            seen[name] = "done"
+
+    fails("execve", lambda: os.execv("/usr/bin/true", ["true"]))
+    fails("fork", lambda: os._exit(0) if os.fork() == 0 else None)
+    fails("signal to the parent", lambda: os.kill(os.getppid(), signal.SIGSTOP))
+    fails("signal to pid 1", lambda: os.kill(1, signal.SIGKILL))
+    fails("pidfd", lambda: os.pidfd_open(1))
+    fails("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    fails("unix socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    fails("write to the project", lambda: open(sys.argv[2] + "/planted", "w"))
+    fails("write to the root", lambda: open("/planted", "w"))
+    fails("write to the Python installation", lambda: open(os.path.dirname(os.__file__) + "/planted.py", "w"))
+    fails("mkfifo", lambda: os.mkfifo("fifo"))
+    fails("utime", lambda: os.utime("."))
+    fails("write to scratch", lambda: open("note.txt", "w").write("kept"))
+    import resource
+    fails("set a limit", lambda: resource.setrlimit(resource.RLIMIT_CPU, resource.getrlimit(resource.RLIMIT_CPU)))
+    print(json.dumps(seen))
+''')
+
+
+@pytest.fixture(scope="module")
+def inside(tmp_path_factory) -> dict:
+    """What the probe saw from inside a jail, with the worker's seccomp allow-list loaded."""
+    if jail.why_not():
+        pytest.fail(f"the jail must be available where the tests run: {jail.why_not()}")
+    import transformers
+
+    scratch = tmp_path_factory.mktemp("jail-scratch")
+    secrets = {"home": os.path.expanduser("~"), "judge key": os.environ["ONBOARD_JUDGE_KEY"],
+               "user judge key": os.path.expanduser("~/.cache/onboard/judge.key"),
+               "transformers": os.path.dirname(transformers.__file__),
+               "judge": str(ROOT / "onboard" / "agent" / "sandbox" / "judge.py"),
+               "agent loop": str(ROOT / "onboard" / "agent" / "loop.py"), "tests": str(ROOT / "tests"),
+               "the caller's scratch": str(scratch), "a virtual environment": sys.prefix,
+               "the interpreter's own path": os.path.realpath(sys.executable)}
+    argv = jail.command([sys.executable, "-c", PROBE, json.dumps(list(secrets.values())), str(ROOT)])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd=scratch,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen["names"] = secrets
+    seen["host scratch"] = sorted(p.name for p in scratch.iterdir())  # (the probe's cwd is the jail's tmpfs)
+    return seen
+
+
+def test_proc_holds_only_its_own_pid_namespace(inside):
+    assert inside["pid"] <= 3 and set(inside["proc"]) <= {1, 2, 3}, inside["proc"]
+    assert inside["uid"] == jail.NOBODY and int(inside["capabilities"], 16) == 0
+
+
+def test_home_judge_keys_transformers_and_onboards_judge_are_absent(inside):
+    present = {name: inside["present"][path] for name, path in inside["names"].items()}
+    assert not any(present.values()), present
+
+
+def test_execve_fork_signals_and_pidfds_fail(inside):
+    for what in ("execve", "fork", "signal to the parent", "signal to pid 1", "pidfd"):
+        assert inside[what] == "EPERM", (what, inside[what])
+
+
+def test_writes_outside_scratch_fail_and_scratch_is_its_own(inside):
+    for what in ("write to the project", "write to the root", "write to the Python installation", "mkfifo",
+                 "utime"):
+        assert inside[what] != "done", (what, inside[what])
+    assert inside["write to scratch"] == "done"
+    assert inside["host scratch"] == []  # its scratch is a tmpfs of the jail's: nothing reaches the caller
+    assert inside["set a limit"] == "EPERM"  # (even to what it is: the parent's CPU limit stays)
+
+
+def test_the_network_is_absent(inside):
+    assert inside["interfaces"] == ["lo"]
+    assert inside["socket"] == "EPERM" and inside["unix socket"] == "EPERM"
+
+
+def test_a_planted_gap_in_the_allow_list_shows():
+    """Planted: with execve on the allow-list the probe's execve is no longer refused (the test above would fail)."""
+    from onboard.agent.sandbox import confine
+
+    assert "execve" not in confine.ALLOWED_SYSCALLS
+    script = "from onboard.agent.sandbox import confine\nconfine.ALLOWED_SYSCALLS.append('execve')\n" \
+             "confine.seccomp()\nimport os\nos.execv('/usr/bin/true', ['true'])\n"
+    done = subprocess.run(jail.command([sys.executable, "-c", script]), capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and "EPERM" not in done.stderr, done.stderr[-2000:]
+
+
+def test_without_bubblewrap_the_sandbox_refuses_in_one_line(monkeypatch, tmp_path):
+    from onboard.agent.sandbox.session import Sandbox
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    jail.why_not.cache_clear()
+    try:
+        with pytest.raises(OnboardError) as refused:
+            Sandbox()
+        assert "bubblewrap" in str(refused.value) and "\n" not in str(refused.value)
+    finally:
+        monkeypatch.undo()
+        jail.why_not.cache_clear()
+
+
+def test_a_candidate_worker_runs_jailed_and_a_flood_of_output_is_stopped(tmp_path):
+    """A jailed worker: its pid inside is small, it has no transformers. A candidate printing 48 MiB without a newline
+    on a call is stopped at the output cap, and this side kept a few kilobytes of it."""
+    import resource
+
+    import torch
+
+    from onboard.agent.sandbox import wire
+    from onboard.agent.sandbox.process import Stopped, Worker
+
+    worker = Worker("onboard.agent.sandbox.candidate_worker", tmp_path / "w", memory_bytes=8 << 30, jailed=True)
+    try:
+        assert worker.ready["ready"] <= 3 and worker.ready["transformers"] is False
+        assert worker.pid != worker.proc.pid  # the worker two levels under bubblewrap
+        flood = ("from runtime.generated import Generated\nclass Replacement(Generated):\n"
+                 "    def forward(self, x):\n        print('x' * (48 << 20), end='')\n        return x\n")
+        worker.request({"op": "load", "key": "k", "code": flood}, seconds=30)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        structure, tensors = wire.pack((torch.ones(2),), prefix="a")
+        state = {"parameters": [], "buffers": [], "settings": {}}
+        with pytest.raises(Stopped, match="MiB of output"):
+            worker.request({"op": "call", "id": 1, "key": "k", "state": state, "args": structure,
+                            "kwargs": wire.pack({}, prefix="k")[0], "training": False}, tensors, seconds=60)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert grown < 32 << 10, f"this process grew by {grown} KiB"  # ru_maxrss is in KiB
+        assert all(len(line) <= 500 for line in worker.errors)
+    finally:
+        worker.close()
