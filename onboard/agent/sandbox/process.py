@@ -102,7 +102,8 @@ def _leaf(pid: int) -> int:
 class Worker:
     def __init__(self, module: str, scratch: Path, *, memory_bytes: int, passed_env: tuple[str, ...] = (),
                  max_reply: int = wire.MAX_PAYLOAD, start_seconds: float = 120.0, jailed: bool = False,
-                 output_cap: int = OUTPUT_CAP):
+                 output_cap: int = OUTPUT_CAP, started=None):
+        """`started(proc)`, where given, is told of the process as soon as it exists (before it is ready)."""
         self.scratch = Path(scratch)
         self.scratch.mkdir(parents=True, exist_ok=True)
         to_child, from_parent = os.pipe()[::-1]  # (write end here, read end there)
@@ -117,6 +118,8 @@ class Worker:
             stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True)
         os.close(from_parent)
         os.close(to_parent)
+        if started is not None:
+            started(self.proc)
         self.jailed = jailed
         self.pid = self.proc.pid  # the worker's own pid once it is ready (under bubblewrap: two levels down)
         self.errors: collections.deque = collections.deque(maxlen=30)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import shutil
+import signal
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -44,17 +46,31 @@ class _Starting:
     def __init__(self, module: str, scratch: Path, limits: Limits, passed_env: tuple[str, ...] = ()):
         self.worker: Worker | None = None
         self.error: BaseException | None = None
+        self.proc = None  # the process, as soon as it exists
         candidate = module == CANDIDATE
 
         def start():
             try:
                 self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env,
-                                     jailed=candidate, **({"max_reply": limits.reply_bytes} if candidate else {}))
+                                     jailed=candidate, started=lambda proc: setattr(self, "proc", proc),
+                                     **({"max_reply": limits.reply_bytes} if candidate else {}))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
                 self.error = exc
 
         self.thread = threading.Thread(target=start, daemon=True)
         self.thread.start()
+
+    def abandon(self) -> None:
+        """Stop a worker nobody will take: killed where it is still starting (its imports are CPU spent for
+        nothing once the session ends), closed where it is ready."""
+        if self.worker is None and self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.thread.join(30)
+        if self.worker is not None:
+            self.worker.close()
 
     def take(self, seconds: float) -> Worker:
         self.thread.join(seconds)
@@ -139,11 +155,12 @@ class Sandbox:
             self.release(worker)
 
     def close(self) -> None:
-        for starting in (self._spare, self._reference):
-            if starting is not None:
-                starting.thread.join(30)
-                if starting.worker is not None and starting.worker not in self._workers:
-                    self._workers.append(starting.worker)
+        if self._spare is not None:  # a candidate's process started ahead of a round that will not come
+            self._spare.abandon()
+        if self._reference is not None:
+            self._reference.thread.join(30)
+            if self._reference.worker is not None and self._reference.worker not in self._workers:
+                self._workers.append(self._reference.worker)
         self._spare = self._reference = None
         for worker in self._workers:
             worker.close()
