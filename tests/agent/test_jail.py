@@ -45,7 +45,7 @@ PROBE = textwrap.dedent('''
     fails("execve", lambda: os.execv("/usr/bin/true", ["true"]))
     fails("fork", lambda: os._exit(0) if os.fork() == 0 else None)
     fails("signal to the parent", lambda: os.kill(os.getppid(), signal.SIGSTOP))
-    fails("signal to pid 1", lambda: os.kill(1, signal.SIGKILL))
+    fails("signal to every process", lambda: os.kill(-1, signal.SIGKILL))
     fails("pidfd", lambda: os.pidfd_open(1))
     fails("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
     fails("unix socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
@@ -87,7 +87,9 @@ def inside(tmp_path_factory) -> dict:
 
 
 def test_proc_holds_only_its_own_pid_namespace(inside):
-    assert inside["pid"] <= 3 and set(inside["proc"]) <= {1, 2, 3}, inside["proc"]
+    """And in it, only itself: pid 1. (Held-out attack: with bubblewrap's init as pid 1 beside it, a candidate wrote
+    code into init through /proc/1/mem, and init, which has no seccomp filter, ran an execve that outlived the jail.)"""
+    assert inside["pid"] == 1 and inside["proc"] == [1], inside["proc"]
     assert inside["uid"] == jail.NOBODY and int(inside["capabilities"], 16) == 0
 
 
@@ -97,7 +99,7 @@ def test_home_judge_keys_transformers_and_onboards_judge_are_absent(inside):
 
 
 def test_execve_fork_signals_and_pidfds_fail(inside):
-    for what in ("execve", "fork", "signal to the parent", "signal to pid 1", "pidfd"):
+    for what in ("execve", "fork", "signal to the parent", "signal to every process", "pidfd"):
         assert inside[what] == "EPERM", (what, inside[what])
 
 
@@ -153,7 +155,7 @@ def test_a_candidate_worker_runs_jailed_and_a_flood_of_output_is_stopped(tmp_pat
 
     worker = Worker("onboard.agent.sandbox.candidate_worker", tmp_path / "w", memory_bytes=8 << 30, jailed=True)
     try:
-        assert worker.ready["ready"] <= 3 and worker.ready["transformers"] is False
+        assert worker.ready["ready"] == 1 and worker.ready["transformers"] is False
         assert worker.pid != worker.proc.pid  # the worker two levels under bubblewrap
         flood = ("from runtime.generated import Generated\nclass Replacement(Generated):\n"
                  "    def forward(self, x):\n        print('x' * (48 << 20), end='')\n        return x\n")

@@ -3,7 +3,8 @@
     why = why_not()                                   # "" where the jail can be made here, else what is missing
     argv = command([python, "-m", CANDIDATE, ...])   # the worker's command line, run inside the jail
 
-A jailed process has new user, pid, mount, network, ipc, uts and cgroup namespaces (`--unshare-all`), runs as
+A jailed process has new user, pid, mount, network, ipc, uts and cgroup namespaces (`--unshare-all`), is the only
+process of its pid namespace (pid 1: no bubblewrap init beside it to take over through /proc/1/mem), runs as
 nobody (65534) with no capabilities and `no_new_privs` (bubblewrap sets it), in a session of its own, and dies
 with its parent. It sees:
 
@@ -14,7 +15,7 @@ with its parent. It sees:
   but /usr are bound under JAIL, so no path of the caller's (a home directory holding pyenv, a virtual
   environment, the checkout) exists inside;
 - read-write: its scratch directory, a tmpfs of SCRATCH_BYTES at SCRATCH; the rest is read-only;
-- a /proc of its own pid namespace (itself and bubblewrap's init), a minimal /dev, and nothing else: no home
+- a /proc of its own pid namespace (itself alone), a minimal /dev, and nothing else: no home
   directory, no /root, nothing of /etc but the linker's cache, no judge key, no model folder, no network interface but a loopback.
 
 Every site-packages or dist-packages folder under /usr is hidden under an empty read-only tmpfs; the listed
@@ -125,8 +126,10 @@ def command(argv: list[str], *, hostname: str = "candidate") -> list[str]:
     tool = bwrap()
     if tool is None:
         raise RuntimeError(why_not())
+    # --as-pid-1: the worker is the only process of its pid namespace. With bubblewrap's init there as pid 1 (same
+    # uid, no seccomp filter), a candidate could write code into it through /proc/1/mem and run it unfiltered.
     args = [tool, "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-            "--disable-userns", "--cap-drop", "ALL", "--die-with-parent", "--new-session",
+            "--disable-userns", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1",
             "--hostname", hostname, "--proc", "/proc", "--dev", "/dev",
             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]  # (how libseccomp's bindings find it)
     python, interpreter = _python_binds()
