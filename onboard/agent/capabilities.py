@@ -57,16 +57,17 @@ ValueError RuntimeError NotImplementedError AssertionError TypeError IndexError 
 """.split())
 
 # methods and properties of torch.Tensor a candidate may use on the values it holds (no storage, pointers,
-# hooks, numpy views, grad_fn or Python callbacks: those lead out of the tensor API)
+# hooks, numpy views, grad_fn or Python callbacks: those lead out of the tensor API; no .data, .grad,
+# requires_grad_ or retain_grad: a forward computes, it does not reach into autograd's state)
 TENSOR = frozenset("""
 H T mH mT abs abs_ absolute acos acosh add add_ addbmm addcdiv addcdiv_ addcmul addcmul_ addmm addmv addr
 all allclose amax amin aminmax angle any argmax argmin argsort argwhere asin asinh atan atan2 atanh baddbmm
 bernoulli bernoulli_ bfloat16 bincount bitwise_and bitwise_not bitwise_or bitwise_xor bmm bool broadcast_to
 byte ceil ceil_ char chunk clamp clamp_ clamp_max clamp_min clip clone contiguous copy_ copysign cos cosh
-count_nonzero cross cummax cummin cumprod cumsum data detach device diag diag_embed diagonal diff digamma dim
+count_nonzero cross cummax cummin cumprod cumsum detach device diag diag_embed diagonal diff digamma dim
 div div_ divide dot double dtype element_size eq equal erf erfc erfinv exp exp_ exp2 expand expand_as expm1
 exponential_ fill_ fill_diagonal_ flatten flip float float_power floor floor_divide fmax fmin fmod frac gather
-ge geometric_ grad greater gt half hypot index_add index_add_ index_copy index_copy_ index_fill index_fill_
+ge geometric_ greater gt half hypot index_add index_add_ index_copy index_copy_ index_fill index_fill_
 index_put index_put_ index_select indices inner int is_complex is_contiguous is_floating_point is_leaf isclose
 isfinite isinf isnan item itemsize kthvalue le lerp lerp_ lgamma log log10 log1p log2 log_ log_normal_ log_softmax
 logaddexp logcumsumexp logical_and logical_not logical_or logical_xor logit logsumexp long lt masked_fill
@@ -74,7 +75,7 @@ masked_fill_ masked_scatter masked_select matmul max maximum mean median min min
 mul mul_ multinomial multiply mv nan_to_num nanmean nansum narrow ndim ndimension ne neg neg_ negative nelement
 new_empty new_full new_ones new_tensor new_zeros nonzero norm normal_ numel outer permute pow pow_ prod
 random_ ravel real reciprocal reciprocal_ relu relu_ remainder repeat repeat_interleave requires_grad
-requires_grad_ reshape reshape_as retain_grad roll round rsqrt rsqrt_ scatter scatter_ scatter_add
+reshape reshape_as roll round rsqrt rsqrt_ scatter scatter_ scatter_add
 scatter_add_ scatter_reduce select shape short sigmoid sigmoid_ sign sin sinh size softmax sort split sqrt
 sqrt_ square squeeze std stride sub sub_ subtract sum swapaxes swapdims t tan tanh tanh_ tensor_split tile to
 tolist topk transpose tril tril_ triu triu_ true_divide trunc type type_as unbind unflatten unfold uniform_

@@ -40,6 +40,13 @@ BASE = "runtime.generated.Generated"
 REACH, FALLBACK, TAMPER, IMPORT_TIME = "reach-through", "fallback", "judge tampering", "import-time code"
 MAX_SOURCE = 200_000  # characters: a candidate is one small module
 RESERVED = frozenset(n for n in dir(nn.Module) if not n.startswith("_")) - {"forward"}  # nn.Module's own methods
+MODULE_NAMES = frozenset(dir(nn.Module)) | {"training", "forward", "state", "settings"}  # what a constant may not shadow
+# tensor methods whose result may share the receiver's storage (a view, or the tensor itself when nothing changes)
+SAME_STORAGE = frozenset("""
+view view_as reshape reshape_as t transpose permute flatten unflatten squeeze unsqueeze expand expand_as narrow
+select diagonal unfold chunk split tensor_split unbind movedim moveaxis swapaxes swapdims detach real contiguous
+to type type_as float double half bfloat16 int long bool byte char short values indices
+""".split())
 FUTURE = "__future__.annotations"
 # names that run code or reach past the tensor API, refused wherever they appear
 FORBIDDEN = frozenset("""
@@ -95,7 +102,10 @@ class _Checker:
                 continue  # the docstring
             if isinstance(node, ast.Import | ast.ImportFrom):
                 self.import_(node)
-            elif isinstance(node, ast.Assign | ast.AnnAssign):
+            elif isinstance(node, ast.AnnAssign):
+                self.refuse(node, IMPORT_TIME, "an annotated assignment: its annotation runs at import (write NAME = "
+                                               "constant)")
+            elif isinstance(node, ast.Assign):
                 self.constant(node, self.constants)
             elif isinstance(node, ast.ClassDef) and node.name == CLASS_NAME and not classes:
                 classes += 1
@@ -184,7 +194,13 @@ class _Checker:
         for index, item in enumerate(node.body):
             if isinstance(item, ast.Expr) and isinstance(item.value, ast.Constant) and index == 0:
                 continue
-            if isinstance(item, ast.Assign | ast.AnnAssign):
+            if isinstance(item, ast.AnnAssign):
+                self.refuse(item, IMPORT_TIME, "an annotated assignment in the class body: its annotation runs when "
+                                               "the class is made (write NAME = constant)")
+            elif isinstance(item, ast.Assign):
+                shadowed = [t.id for t in item.targets if isinstance(t, ast.Name) and t.id in MODULE_NAMES]
+                if shadowed:
+                    self.refuse(item, REACH, f"class constant {shadowed[0]} shadows nn.Module's or Generated's own")
                 self.constant(item, self.class_constants)
             elif isinstance(item, ast.FunctionDef):
                 if item.name.startswith("_"):
@@ -243,6 +259,7 @@ class _Method:
         if not positional or positional[0].arg != "self":
             c.refuse(node, REACH, f"method {node.name} must take self first")
         self.names()
+        self.state_writes()
         for child in ast.walk(node):
             self.statement(child)
             if isinstance(child, ast.Attribute) and not isinstance(self.parents.get(child), ast.Attribute):
@@ -281,6 +298,62 @@ class _Method:
                     if counts[name] != 1:
                         c.refuse(child, REACH, f"{name} names a part of the module and is bound again")
                     self.aliases[name] = part
+
+    def aliases_state(self, node: ast.AST, tainted: set[str]) -> bool:
+        """Whether `node` may be (a view of) the module's state: a chain from self or from a name bound to one,
+        through attributes, subscripts and calls of methods that return a view or the tensor itself."""
+        while True:
+            if isinstance(node, ast.Attribute | ast.Subscript | ast.Starred):
+                node = node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in SAME_STORAGE):
+                node = node.func.value
+            elif isinstance(node, ast.Name):
+                return node.id == "self" or node.id in self.aliases or node.id in tainted
+            else:
+                return False
+
+    def state_writes(self) -> None:
+        """A candidate changes its own locals only: no in-place method, subscript store, augmented assignment or
+        `out=` into the module's state, whether named from self or through a local bound to a view of it
+        (`w = self.p.view(torch.int32); w[0] = ...`; `w = self.p.float(); w.mul_(2)`: float() of an fp32
+        tensor is the tensor itself)."""
+        tainted: set[str] = set()
+        changed = True
+        while changed:  # names bound to state, through any number of rebindings
+            changed = False
+            for child in ast.walk(self.node):
+                targets, value = [], None
+                if isinstance(child, ast.Assign):
+                    targets, value = child.targets, child.value
+                elif isinstance(child, ast.AnnAssign | ast.NamedExpr | ast.AugAssign):
+                    targets, value = [child.target], child.value
+                elif isinstance(child, ast.For | ast.comprehension):
+                    targets, value = [child.target], child.iter
+                if value is None or not self.aliases_state(value, tainted):
+                    continue
+                for target in targets:
+                    for name in ast.walk(target):
+                        if isinstance(name, ast.Name) and name.id not in tainted and name.id != "self":
+                            tainted.add(name.id)
+                            changed = True
+        c = self.c
+        for child in ast.walk(self.node):
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                if child.func.attr.endswith("_") and self.aliases_state(child.func.value, tainted):
+                    c.refuse(child, TAMPER, f".{child.func.attr}() changes the module's state in place")
+            if isinstance(child, ast.Call) and any(k.arg == "out" for k in child.keywords):
+                c.refuse(child, TAMPER, "out=: write results into new values, not into existing ones")
+            stores = []
+            if isinstance(child, ast.Assign):
+                stores = child.targets
+            elif isinstance(child, ast.AugAssign):
+                stores = [child.target]
+            for target in stores:
+                inner = target.value if isinstance(target, ast.Subscript) else target
+                if (isinstance(target, ast.Subscript) or isinstance(child, ast.AugAssign)) and \
+                        self.aliases_state(inner, tainted):
+                    c.refuse(child, TAMPER, "a store into the module's state (or a view of it)")
 
     def self_path(self, node: ast.AST) -> str | None:
         """The dotted path below self of a chain rooted at self or at an alias of a part of the module."""

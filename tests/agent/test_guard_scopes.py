@@ -96,3 +96,54 @@ def test_code_running_names_are_refused_in_any_form(word):
         problems = check(candidate(form + "return x\n"))
         assert problems, (word, form)
     assert word in FORBIDDEN
+
+
+# held-out attacks on the guard (issue 54, a reviewer who had read it): each got through before
+STATE = ["hidden_states_scale", "residual_scale", "residual_bias"]
+HELD_OUT = {
+    # a module-level annotation: unevaluated in the sandbox (its worker compiled candidates with its own future
+    # import), evaluated when training imports the file
+    "module annotation": ('PAYLOAD: torch.sys.modules["os"].system("id") = 0\n', "return x\n"),
+    "class annotation": ("", "return x\n", "forward: torch.ones(1) = 0"),
+    "class constant shadowing nn.Module.train": ("", "return x\n", "train = 1"),
+    "in-place on a parameter": ("", "self.residual_scale.mul_(1.00005)\nreturn x\n"),
+    "in-place through .data": ("", "self.residual_scale.data.mul_(1.00005)\nreturn x\n"),
+    "store through a dtype view bound to a local": (
+        "", "bits = self.residual_bias.view(torch.int32)\nbits[:4] = 1\nreturn x\n"),
+    "in-place on a local that is the parameter itself": ("", "w = self.residual_scale.float()\nw.mul_(2)\nreturn x\n"),
+    "augmented assignment into a view": ("", "w = self.residual_scale[:2]\nw += 1\nreturn x\n"),
+    "rebound twice": ("", "a = self.residual_scale\nb = a.view(-1)\nb[0] = 0\nreturn x\n"),
+    "out= into a parameter": ("", "torch.add(x, x, out=self.residual_scale)\nreturn x\n"),
+    "freezing a parameter": ("", "self.residual_scale.requires_grad_(False)\nreturn x\n"),
+    "reading autograd's gradient": ("", "g = self.residual_scale.grad\nreturn x\n"),
+}
+
+
+@pytest.mark.parametrize("attack", list(HELD_OUT))
+def test_held_out_guard_attacks_are_refused(attack):
+    module_level, body, *class_level = HELD_OUT[attack]
+    source = candidate(body, class_level=class_level[0] if class_level else "")
+    source = source.replace("class Replacement", module_level + "\n\nclass Replacement", 1) if module_level else source
+    assert check(source, STATE), attack
+
+
+def test_in_place_work_on_new_values_stays_accepted():
+    """What honest code does: in-place ops and stores on tensors it made itself, and reading the parameters."""
+    body = ("w = self.residual_scale * 2\nw.mul_(2)\nout = torch.zeros_like(x)\nout[..., :1] = x[..., :1]\n"
+            "y = x.clone()\ny += w\nreturn out + y * self.residual_scale.float()\n")
+    assert check(candidate(body), STATE) == []
+
+
+def test_the_candidate_is_compiled_as_training_imports_it():
+    """The worker compiles a candidate with the file's own __future__ imports only (dont_inherit): an annotation is
+    evaluated where training's import would evaluate it, so the sandbox never runs different code from what ships.
+    (Planted: without dont_inherit the worker's own `from __future__ import annotations` leaves it the string.)"""
+    import io
+
+    from onboard.agent.sandbox.candidate_worker import Server
+
+    server = Server(io.BytesIO(), io.BytesIO())
+    code = ("from runtime.generated import Generated\nX: 1 + 2 = 0\n\n\nclass Replacement(Generated):\n"
+            "    def forward(self, x):\n        return x\n")
+    server.load({"key": "k", "name": "c.py", "code": code}, {})
+    assert server.classes["k"].forward.__globals__["__annotations__"]["X"] == 3

@@ -54,6 +54,10 @@ PROBE = textwrap.dedent('''
     fails("write to the Python installation", lambda: open(os.path.dirname(os.__file__) + "/planted.py", "w"))
     fails("mkfifo", lambda: os.mkfifo("fifo"))
     fails("utime", lambda: os.utime("."))
+    fails("write a sysctl", lambda: open("/proc/sys/vm/swappiness", "w").write(open("/proc/sys/vm/swappiness").read()))
+    fails("open core_pattern for writing", lambda: open("/proc/sys/kernel/core_pattern", "w"))
+    fails("write to /dev", lambda: open("/dev/planted", "w"))
+    fails("fill /dev/shm", lambda: open("/dev/shm/big", "wb").write(bytes(8 << 20)))
     fails("write to scratch", lambda: open("note.txt", "w").write("kept"))
     import resource
     fails("set a limit", lambda: resource.setrlimit(resource.RLIMIT_CPU, resource.getrlimit(resource.RLIMIT_CPU)))
@@ -104,8 +108,10 @@ def test_execve_fork_signals_and_pidfds_fail(inside):
 
 
 def test_writes_outside_scratch_fail_and_scratch_is_its_own(inside):
+    """Held-out attacks: the jail's uid is the caller's outside (root where onboard runs as root), so /proc/sys was
+    writable (kernel.core_pattern, the way to code on the host); /dev and /dev/shm took 600 MiB past scratch's cap."""
     for what in ("write to the project", "write to the root", "write to the Python installation", "mkfifo",
-                 "utime"):
+                 "utime", "write a sysctl", "open core_pattern for writing", "write to /dev", "fill /dev/shm"):
         assert inside[what] != "done", (what, inside[what])
     assert inside["write to scratch"] == "done"
     assert inside["host scratch"] == []  # its scratch is a tmpfs of the jail's: nothing reaches the caller

@@ -88,7 +88,10 @@ class Server:
 
         key, name = str(header["key"]), str(header.get("name", "candidate.py"))
         module = types.ModuleType(f"onboard_candidate_{len(self.classes)}")
-        exec(compile(header["code"], name, "exec"), module.__dict__)  # noqa: S102 - what this process is for
+        # dont_inherit: compiled with the file's own __future__ imports only, as an import of it in training compiles it
+        # (this file's `annotations` would otherwise leave a candidate's annotations unevaluated here alone)
+        code = compile(header["code"], name, "exec", dont_inherit=True)
+        exec(code, module.__dict__)  # noqa: S102 - what this process is for
         cls = module.__dict__.get("Replacement")
         if not (isinstance(cls, type) and issubclass(cls, Generated)):
             raise TypeError(f"{name} defines no Replacement(runtime.generated.Generated)")

@@ -131,6 +131,12 @@ def command(argv: list[str], *, hostname: str = "candidate") -> list[str]:
     args = [tool, "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
             "--disable-userns", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1",
             "--hostname", hostname, "--proc", "/proc", "--dev", "/dev",
+            # the jail's uid is the caller's outside (root, where onboard runs as root): /proc's files that reach the
+            # whole machine (sysctls such as kernel.core_pattern, sysrq) would be writable to it
+            "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+            "--ro-bind-try", "/proc/irq", "/proc/irq", "--ro-bind-try", "/proc/bus", "/proc/bus",
+            "--ro-bind-try", "/proc/fs", "/proc/fs", "--size", str(1 << 20), "--tmpfs", "/dev/shm",
+            "--remount-ro", "/dev",
             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]  # (how libseccomp's bindings find it)
     python, interpreter = _python_binds()
     args += _system_binds() + python

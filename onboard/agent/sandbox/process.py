@@ -142,8 +142,8 @@ class Worker:
                 self.replies.put(wire.read(self._reader, max_payload=self._max_reply))
         except EOFError:
             self.replies.put(None)
-        except (wire.WireError, OSError, ValueError) as exc:
-            self.replies.put(exc)
+        except (wire.WireError, OSError, ValueError, RecursionError, MemoryError) as exc:
+            self.replies.put(exc if not isinstance(exc, RecursionError) else wire.WireError("a header nested too deep"))
 
     def _drain(self) -> None:
         """Read the worker's stderr in chunks as it comes, keeping at most a line's head: however much it writes,
