@@ -177,3 +177,23 @@ def test_a_candidate_worker_runs_jailed_and_a_flood_of_output_is_stopped(tmp_pat
         assert all(len(line) <= 500 for line in worker.errors)
     finally:
         worker.close()
+
+
+def test_cpu_time_counts_every_thread_of_the_worker():
+    """Held-out attack: the timing run read the main thread's schedstat alone, and a candidate that worked on a
+    second thread was timed at 0.0 s for 0.5 s of work. A worker's CPU time now holds all its threads, those that
+    have ended too. (The process is a plain child here: what is tested is the reading.)"""
+    from onboard.agent.sandbox.process import Worker
+
+    code = ("import threading, time\ndef spin():\n    t = time.process_time()\n    while time.process_time() - t < 0.5:"
+            "\n        pass\nthread = threading.Thread(target=spin)\nthread.start()\nthread.join()\nprint('done', "
+            "flush=True)\ntime.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"
+        reader = Worker.__new__(Worker)  # its CPU reading only, on a process of our own
+        reader.pid = child.pid
+        assert reader.cpu_seconds() >= 0.45
+    finally:
+        child.kill()
+        child.wait()
