@@ -197,3 +197,16 @@ def test_cpu_time_counts_every_thread_of_the_worker():
     finally:
         child.kill()
         child.wait()
+
+
+def test_onboard_agent_without_a_jail_refuses_in_one_line_and_writes_nothing(tmp_path):
+    from tests.helpers import run_cli
+
+    jail.why_not.cache_clear()
+    try:
+        done = run_cli("agent", "qwen3-8b", "--out", tmp_path / "out", env={"PATH": str(tmp_path)})
+    finally:
+        jail.why_not.cache_clear()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "bubblewrap" in lines[0], done.stderr
+    assert not (tmp_path / "out").exists()
