@@ -32,7 +32,8 @@ REFERENCE = "onboard.agent.sandbox.reference_worker"
 
 @dataclass(frozen=True)
 class Limits:
-    wall_seconds: int = 60  # a candidate's round on the wall clock: the probe, its timing, and starting
+    wall_seconds: int = 60  # a candidate's round on the wall clock: the probe and its timing
+    start_seconds: int = 180  # a candidate's process starting (imports, before any candidate code): the machine's cost
     call_seconds: int = 10  # one call of a candidate (on the twin they take milliseconds): a hang costs this
     cpu_seconds: int = 120  # CPU time of a candidate's process per request
     memory_bytes: int = 8 << 30  # address space: torch alone maps a few GiB
@@ -133,7 +134,7 @@ class Sandbox:
         torch beside a round would slow the round's timing run)."""
         starting = self._spare or _Starting(CANDIDATE, self._folder("candidate"), self.limits)
         self._spare = None
-        worker = starting.take(self.limits.wall_seconds)
+        worker = starting.take(self.limits.start_seconds)
         self._workers.append(worker)
         return worker
 
