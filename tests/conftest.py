@@ -139,13 +139,11 @@ def forked_torchrun(monkeypatch):
     import sys
 
     from onboard.train import launch
-    from tests import budget
     from tests.parallel.zygote import Zygote, rank_env
 
     def forked(job_file, world, env):
         env = {**env, **{k: v for k, v in rank_env().items() if k.startswith(("MASTER_", "GLOO_"))}}
         argv = ["-m", "runtime.train", "--job", str(job_file)]
-        budget.note_launch(["zygote", *argv], {**env, "RANK": "0", "WORLD_SIZE": str(world)})
         started = Zygote.shared().start(world, argv, env=env, logs=Path(job_file).parent / "ranks", cwd=Path.cwd())
         codes = started.wait(timeout=600)
         for rank, code in sorted(codes.items()):

@@ -242,11 +242,15 @@ class Zygote:
         environment (MASTER_ADDR and MASTER_PORT in it)."""
         if self.busy:
             raise ZygoteError("one world at a time: the last one was not waited for")
+        from tests import budget
+
+        argv = [str(a) for a in argv]
+        budget.note_launch(["zygote", *argv], {**env, "RANK": "0", "WORLD_SIZE": str(world)})  # counted at its site
         logs = Path(logs)
         logs.mkdir(parents=True, exist_ok=True)
         for old in ("pids.json", "codes.json"):
             (logs / old).unlink(missing_ok=True)
-        request = {"world": world, "argv": [str(a) for a in argv], "env": {k: str(v) for k, v in env.items()},
+        request = {"world": world, "argv": argv, "env": {k: str(v) for k, v in env.items()},
                    "logs": str(logs), "cwd": str(cwd)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()

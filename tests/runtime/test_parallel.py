@@ -43,7 +43,6 @@ def _launch_once(world: int, job: dict, tmp_path: Path, script: Path, timeout: i
     torchrun's."""
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = rank_env()
-    budget.note_launch(["zygote", str(script)], {**env, "RANK": "0", "WORLD_SIZE": str(world)})
     started = Zygote.shared().start(world, [script, tmp_path / "job.json"], env=env, logs=tmp_path / "ranks")
     codes = started.wait(timeout)
     return [(rank, code, started.log(rank)) for rank, code in sorted(codes.items()) if code]

@@ -21,7 +21,6 @@ from runtime.runlog import read_runs
 from runtime.train import TrainJob, train
 from runtime.train.checkpoint import checkpoints
 from runtime.train.data import TokenFile
-from tests import budget
 from tests.parallel.zygote import Zygote, rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,7 +278,6 @@ class _Run:
                                          start_new_session=True)
         else:
             env = rank_env()
-            budget.note_launch(["zygote", *args], {**env, "RANK": "0", "WORLD_SIZE": str(world)})
             self.world = Zygote.shared().start(world, args, env=env, logs=Path(log).with_suffix(".ranks"))
 
     def running(self) -> bool:

@@ -120,7 +120,6 @@ class Worker:
         os.close(to_parent)
         if started is not None:
             started(self.proc)
-        self.jailed = jailed
         self.pid = self.proc.pid  # the worker's own pid once it is ready (under bubblewrap: two levels down)
         self.errors: collections.deque = collections.deque(maxlen=30)
         self.refusals: list[str] = []
