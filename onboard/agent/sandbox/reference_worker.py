@@ -226,3 +226,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv)
+    # ended as asked: nothing here to save, and tearing down an interpreter that imported torch takes a
+    # second that every round and every sandbox close would wait for
+    sys.stderr.flush()
+    os._exit(0)

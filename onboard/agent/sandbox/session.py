@@ -158,10 +158,10 @@ class Sandbox:
     def close(self) -> None:
         if self._spare is not None:  # a candidate's process started ahead of a round that will not come
             self._spare.abandon()
-        if self._reference is not None:
-            self._reference.thread.join(30)
-            if self._reference.worker is not None and self._reference.worker not in self._workers:
-                self._workers.append(self._reference.worker)
+        if self._reference is not None:  # killed where still starting, as the spare is
+            self._reference.abandon()
+            if self._reference.worker in self._workers:
+                self._workers.remove(self._reference.worker)
         self._spare = self._reference = None
         for worker in self._workers:
             worker.close()
