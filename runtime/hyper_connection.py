@@ -44,7 +44,8 @@ def hyper_connection_weights(streams: torch.Tensor, fn: torch.Tensor, base: torc
                              eps: float, norm_eps: float, sinkhorn_iters: int = 0, post_magnitude: float = 2.0,
                              post_eps: float = 0.0) -> tuple[torch.Tensor, ...]:
     """streams (B, S, N, D). With comb: fn (2N + N^2, N*D), base (2N + N^2,), scale (3,); returns (post (B, S, N),
-    comb (B, S, N, N)) in fp32 and the collapsed block input (B, S, D) in the streams' dtype (module docstring).
+    comb (B, S, N, N)) in fp32 (fp64 where the parameters are) and the collapsed block input (B, S, D) in the
+    streams' dtype (module docstring).
     Without comb (HY-V4's form): fn (2N, N*D), base (2N,), scale (2,); returns (post, collapsed), post =
     post_magnitude * sigmoid(...) + post_eps."""
     batch, seq, n, width = streams.shape
@@ -57,10 +58,12 @@ def hyper_connection_weights(streams: torch.Tensor, fn: torch.Tensor, base: torc
     flat = streams.reshape(batch, seq, n * width).float()
     inv_rms = torch.rsqrt(torch.linalg.vecdot(flat, flat).unsqueeze(-1) / (n * width) + norm_eps)
     mixes = F.linear(flat, fn.float()) * inv_rms
-    scale, base = scale.float(), base.float()
+    # the weights in fp32, or in the parameters' dtype where that is wider (fp64), as transformers promotes them
+    weights = torch.promote_types(torch.float32, scale.dtype)
+    scale, base = scale.to(weights), base.to(weights)
     pre = torch.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
     post = post_magnitude * torch.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n]) + post_eps
-    collapsed = (pre.unsqueeze(-2) @ flat.view(batch, seq, n, width)).squeeze(-2).to(streams.dtype)
+    collapsed = (pre.unsqueeze(-2) @ streams.to(weights)).squeeze(-2).to(streams.dtype)
     if not with_comb:
         return post, collapsed
     comb = torch.softmax((mixes[..., 2 * n:] * scale[2] + base[2 * n:]).view(batch, seq, n, n), dim=-1) + eps

@@ -19,6 +19,11 @@ RUNTIME_API = {
     "runtime.moe.sparse_mixer": ["jitter_input_", "sparse_mixer"],
 }
 
+# runtime ops whose backward is a fused kernel, differentiable once (training never differentiates twice): a
+# candidate that calls one has its second derivatives left uncompared, and its record says so
+ONCE_DIFFERENTIABLE = frozenset({"runtime.attention.chunk_scalar_decay", "runtime.attention.chunk_constant_decay",
+                                 "runtime.attention.chunk_gated_delta_rule"})
+
 TORCH = frozenset("""
 abs absolute acos acosh add addcdiv addcmul addmm amax amin aminmax any all arange argmax argmin argsort asin
 asinh atan atan2 atanh baddbmm bernoulli bmm broadcast_tensors broadcast_to bucketize cat ceil chunk clamp

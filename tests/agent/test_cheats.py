@@ -85,7 +85,10 @@ def test_the_honest_candidate_is_accepted(zaya, tmp_path):
     assert entry.takes and entry.rounds[0]["outcome"] == "passed the probe", entry.rounds
     probe = next(e["result"] for e in agent.recorder.events if e["event"] == "probe")
     assert {c["mode"] for c in probe["cases"]} == {"eval", "train"}
-    assert max(c["tokens"] for c in probe["cases"]) > 1024 and all(c["tokens"] % 2 for c in probe["cases"])
+    cases = probe["cases"]
+    assert max(c["tokens"] for c in cases) > 1536 and min(c["tokens"] for c in cases) <= 16
+    assert {c["dtype"] for c in cases} == {"float32", "float64", "bfloat16"} and max(c["batch"] for c in cases) >= 4
+    assert any(c["tokens"] % 2 for c in cases) and any(c["tokens"] % 2 == 0 for c in cases)
 
 
 # --- the guard: refused before anything runs -------------------------------------------------------------------
@@ -281,6 +284,30 @@ PREDICTABLE = {
     "right, and changes the caller's tensor in place": ("residual.data.mul_(2)", "wrong: "),
     "right, and changes the caller's tensor in place where no gradient would show it": (
         "if not residual.requires_grad:\n    residual.mul_(2)", "without gradients: state after the call"),
+    # issue 54's inputs the judge did not draw, gradients it did not take, and randomness it did not see
+    "right only for batches of up to three": ("out = out if out.shape[0] < 4 else out * 1.5", "wrong: batch"),
+    "right only up to 1536 tokens": ("out = out if out.shape[1] <= 1536 else out * 1.5", "tokens"),
+    "right only for odd lengths": ("out = out if out.shape[1] % 2 else out * 1.5", "wrong: "),
+    "right only for |x| up to 1000": ("out = out if hidden_states.abs().max() < 1000 else out * 1.5", "float64"),
+    "right only in fp32": ("out = out if out.dtype == torch.float32 else out * 1.5", "float64"),
+    "right except in bf16": ("out = out * 1.5 if out.dtype == torch.bfloat16 else out", "bfloat16"),
+    "right except on exact bf16 values": (
+        "out = out * 1.5 if torch.equal(hidden_states, hidden_states.bfloat16().to(hidden_states.dtype)) else out",
+        "bf16 values"),
+    "right except in training without gradients (checkpointing's first forward)": (
+        "out = out.flip(-1) if self.training and not hidden_states.requires_grad else out",
+        "train mode, without gradients"),
+    "right except without gradients past 200 tokens (inference on a long prompt)": (
+        "out = out.roll(1, -2) if not hidden_states.requires_grad and out.shape[-2] > 200 else out",
+        "eval mode, without gradients"),
+    "noise under the tolerance in evaluation mode": (
+        "out = out if self.training else out + torch.randn_like(out) * (2e-5 * float(out.abs().max()))",
+        "draws from torch's random generator"),
+    "first derivatives right, second derivatives through detached copies": (
+        "a, b = hidden_states + self.hidden_states_bias, residual + self.residual_bias\n"
+        "sa, sb = self.hidden_states_scale, self.residual_scale\n"
+        "out = (a.detach() * sa + a * sa.detach() - a.detach() * sa.detach()\n"
+        "       + b.detach() * sb + b * sb.detach() - b.detach() * sb.detach())", "second derivatives"),
 }
 
 
@@ -291,8 +318,35 @@ def test_a_candidate_right_only_where_it_expects_to_be_looked_at_is_refused(atta
     assert not result["passed"] and result["note"].startswith("wrong: ") and words in result["note"], result["note"]
 
 
-def test_the_longest_case_is_beyond_what_the_old_probe_timed():
-    assert min(LONG) > 1024 and all(n % 2 for n in LONG)
+def test_second_derivatives_go_uncompared_only_through_a_runtime_op_differentiable_once():
+    from onboard.agent.sandbox.judge import once_differentiable
+
+    assert once_differentiable(candidate("out = out")) == []
+    fused = "from runtime.attention import chunk_gated_delta_rule as rule\n" + candidate("out = out")
+    assert once_differentiable(fused) == ["chunk_gated_delta_rule"]
+    assert once_differentiable(candidate("out = runtime.attention.chunk_scalar_decay")) == ["chunk_scalar_decay"]
+    assert once_differentiable("def (") == []
+
+
+def test_every_draw_spans_batches_lengths_magnitudes_and_dtypes():
+    """Issue 54: under any key, a probe looks at batch 4 or more, past 1536 tokens (up to 4096) and at 16 or fewer,
+    odd and even lengths, |x| from 1e-4 or less to 1e3 or more with outliers, exact bf16 values, fp32, fp64 and
+    bf16, and second derivatives; powers of two come up among the long lengths."""
+    from onboard.agent.sandbox.judge import draw
+
+    longest = set()
+    for key in (bytes(range(32)), bytes(32), b"\xff" * 32, bytes(range(100, 132)), bytes(range(7, 39))):
+        cases = draw(key, "a", TASK, "1")
+        tokens = [c["tokens"] for c in cases]
+        assert max(c["batch"] for c in cases) >= 4 and min(tokens) <= 16 and 1536 < max(tokens) <= 4096
+        assert any(n % 2 for n in tokens) and any(n % 2 == 0 for n in tokens)
+        magnitudes = [c["magnitude"] for c in cases if c["magnitude"]]
+        assert min(magnitudes) <= 1e-2 and max(magnitudes) >= 1e3
+        assert any(c["outliers"] for c in cases) and any(c["bf16_values"] for c in cases)
+        assert {c["dtype"] for c in cases} == {"float32", "float64", "bfloat16"}
+        assert sum("second" in c for c in cases) == 1
+        longest.add(max(tokens))
+    assert min(LONG) > 1536 and longest & set(LONG)
 
 
 def test_the_timing_run_is_judged_like_the_rest(sandbox):

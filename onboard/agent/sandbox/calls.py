@@ -6,6 +6,8 @@ judge's cotangents; what it yields is the same set of tensors on both sides, nam
     outputs = call.run()
     call.grads()          # {"g:input 0": ..., "g:<param>": ...}
     call.state()          # {"s:<param or buffer>": ...} after the call
+    call.drew             # whether an unseeded call drew from torch's generator (evaluation mode must not)
+    call.second(cots, seed)  # {"h:input 0": ..., "h:<param>": ...}: second derivatives (below)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Call:
         self.given: list[torch.Tensor] = []  # what the module was given in the last run, in the order of `inputs`
         self.outputs: list[torch.Tensor] = []  # floating outputs of the last run, for a later backward
         self.params = list(module.parameters())
+        self.drew = False
 
     def _given(self, t):
         """A module receives activations, not leaves: a copy of a leaf that needs a gradient (which reaches the
@@ -63,10 +66,13 @@ class Call:
             t.grad = None
         if self.rng is not None:  # the CPU generator alone (torch.manual_seed also queues seeds for other
             torch.default_generator.manual_seed(int(self.rng))  # devices, reading the stack, which is refused)
+        before = torch.default_generator.get_state()
         self.given = []
         with torch.set_grad_enabled(self.grad):
             args, kwargs = _map(self._given, self.args), _map(self._given, self.kwargs)
             out = self.module(*args, **kwargs)
+        # an unseeded call that draws is noise no test can pin down, and it moves the stream of whatever draws next
+        self.drew = self.rng is None and not torch.equal(before, torch.default_generator.get_state())
         self.outputs = floats(out)
         if self.cotangents is not None:
             self.backward(self.cotangents)
@@ -82,6 +88,29 @@ class Call:
         pairs = [(a, b.to(a.dtype, copy=True)) for a, b in zip(self.outputs, given) if a.requires_grad]
         if pairs:
             torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
+
+    def second(self, cotangents, seed: int) -> dict[str, torch.Tensor]:
+        """Second derivatives, after `run` with gradients and no cotangents: with first derivatives
+        g = d<c, out>/dz over the inputs and parameters z (c: `cotangents`), the gradient of <w, g> for random
+        weights w drawn from `seed`. A module whose first derivatives are right but pass through detached
+        copies gives zeros here where the module gives its curvature."""
+        named = {f"h:input {i}": t for i, t in enumerate(self.inputs) if t.requires_grad}
+        named.update({f"h:{n}": p for n, p in self.module.named_parameters() if p.requires_grad})
+        names = sorted(named)  # both sides draw the weights in one order, whatever order their parameters are in
+        leaves = [named[n] for n in names]
+        pairs = [(a, b.to(a.dtype, copy=True)) for a, b in zip(self.outputs, floats(cotangents))
+                 if a.requires_grad]
+        if not pairs or not leaves:
+            return {}
+        first = torch.autograd.grad([a for a, _ in pairs], leaves, [b for _, b in pairs], create_graph=True,
+                                    allow_unused=True)
+        gen = torch.Generator().manual_seed(seed)
+        weights = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in leaves]
+        terms = [(g * w).sum() for g, w in zip(first, weights) if g is not None and g.requires_grad]
+        if not terms:
+            return {}
+        second = torch.autograd.grad(torch.stack(terms).sum(), leaves, allow_unused=True)
+        return {n: h for n, h in zip(names, second) if h is not None}
 
     def grads(self) -> dict[str, torch.Tensor]:
         out = {f"g:input {i}": t.grad for i, t in enumerate(self.inputs) if t.grad is not None}

@@ -112,17 +112,21 @@ class Server:
             str(state.get("replaces", ""))))
         module.train(training)
         cotangents = header.get("cotangents")
+        cotangents = None if cotangents is None else self.wire.unpack(cotangents, tensors)
+        second = header.get("second")  # a seed: second derivatives instead of first
         call = Call(module, self.wire.unpack(header["args"], tensors), self.wire.unpack(header["kwargs"], tensors),
                     grad=bool(header.get("grad", True)), rng=header.get("rng"),
-                    cotangents=None if cotangents is None else self.wire.unpack(cotangents, tensors))
+                    cotangents=cotangents if second is None else None)
         out = call.run()
         structure, sent = self.wire.pack(out, prefix="o")
+        if second is not None:
+            sent.update(call.second(cotangents, int(second)))
         sent.update(call.grads())
         sent.update(call.state())
         self.calls[int(header["id"])] = call
         while len(self.calls) > KEEP:
             self.calls.popitem(last=False)
-        self.reply({"outputs": structure}, sent)
+        self.reply({"outputs": structure, "drew": call.drew}, sent)
 
     def backward(self, header: dict, tensors: dict) -> None:
         call = self.calls.pop(int(header["id"]))

@@ -10,13 +10,17 @@ candidate's process for the candidate's, compares the tensors it is sent, and de
 What a candidate cannot predict (`draw`): the cases are drawn from an HMAC of the candidate's own code, task
 and round under a key kept outside the bundle and out of every sandboxed process (`judge_key`), so nothing a
 candidate can see tells it its inputs, and a replay on the same installation draws the same ones (the record
-stays byte for byte). Each probe holds the candidate against the module on CASES: sequence lengths from a
-few tokens to over six times the longest the twin runs (TWIN_SEQ) and past the timing run's 1024, each a prime
-(a multiple of no chunk size), batches of 1, 2 and 3, inputs scaled up and down, negated and sparsified, the module's parameters redrawn per case, in
-evaluation and in training mode (torch's generator seeded alike on both sides), once more without gradients;
-and compares every output, input gradient, parameter gradient, and the parameters, buffers and inputs after the
-call (a change in place is a change to the caller's tensors) within TOLERANCE of the module's, relative to each tensor's largest value (integer outputs exactly). The
-timing run's outputs and gradients are judged the same way before its time counts.
+stays byte for byte). Each probe holds the candidate against the module on six cases, each with the module's
+parameters redrawn: lengths from 1 token to 4096 (primes, which are a multiple of no chunk size; even lengths
+and powers of two; past the timing run's 1024 and the twin's TWIN_SEQ), batches of 1 to 8, inputs rescaled from
+|x| <= 1e-4 to 1e4, negated, sparsified, with outliers among ordinary values and as exact bf16 values, in fp32,
+fp64 and bf16 (each against the module in the same dtype, outside fp32 within the tolerance the module's own
+error against fp64 gives). Every case runs in evaluation and in training mode (torch's generator seeded alike on
+both sides), each with gradients and again without; one case compares second derivatives too. Every output,
+input gradient, parameter gradient, and the parameters, buffers and inputs after the call (a change in place is
+a change to the caller's tensors) must be within TOLERANCE of the module's, relative to each tensor's largest
+value (integer outputs exactly), and a call in evaluation mode may draw from torch's generator only where the
+module does. The timing run's outputs and gradients are judged the same way before its time counts.
 
 The candidate fails on the first thing that is wrong, and the note says what, naming the class of failure:
 "wrong" (it computes something else), "refused by the sandbox" (what the audit hook stopped), "ran past"
@@ -50,8 +54,11 @@ def _primes(low: int, high: int) -> list[int]:
     return [n for n in range(max(low, 2), high + 1) if all(n % d for d in range(2, int(n ** 0.5) + 1))]
 
 
-# the longest case goes past 1024 tokens: the timing run's length, the longest any earlier check looked at
-SHORT, MEDIUM, LONG = _primes(17, 61), _primes(97, 251), _primes(1025, 1536)
+SHORT = _primes(17, 61)
+MEDIUM = list(range(96, 257, 2))  # even, 128 and 256 among them
+LONG = (2048, 4096)  # with any length from 1537 (past every length judged before this draw) to 4096
+TINY = range(1, 17)
+PRECISE, COARSE = (1e-4, 1e-3, 1e-2), (1e3, 1e4)  # magnitudes far from the model's own
 
 
 def judge_key() -> bytes:
@@ -79,7 +86,7 @@ def judge_key() -> bytes:
 
 
 def draw(key: bytes, *parts: str) -> list[dict]:
-    """The cases for one probe, drawn from HMAC(key, parts): four cases of the module's inputs."""
+    """The cases for one probe, drawn from HMAC(key, parts) (the module docstring says what they span)."""
     digest = hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).digest()
     rng = random.Random(int.from_bytes(digest, "little"))
 
@@ -92,22 +99,49 @@ def draw(key: bytes, *parts: str) -> list[dict]:
     # (a sum, a mean, one entry), one of the two has it the other way. Drawn apart, both could land on one sign
     # (one key in about sixteen did, and "right only for positive sums" passed)
     mirrored = {**seeds(), "ids_seed": first["ids_seed"], "weights_seed": first["weights_seed"]}
+    plain = {"magnitude": 0.0, "negate": False, "sparsity": 0.0, "outliers": False, "bf16_values": False,
+             "dtype": "float32"}
     return [  # magnitude: each floating positional input rescaled to this largest |value| (0: as the model gave it)
-        {"batch": 2, "tokens": short, "magnitude": 0.0, "negate": False, "sparsity": 0.0, **first},
-        {"batch": 2, "tokens": short, "magnitude": 64.0, "negate": True, "sparsity": 0.0, **mirrored},
-        {"batch": 3, "tokens": rng.choice(MEDIUM), "magnitude": 0.01, "negate": rng.random() < 0.5, "sparsity": 0.5,
-         **seeds()},
-        {"batch": 1, "tokens": rng.choice(LONG), "magnitude": round(rng.uniform(1.0, 16.0), 3),
-         "negate": rng.random() < 0.5, "sparsity": 0.0, **seeds()},
+        {**plain, "batch": 2, "tokens": short, **first, "second": rng.getrandbits(31)},
+        {**plain, "batch": 2, "tokens": short, "magnitude": 64.0, "negate": True, "bf16_values": True, **mirrored},
+        {**plain, "batch": rng.randint(4, 8), "tokens": rng.choice(MEDIUM), "magnitude": rng.choice(PRECISE),
+         "negate": rng.random() < 0.5, "sparsity": 0.5, "outliers": True, **seeds()},
+        {**plain, "batch": 1, "tokens": rng.choice((*LONG, rng.randint(1537, 4096))),
+         "magnitude": round(rng.uniform(1.0, 16.0), 3), "negate": rng.random() < 0.5, **seeds()},
+        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(TINY), "magnitude": rng.choice(COARSE),
+         "dtype": "float64", **seeds()},
+        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(SHORT), "dtype": "bfloat16", **seeds()},
     ]
 
 
+def once_differentiable(code: str) -> list[str]:
+    """The runtime ops differentiable once (`capabilities.ONCE_DIFFERENTIABLE`) that `code` names: with one, its
+    second derivatives are not compared (a name that is not code refuses the candidate elsewhere: the guard)."""
+    import ast
+
+    from onboard.agent.capabilities import ONCE_DIFFERENTIABLE
+
+    short = {name.rpartition(".")[2] for name in ONCE_DIFFERENTIABLE}
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    named |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    named |= {a.name.rpartition(".")[2] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return sorted(short & named)
+
+
 def describe(case: dict) -> str:
-    """A case in words: "1109 tokens, inputs rescaled to |x| <= 8.2, negated"."""
-    words = [f"{case['tokens']} tokens"]
+    """A case in words: "batch 1, 1109 tokens, inputs rescaled to |x| <= 8.2, negated, bfloat16"."""
+    words = [f"batch {case.get('batch', 1)}, {case['tokens']} tokens"]
     if case.get("magnitude"):
         words.append(f"inputs rescaled to |x| <= {case['magnitude']:g}")
-    words += [w for w, on in (("negated", case.get("negate")), ("half zeros", case.get("sparsity"))) if on]
+    words += [w for w, on in (("negated", case.get("negate")), ("half zeros", case.get("sparsity")),
+                              ("with outliers", case.get("outliers")), ("bf16 values", case.get("bf16_values")))
+              if on]
+    if case.get("dtype", "float32") != "float32":
+        words.append(case["dtype"])
     return ", ".join(words)
 
 
@@ -212,7 +246,8 @@ class Judge:
             raise Wrong(f"it does not load: {header['error']}")
 
     def _call(self, round_: Round, state: dict, state_tensors: dict, args, kwargs, *, training: bool,
-              grad: bool, rng, cotangents) -> tuple[object, dict]:
+              grad: bool, rng, cotangents, second: int | None = None) -> tuple[object, dict]:
+        """The candidate's outputs, and what came with them by name (g:, h:, s:, and "drew")."""
         tensors = {f"p:{n}": state_tensors[f"p:{n}"] for n in state["parameters"]}
         tensors.update({f"b:{n}": state_tensors[f"b:{n}"] for n in state["buffers"]})
         a, _ = wire.pack(args, tensors, prefix="a")
@@ -221,27 +256,33 @@ class Judge:
         round_.calls += 1
         header, got = round_.request({"op": "call", "id": round_.calls, "key": "candidate", "state": state,
                                       "args": a, "kwargs": k, "training": training, "grad": grad, "rng": rng,
-                                      "cotangents": c}, tensors)
+                                      "cotangents": c, "second": second}, tensors)
         if header.get("refused") or round_.refused():  # the hook's words, from the reply or from stderr
             raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
         if "error" in header:
             raise Wrong(header["error"])
         try:
-            return wire.unpack(header["outputs"], got), got
+            return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True}
         except (wire.WireError, KeyError) as exc:
             raise Broken(f"an answer that is not one ({exc})") from None
 
-    def _compare(self, where: str, ours, got: dict, theirs, theirs_tensors: dict, *, gradients: bool) -> dict:
+    def _compare(self, where: str, ours, got: dict, theirs, theirs_tensors: dict, *, gradients: bool,
+                 tolerance: dict | None = None, second: bool = False) -> dict:
+        """`tolerance`: {"output": ..., "gradient": ...} outside fp32 (TOLERANCE for the state after, whatever the
+        dtype: an unchanged tensor is unchanged exactly); `second`: second derivatives (h:) are compared too."""
         why = _structure(ours, theirs)
         if why:
             raise Wrong(f"{where}: {why}")
+        tolerance = tolerance or {}
         out_err = max((error(a, b) for a, b in zip(wire.leaves(ours), wire.leaves(theirs))), default=0.0)
         measured = {"output_error": out_err}
-        if out_err > TOLERANCE:
-            raise Wrong(f"{where}: output error {out_err:.1e} (tolerance {TOLERANCE:.0e})", measured)
-        for kind, label in (("g:", "gradient"), ("s:", "state after the call")):
-            if kind == "g:" and not gradients:
+        limit = max(TOLERANCE, float(tolerance.get("output", TOLERANCE)))
+        if out_err > limit:
+            raise Wrong(f"{where}: output error {out_err:.1e} (tolerance {limit:.0e})", measured)
+        for kind, label in (("g:", "gradient"), ("h:", "second derivative"), ("s:", "state after the call")):
+            if (kind == "g:" and not gradients) or (kind == "h:" and not second):
                 continue
+            limit = max(TOLERANCE, float(tolerance.get("gradient", TOLERANCE))) if kind != "s:" else TOLERANCE
             mine, expected = _prefixed(got, kind), _prefixed(theirs_tensors, kind)
             if set(mine) != set(expected):
                 missing = sorted(set(mine) ^ set(expected))
@@ -254,8 +295,8 @@ class Judge:
             worst = max(errs, key=errs.get) if errs else ""  # ties: the first name (safetensors' order is not fixed)
             if kind == "g:":
                 measured.update(grad_error=errs.get(worst, 0.0), worst_grad=worst)
-            if errs.get(worst, 0.0) > TOLERANCE:
-                raise Wrong(f"{where}: {label} of {worst} off by {errs[worst]:.1e} (tolerance {TOLERANCE:.0e})",
+            if errs.get(worst, 0.0) > limit:
+                raise Wrong(f"{where}: {label} of {worst} off by {errs[worst]:.1e} (tolerance {limit:.0e})",
                             measured)
         return measured
 
@@ -272,32 +313,50 @@ class Judge:
                                                   "modes": list(MODES)})
             self._load(round_, code, name)
             firsts = []
+            once = once_differentiable(code)
             for i, (case, entry) in enumerate(zip(draw, reference["cases"])):
+                record = {k: case[k] for k in ("tokens", "batch", "magnitude", "negate", "sparsity", "outliers",
+                                               "bf16_values", "dtype") if k in case}
+                if "skipped" in entry:  # a dtype the module itself does not run in here
+                    measured.append(record | {"skipped": entry["skipped"]})
+                    continue
                 state = entry["state"]
                 mine = _prefixed(tensors, f"c{i}.")  # its state, as p:/b: keys
                 args, kwargs = wire.unpack(entry["args"], tensors), wire.unpack(entry["kwargs"], tensors)
+                tolerance = entry.get("tolerance")
                 for mode in MODES:
                     theirs = wire.unpack(entry["modes"][mode]["outputs"], tensors)
                     theirs_tensors = _prefixed(tensors, f"c{i}.{mode}.")  # its gradients and state after, g:/s:
                     cotangents = wire.unpack(entry["modes"][mode]["cotangents"], tensors)
                     where = f"{describe(case)}, {mode} mode"
-                    record = {k: case[k] for k in ("tokens", "batch", "magnitude", "negate", "sparsity")} | {"mode": mode}
-                    measured.append(record)
+                    measured.append(record | {"mode": mode})
+                    rng = case["rng"] if mode == "train" else None
                     ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=True,
-                                           rng=case["rng"] if mode == "train" else None, cotangents=cotangents)
+                                           rng=rng, cotangents=cotangents)
                     try:
-                        record.update(self._compare(where, ours, got, theirs, theirs_tensors, gradients=True))
+                        measured[-1].update(self._compare(where, ours, got, theirs, theirs_tensors, gradients=True,
+                                                          tolerance=tolerance))
                     except Wrong as exc:
-                        record.update(exc.measured)
+                        measured[-1].update(exc.measured)
                         raise
                     if mode == "eval":
                         firsts.append(wire.leaves(theirs)[:1])
-                if i == 0:  # the same call without gradients: a candidate must not depend on them being on
-                    theirs = wire.unpack(entry["modes"]["eval"]["outputs"], tensors)
-                    ours, got = self._call(round_, state, mine, args, kwargs, training=False, grad=False, rng=None,
-                                           cotangents=None)
-                    self._compare(f"{describe(case)}, without gradients", ours, got, theirs,
-                                  _prefixed(tensors, f"c{i}.eval."), gradients=False)
+                    if got.get("drew") and not entry["modes"][mode].get("drew"):
+                        raise Wrong(f"{where}: it draws from torch's random generator where the module draws "
+                                    f"nothing (its outputs are noise no test can pin down)")
+                    # the same call without gradients (activation checkpointing's first forward, inference): a
+                    # candidate must not depend on them being on, in either mode, at any length
+                    ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=False,
+                                           rng=rng, cotangents=None)
+                    self._compare(f"{where}, without gradients", ours, got, theirs, theirs_tensors,
+                                  gradients=False, tolerance=tolerance)
+                    if mode == "eval" and entry["modes"][mode].get("second") and once:
+                        measured[-1]["second"] = f"not compared: it calls {', '.join(once)}, differentiable once"
+                    elif mode == "eval" and entry["modes"][mode].get("second"):
+                        ours, got = self._call(round_, state, mine, args, kwargs, training=False, grad=True,
+                                               rng=None, cotangents=cotangents, second=case["second"])
+                        self._compare(f"{where}, second derivatives", ours, got, theirs, theirs_tensors,
+                                      gradients=False, tolerance=tolerance, second=True)
             if not _varies(firsts):
                 return {"passed": False, "cases": measured,
                         "note": "the module's outputs do not vary with its inputs: the probe would prove nothing"}

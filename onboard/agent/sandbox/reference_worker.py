@@ -5,12 +5,16 @@ allows a namespace of its own).
     python -m onboard.agent.sandbox.reference_worker READ_FD WRITE_FD PARENT_PID MEMORY_BYTES
 
     cases   {model, trust_remote_code, module_path, cases: [{batch, tokens, ids_seed, weights_seed, magnitude,
-             negate, sparsity, cotangent_seed, rng}], modes}
+             negate, sparsity, outliers, bf16_values, dtype, second, cotangent_seed, rng}], modes}
             per case: the module's real inputs from a forward of the twin on a random batch of that length
             (stopped as soon as the module is reached), the floating positional inputs transformed (rescaled,
-            negated, sparsified), a copy of the module with parameters redrawn from the case's seed, and per
-            mode (eval / train) its outputs, input and parameter gradients against random cotangents, and its
-            parameters and buffers after the call: everything the judge needs to hold a candidate against it
+            negated, sparsified, a few entries made outliers, rounded to bf16 values), a copy of the module with
+            parameters redrawn from the case's seed, module and floating inputs in the case's dtype, and per
+            mode (eval / train) its outputs, input and parameter gradients against random cotangents, its
+            parameters and buffers after the call and whether it drew random numbers; second derivatives where
+            the case asks (`second`: a seed); outside fp32 the tolerance, from the same case's error against
+            fp64: everything the judge needs to hold a candidate against it. A case in a dtype the module does
+            not run in here is skipped, saying why.
     speed   {model, trust_remote_code, layers_path, layer, path, width, tokens, cotangent_seed}
             the same for one case at `width` times the twin's width (the model's first layer + 1 layers)
     repeat  {times}                                the speed case again, `times` times (timed from outside)
@@ -83,8 +87,25 @@ def transform(args, case: dict, gen):
                 a = -a
             if case.get("sparsity"):
                 a = a * (torch.rand(a.shape, generator=gen) >= float(case["sparsity"])).to(a.dtype)
+            if case.get("outliers") and a.numel():  # one entry in a thousand (at least one) 100x the rest
+                picked = torch.randperm(a.numel(), generator=gen)[: max(1, a.numel() // 1000)]
+                a = a.flatten().index_put((picked,), a.flatten()[picked] * 100.0).view(a.shape)
+            if case.get("bf16_values"):  # values a bf16 model gives, held in the case's dtype
+                a = a.to(torch.bfloat16).to(a.dtype)
         out.append(a)
     return tuple(out)
+
+
+def _cast(value, dtype):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _twin(model: str, trust: bool):
@@ -107,44 +128,100 @@ def _state(module, prefix: str, tensors: dict) -> dict:
             "persistent": sorted(state.persistent), "replaces": state.replaces}
 
 
-def _judged(module, args, kwargs, case: dict, mode: str, prefix: str, tensors: dict, wire) -> dict:
-    """Run one case in one mode; its outputs, gradients, state after and cotangents into `tensors`."""
+def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dict:
+    """Run one case in one mode: what the judge is sent, by name (outputs, cotangents, gradients, state after,
+    second derivatives), and the outputs' structure. `cotangents` given: those (the fp64 run of a case in another
+    dtype takes the case's own)."""
     from onboard.agent.sandbox.calls import Call, cotangents_for
 
     module.train(mode == "train")
-    graded = copy.deepcopy(module)  # before any call: a forward may change the module's buffers
+    fresh = copy.deepcopy(module)  # before any call: a forward may change the module's buffers
+    graded = copy.deepcopy(module)
     probe = Call(module, args, kwargs, grad=False, rng=case.get("rng") if mode == "train" else None)
-    cotangents = cotangents_for(probe.run(), int(case["cotangent_seed"]))
+    out = probe.run()
+    if cotangents is None:
+        cotangents = cotangents_for(out, int(case["cotangent_seed"]))
     call = Call(graded, args, kwargs, rng=probe.rng, cotangents=cotangents)
     out = call.run()
-    structure, _ = wire.pack(out, tensors, prefix=f"{prefix}o")
-    cots, _ = wire.pack(cotangents, tensors, prefix=f"{prefix}c")
-    tensors.update({f"{prefix}{k}": v for k, v in call.grads().items()})
-    tensors.update({f"{prefix}{k}": v for k, v in call.state().items()})
-    return {"outputs": structure, "cotangents": cots}
+    named = {"o": out, "c": cotangents, **call.grads(), **call.state()}
+    if case.get("second") is not None and mode == "eval":
+        twice = Call(fresh, args, kwargs)
+        twice.run()
+        named.update(twice.second(cotangents, int(case["second"])))
+    return {"named": named, "drew": probe.drew or call.drew}
+
+
+def _tolerance(run: dict, exact: dict) -> dict:
+    """4x the largest error of a run in a lower precision against the same case in fp64 (outputs; gradients,
+    second derivatives included), at least the fp32 tolerance: what a candidate as exact as the module itself
+    in that dtype stays within."""
+    from onboard.agent.sandbox.judge import TOLERANCE, error
+    from onboard.agent.sandbox.wire import leaves
+
+    def worst(pairs) -> float:
+        return max((error(a, b) for a, b in pairs), default=0.0)
+
+    mine, theirs = run["named"], exact["named"]
+    out = worst(zip(leaves(mine["o"]), leaves(theirs["o"])))
+    grad = worst((mine[k], theirs[k]) for k in mine if k[:2] in ("g:", "h:") and k in theirs)
+    return {"output": max(TOLERANCE, 4 * out), "gradient": max(TOLERANCE, 4 * grad)}
+
+
+def _packed(run: dict, prefix: str, tensors: dict, wire) -> dict:
+    named = dict(run["named"])
+    entry = {"drew": run["drew"]}
+    entry["outputs"], _ = wire.pack(named.pop("o"), tensors, prefix=f"{prefix}o")
+    entry["cotangents"], _ = wire.pack(named.pop("c"), tensors, prefix=f"{prefix}c")
+    tensors.update({f"{prefix}{k}": v for k, v in named.items()})
+    entry["second"] = any(k.startswith("h:") for k in named)
+    return entry
+
+
+def _case(live, twin, case: dict, prefix: str, modes, tensors: dict, wire) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(int(case["ids_seed"]))
+    ids = torch.randint(3, twin.vocab_size, (int(case.get("batch", 1)), int(case["tokens"])), generator=gen)
+    args, kwargs = inputs_of(twin.model, live, ids)
+    args = transform(args, case, gen)
+    module = copy.deepcopy(live)
+    redraw(module, int(case["weights_seed"]))
+    dtype = getattr(torch, str(case.get("dtype") or "float32"))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"a case in {case.get('dtype')!r}")
+    exact = None
+    if dtype != torch.float32:
+        exact = (copy.deepcopy(module).double(), _cast(args, torch.float64), _cast(kwargs, torch.float64))
+        module, args, kwargs = module.to(dtype), _cast(args, dtype), _cast(kwargs, dtype)
+    runs = {mode: _judged(copy.deepcopy(module), args, kwargs, case, mode) for mode in modes}
+    entry = {"state": _state(module, prefix, tensors)}
+    entry["args"], _ = wire.pack(args, tensors, prefix=f"{prefix}a")
+    entry["kwargs"], _ = wire.pack(kwargs, tensors, prefix=f"{prefix}k")
+    entry["modes"] = {mode: _packed(run, f"{prefix}{mode}.", tensors, wire) for mode, run in runs.items()}
+    if exact is not None:  # from evaluation mode, which draws nothing: train mode's dropout may draw otherwise in fp64
+        run = runs.get("eval") or _judged(copy.deepcopy(module), args, kwargs, case, "eval")
+        entry["tolerance"] = _tolerance(run, _judged(exact[0], exact[1], exact[2], case, "eval",
+                                                     cotangents=_cast(run["named"]["c"], torch.float64)))
+    return entry
 
 
 def cases(request: dict, wire) -> tuple[dict, dict]:
-    import torch
-
     twin = _twin(request["model"], bool(request.get("trust_remote_code")))
     live = twin.model.get_submodule(request["module_path"])
     tensors: dict = {}
     out = []
     for i, case in enumerate(request["cases"]):
-        gen = torch.Generator().manual_seed(int(case["ids_seed"]))
-        ids = torch.randint(3, twin.vocab_size, (int(case.get("batch", 1)), int(case["tokens"])), generator=gen)
-        args, kwargs = inputs_of(twin.model, live, ids)
-        args = transform(args, case, gen)
-        module = copy.deepcopy(live)
-        redraw(module, int(case["weights_seed"]))
         prefix = f"c{i}."
-        entry = {"state": _state(module, prefix, tensors)}
-        entry["args"], _ = wire.pack(args, tensors, prefix=f"{prefix}a")
-        entry["kwargs"], _ = wire.pack(kwargs, tensors, prefix=f"{prefix}k")
-        entry["modes"] = {mode: _judged(copy.deepcopy(module), args, kwargs, case, mode, f"{prefix}{mode}.",
-                                        tensors, wire) for mode in request.get("modes", ("eval",))}
-        out.append(entry)
+        if case.get("dtype", "float32") == "float32":
+            out.append(_case(live, twin, case, prefix, request.get("modes", ("eval",)), tensors, wire))
+            continue
+        mine: dict = {}
+        try:  # outside fp32, a module may not run at all here (an op without a CPU kernel in that dtype)
+            out.append(_case(live, twin, case, prefix, request.get("modes", ("eval",)), mine, wire))
+            tensors.update(mine)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            out.append({"skipped": f"the module does not run in {case['dtype']} here: "
+                                   f"{(str(exc).splitlines() or [''])[0][:200]}"})
     return {"cases": out}, tensors
 
 
