@@ -303,6 +303,13 @@ PREDICTABLE = {
     "noise under the tolerance in evaluation mode": (
         "out = out if self.training else out + torch.randn_like(out) * (2e-5 * float(out.abs().max()))",
         "draws from torch's random generator"),
+    # state carried from call to call on one module object, which a fresh module per call never shows
+    "grows a parameter by 5e-5 a call": ("self.residual_scale.data.mul_(1.00005)", "a sequence of calls"),
+    "halves the gradients already accumulated": (
+        "g = self.residual_scale.grad\nif g is not None:\n    g.mul_(0.5)", "the second micro-batch"),
+    "counts its calls and goes wrong from the eighth": (
+        "self.count = self.__dict__.get('count', 0) + 1\nout = out if self.count < 8 else out * 1.5",
+        "after call 8 of 20"),
     "first derivatives right, second derivatives through detached copies": (
         "a, b = hidden_states + self.hidden_states_bias, residual + self.residual_bias\n"
         "sa, sb = self.hidden_states_scale, self.residual_scale\n"

@@ -8,6 +8,8 @@ judge's cotangents; what it yields is the same set of tensors on both sides, nam
     call.state()          # {"s:<param or buffer>": ...} after the call
     call.drew             # whether an unseeded call drew from torch's generator (evaluation mode must not)
     call.second(cots, seed)  # {"h:input 0": ..., "h:<param>": ...}: second derivatives (below)
+
+    sequence(module, batches, seed=..., rng=...)   # one module called again and again, as training uses it
 """
 
 from __future__ import annotations
@@ -130,3 +132,56 @@ def cotangents_for(outputs, seed: int):
     """Random cotangents for the floating outputs of `outputs` (the judge's output weights), drawn from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in floats(outputs)]
+
+
+SEQUENCE_CALLS = 20
+LEARNING_RATE = 1e-2
+
+
+def sequence(module: nn.Module, batches: list, *, seed: int, rng: int) -> dict[str, torch.Tensor]:
+    """One module object called SEQUENCE_CALLS times, as a training run and then inference call it, and what is
+    compared after every call, by name ("<step>.o<i>" outputs, "<step>.s:" parameters, "<step>.b:" buffers,
+    "<step>.grad:" the parameters' .grad):
+
+    1, 2. the micro-batches `batches` ((args, kwargs) each) in training mode, forward and backward with random
+          cotangents, their gradients accumulating in .grad (nothing zeroes them between the two);
+    3.    after an optimizer step (p -= LEARNING_RATE * p.grad, the gradients cleared), an evaluation call;
+    4...  the first batch again, alternating training and evaluation mode, with and without gradients (backward
+          where on), to SEQUENCE_CALLS calls.
+
+    Training-mode calls are seeded from `rng` and the step, the cotangents drawn from `seed`, alike on both
+    sides. A module that keeps anything from call to call that the module it replaces does not (grown
+    parameters, a counter, gradients zeroed or cut once they exist) shows it here."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
+    seen: dict[str, torch.Tensor] = {}
+
+    def call(step: int, args, kwargs, *, training: bool, grad: bool) -> None:
+        module.train(training)
+        if training:
+            torch.default_generator.manual_seed(int(rng) + step)
+        fresh = _map(lambda t: t.detach().clone().requires_grad_(grad and t.is_floating_point())
+                     if isinstance(t, torch.Tensor) else t, (tuple(args), dict(kwargs)))
+        with torch.set_grad_enabled(grad):
+            out = module(*fresh[0], **fresh[1])
+        outputs = floats(out)
+        cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outputs]
+        pairs = [(a, c) for a, c in zip(outputs, cotangents) if grad and a.requires_grad]
+        if pairs:
+            torch.autograd.backward([a for a, _ in pairs], [c for _, c in pairs])
+        seen.update({f"{step}.o{i}": t.detach().clone() for i, t in enumerate(outputs)})
+        seen.update({f"{step}.s:{n}": p.detach().clone() for n, p in params.items()})
+        seen.update({f"{step}.b:{n}": b.detach().clone() for n, b in module.named_buffers()})
+        seen.update({f"{step}.grad:{n}": p.grad.clone() for n, p in params.items() if p.grad is not None})
+
+    for step, (args, kwargs) in enumerate(batches, 1):
+        call(step, args, kwargs, training=True, grad=True)
+    with torch.no_grad():  # the caller's optimizer, the same on both sides
+        for p in params.values():
+            if p.grad is not None:
+                p.sub_(p.grad, alpha=LEARNING_RATE)
+            p.grad = None
+    args, kwargs = batches[0]
+    for step in range(len(batches) + 1, SEQUENCE_CALLS + 1):
+        call(step, args, kwargs, training=step % 2 == 0 and step > len(batches) + 1, grad=step % 3 == 0)
+    return seen

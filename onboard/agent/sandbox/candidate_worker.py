@@ -73,7 +73,7 @@ class Server:
                 return
             try:
                 handler = {"load": self.load, "call": self.call, "backward": self.backward,
-                           "repeat": self.repeat}[op]
+                           "repeat": self.repeat, "sequence": self.sequence}[op]
                 handler(header, tensors)
             except BaseException as exc:  # noqa: BLE001 - the candidate's failure is its reply
                 if isinstance(exc, KeyboardInterrupt | SystemExit | MemoryError):
@@ -98,19 +98,34 @@ class Server:
         self.classes[key] = cls
         self.reply({"loaded": key})
 
-    def call(self, header: dict, tensors: dict) -> None:
+    def _module(self, header: dict, tensors: dict, training: bool):
+        """A fresh instance of the loaded class `header["key"]` on the state the judge sent."""
         from torch import nn
 
-        from onboard.agent.sandbox.calls import Call
         from runtime.generated import ModuleState
 
-        state, training = header["state"], bool(header["training"])
+        state = header["state"]
         params = {n: nn.Parameter(tensors[f"p:{n}"].clone(), requires_grad=True) for n in state["parameters"]}
         buffers = {n: tensors[f"b:{n}"].clone() for n in state["buffers"]}
         module = self.classes[str(header["key"])](ModuleState(
             dict(state["settings"]), params, buffers, set(state.get("persistent", ())), training,
             str(state.get("replaces", ""))))
         module.train(training)
+        return module
+
+    def sequence(self, header: dict, tensors: dict) -> None:
+        from onboard.agent.sandbox.calls import sequence
+
+        module = self._module(header, tensors, True)
+        batches = [(self.wire.unpack(b["args"], tensors), self.wire.unpack(b["kwargs"], tensors))
+                   for b in header["batches"]]
+        self.reply({"sequence": True}, sequence(module, batches, seed=int(header["seed"]), rng=int(header["rng"])))
+
+    def call(self, header: dict, tensors: dict) -> None:
+        from onboard.agent.sandbox.calls import Call
+
+        training = bool(header["training"])
+        module = self._module(header, tensors, training)
         cotangents = header.get("cotangents")
         cotangents = None if cotangents is None else self.wire.unpack(cotangents, tensors)
         second = header.get("second")  # a seed: second derivatives instead of first

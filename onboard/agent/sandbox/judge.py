@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from onboard.agent.sandbox import wire
+from onboard.agent.sandbox.calls import SEQUENCE_CALLS
 from onboard.agent.sandbox.process import Stopped, Worker
 
 TOLERANCE = 1e-4  # fp32, relative to the tensor's largest value: a reading of the wrong thing is off by O(1)
@@ -48,6 +49,10 @@ TWIN_SEQ = 160  # the longest sequence the twin is verified at (onboard.adapt.ve
 KEY_ENV = "ONBOARD_JUDGE_KEY"  # a file holding the judge's key (default: ~/.cache/onboard/judge.key)
 MODES = ("eval", "train")
 SAMPLE_SECONDS = 0.05  # CPU time per timing sample (the kernel counts it in nanoseconds)
+
+
+SEQUENCE_STEPS = {1: "the first micro-batch, training", 2: "the second micro-batch, gradients accumulated",
+                  3: "an evaluation call after an optimizer step"}
 
 
 def _primes(low: int, high: int) -> list[int]:
@@ -300,6 +305,43 @@ class Judge:
                             measured)
         return measured
 
+    def _sequence(self, round_: Round, entries: list[dict], tensors: dict, asked: dict) -> dict:
+        """The candidate called again and again on one object (`calls.sequence`): two micro-batches accumulated,
+        an optimizer step, then calls in both modes; everything after every call against the module's."""
+        sent = {f"p:{n}": tensors[f"c0.p:{n}"] for n in entries[0]["state"]["parameters"]}
+        sent.update({f"b:{n}": tensors[f"c0.b:{n}"] for n in entries[0]["state"]["buffers"]})
+        batches = []
+        for i, entry in enumerate(entries):
+            args, kwargs = wire.unpack(entry["args"], tensors), wire.unpack(entry["kwargs"], tensors)
+            batches.append({"args": wire.pack(args, sent, prefix=f"q{i}a")[0],
+                            "kwargs": wire.pack(kwargs, sent, prefix=f"q{i}k")[0]})
+        header, got = round_.request({"op": "sequence", "key": "candidate", "state": entries[0]["state"],
+                                      "batches": batches, **asked}, sent)
+        if header.get("refused") or round_.refused():
+            raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
+        if "error" in header:
+            raise Wrong(f"a sequence of calls on one module: {header['error']}")
+        theirs = _prefixed(tensors, "q.")
+        if set(got) != set(theirs):
+            missing = sorted(set(got) ^ set(theirs), key=lambda k: (int(k.partition(".")[0]), k))
+            raise Wrong(f"a sequence of calls on one module: after call {missing[0].partition('.')[0]}, "
+                        f"{', '.join(k.partition('.')[2] for k in missing[:4])} differ in what they reach")
+        worst, where = 0.0, ""
+        for name in sorted(theirs, key=lambda k: (int(k.partition(".")[0]), k)):
+            if got[name].shape != theirs[name].shape:
+                raise Wrong(f"a sequence of calls on one module: after call {name.partition('.')[0]}, "
+                            f"{name.partition('.')[2]} has shape {tuple(got[name].shape)}, the module's "
+                            f"{tuple(theirs[name].shape)}")
+            err = error(got[name], theirs[name])
+            if err > TOLERANCE:
+                step, _, what = name.partition(".")
+                raise Wrong(f"a sequence of calls on one module: after call {step} of {SEQUENCE_CALLS} "
+                            f"({SEQUENCE_STEPS.get(int(step), 'the first batch again')}), {what} off by {err:.1e} "
+                            f"(tolerance {TOLERANCE:.0e})")
+            if err > worst:
+                worst, where = err, name
+        return {"sequence_error": worst, "worst": where}
+
     def round(self, worker: Worker) -> Round:
         limits = self.sandbox.limits
         return Round(worker, limits.wall_seconds, limits.cpu_seconds, limits.call_seconds)
@@ -308,9 +350,15 @@ class Judge:
         """Hold the candidate against the module on the drawn cases (module docstring); the result the record
         keeps: passed, a note naming what failed, and per case what was drawn and measured."""
         measured: list[dict] = []
+        extra: dict = {}  # what is not a case: dtypes skipped, the sequence of calls
+
+        def result(passed: bool, note: str) -> dict:
+            return {"passed": passed, "cases": measured, "note": note, **extra}
+
         try:
+            asked = {"seed": draw[0]["cotangent_seed"] ^ 0x5EC, "rng": draw[0]["rng"]}
             reference, tensors = self._reference({"op": "cases", "module_path": module_path, "cases": draw,
-                                                  "modes": list(MODES)})
+                                                  "modes": list(MODES), "sequence": asked})
             self._load(round_, code, name)
             firsts = []
             once = once_differentiable(code)
@@ -318,7 +366,7 @@ class Judge:
                 record = {k: case[k] for k in ("tokens", "batch", "magnitude", "negate", "sparsity", "outliers",
                                                "bf16_values", "dtype") if k in case}
                 if "skipped" in entry:  # a dtype the module itself does not run in here
-                    measured.append(record | {"skipped": entry["skipped"]})
+                    extra.setdefault("skipped", []).append(record | {"why": entry["skipped"]})
                     continue
                 state = entry["state"]
                 mine = _prefixed(tensors, f"c{i}.")  # its state, as p:/b: keys
@@ -351,26 +399,28 @@ class Judge:
                     self._compare(f"{where}, without gradients", ours, got, theirs, theirs_tensors,
                                   gradients=False, tolerance=tolerance)
                     if mode == "eval" and entry["modes"][mode].get("second") and once:
-                        measured[-1]["second"] = f"not compared: it calls {', '.join(once)}, differentiable once"
+                        extra["second"] = f"not compared: it calls {', '.join(once)}, differentiable once"
                     elif mode == "eval" and entry["modes"][mode].get("second"):
                         ours, got = self._call(round_, state, mine, args, kwargs, training=False, grad=True,
                                                rng=None, cotangents=cotangents, second=case["second"])
                         self._compare(f"{where}, second derivatives", ours, got, theirs, theirs_tensors,
                                       gradients=False, tolerance=tolerance, second=True)
+            if reference.get("sequence"):
+                extra["sequence"] = {"calls": SEQUENCE_CALLS,
+                                     **self._sequence(round_, reference["cases"][:2], tensors, asked)}
             if not _varies(firsts):
-                return {"passed": False, "cases": measured,
-                        "note": "the module's outputs do not vary with its inputs: the probe would prove nothing"}
+                return result(False, "the module's outputs do not vary with its inputs: the probe would prove nothing")
         except ReferenceFailed as exc:
-            return {"passed": False, "cases": measured, "note": f"the module itself failed on the drawn inputs: {exc}"}
+            return result(False, f"the module itself failed on the drawn inputs: {exc}")
         except Refused as exc:
-            return {"passed": False, "cases": measured, "note": f"refused by the sandbox: {exc}"}
+            return result(False, f"refused by the sandbox: {exc}")
         except Wrong as exc:
             refused = round_.refused()
             note = f"refused by the sandbox: {refused}" if refused else f"wrong: {exc}"
-            return {"passed": False, "cases": measured, "note": note}
+            return result(False, note)
         except (Stopped, Broken) as exc:
-            return {"passed": False, "cases": measured, "note": f"its process {exc}"}
-        return {"passed": True, "cases": measured, "note": ""}
+            return result(False, f"its process {exc}")
+        return result(True, "")
 
     def speed(self, round_: Round, *, layers_path: str, layer: int, path: str, code: str, name: str,
               width: int, tokens: int, repeats: int, seed_parts: tuple[str, ...]) -> dict:

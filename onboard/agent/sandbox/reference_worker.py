@@ -177,7 +177,8 @@ def _packed(run: dict, prefix: str, tensors: dict, wire) -> dict:
     return entry
 
 
-def _case(live, twin, case: dict, prefix: str, modes, tensors: dict, wire) -> dict:
+def _case(live, twin, case: dict, prefix: str, modes, tensors: dict, wire, kept: list | None = None) -> dict:
+    """One case's entry; `kept`, where given, gets (module before any call, args, kwargs)."""
     import torch
 
     gen = torch.Generator().manual_seed(int(case["ids_seed"]))
@@ -193,6 +194,8 @@ def _case(live, twin, case: dict, prefix: str, modes, tensors: dict, wire) -> di
     if dtype != torch.float32:
         exact = (copy.deepcopy(module).double(), _cast(args, torch.float64), _cast(kwargs, torch.float64))
         module, args, kwargs = module.to(dtype), _cast(args, dtype), _cast(kwargs, dtype)
+    if kept is not None:
+        kept.append((copy.deepcopy(module), args, kwargs))
     runs = {mode: _judged(copy.deepcopy(module), args, kwargs, case, mode) for mode in modes}
     entry = {"state": _state(module, prefix, tensors)}
     entry["args"], _ = wire.pack(args, tensors, prefix=f"{prefix}a")
@@ -210,10 +213,12 @@ def cases(request: dict, wire) -> tuple[dict, dict]:
     live = twin.model.get_submodule(request["module_path"])
     tensors: dict = {}
     out = []
+    kept: list = []  # the first two cases' modules and inputs: the sequence's micro-batches
     for i, case in enumerate(request["cases"]):
         prefix = f"c{i}."
         if case.get("dtype", "float32") == "float32":
-            out.append(_case(live, twin, case, prefix, request.get("modes", ("eval",)), tensors, wire))
+            out.append(_case(live, twin, case, prefix, request.get("modes", ("eval",)), tensors, wire,
+                             kept if i < 2 else None))
             continue
         mine: dict = {}
         try:  # outside fp32, a module may not run at all here (an op without a CPU kernel in that dtype)
@@ -222,7 +227,17 @@ def cases(request: dict, wire) -> tuple[dict, dict]:
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             out.append({"skipped": f"the module does not run in {case['dtype']} here: "
                                    f"{(str(exc).splitlines() or [''])[0][:200]}"})
-    return {"cases": out}, tensors
+    header = {"cases": out}
+    asked = request.get("sequence")
+    if asked and len(kept) == 2:  # the first case's module, its inputs and the second's as two micro-batches
+        from onboard.agent.sandbox.calls import sequence
+
+        module = kept[0][0]
+        got = sequence(module, [(args, kwargs) for _, args, kwargs in kept], seed=int(asked["seed"]),
+                       rng=int(asked["rng"]))
+        tensors.update({f"q.{k}": v for k, v in got.items()})
+        header["sequence"] = True
+    return header, tensors
 
 
 def speed(request: dict, wire) -> tuple[dict, dict]:
