@@ -325,6 +325,21 @@ def test_a_candidate_right_only_where_it_expects_to_be_looked_at_is_refused(atta
     assert not result["passed"] and result["note"].startswith("wrong: ") and words in result["note"], result["note"]
 
 
+BEYOND_THE_DRAWS = {  # right on every input the judge can afford to draw: only a graph of the candidate shows them
+    "right only up to 4096 tokens (the longest drawn)": "out = out if out.shape[1] <= 4096 else out * 1.5",
+    "right only for |x| under 1e5 (beyond every magnitude drawn)":
+        "out = out if float(hidden_states.abs().max()) < 1e5 else out * 1.5",
+}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 54 part 3: the graph judge (onboard/agent/sandbox/graph.py reads a "
+                                       "capture, tests/agent/test_graph.py) is not yet wired into the probe")
+@pytest.mark.parametrize("attack", list(BEYOND_THE_DRAWS))
+def test_a_candidate_right_only_within_what_can_be_drawn_is_refused_by_its_graph(attack, sandbox):
+    result = unguarded(sandbox, candidate(BEYOND_THE_DRAWS[attack]))
+    assert not result["passed"], result["note"]
+
+
 def test_second_derivatives_go_uncompared_only_through_a_runtime_op_differentiable_once():
     from onboard.agent.sandbox.judge import once_differentiable
 
