@@ -7,12 +7,15 @@ judge's cotangents; what it yields is the same set of tensors on both sides, nam
     call.grads()          # {"g:input 0": ..., "g:<param>": ...}
     call.state()          # {"s:<param or buffer>": ...} after the call
     call.drew             # whether an unseeded call drew from torch's generator (evaluation mode must not)
+    call.stream           # where a seeded call left the generator: both sides draw alike or not at all
     call.second(cots, seed)  # {"h:input 0": ..., "h:<param>": ...}: second derivatives (below)
 
     sequence(module, batches, seed=..., rng=...)   # one module called again and again, as training uses it
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import nn
@@ -52,6 +55,7 @@ class Call:
         self.outputs: list[torch.Tensor] = []  # floating outputs of the last run, for a later backward
         self.params = list(module.parameters())
         self.drew = False
+        self.stream = ""
 
     def _given(self, t):
         """A module receives activations, not leaves: a copy of a leaf that needs a gradient (which reaches the
@@ -74,7 +78,9 @@ class Call:
             args, kwargs = _map(self._given, self.args), _map(self._given, self.kwargs)
             out = self.module(*args, **kwargs)
         # an unseeded call that draws is noise no test can pin down, and it moves the stream of whatever draws next
-        self.drew = self.rng is None and not torch.equal(before, torch.default_generator.get_state())
+        after = torch.default_generator.get_state()
+        self.drew = self.rng is None and not torch.equal(before, after)
+        self.stream = hashlib.sha256(after.numpy().tobytes()).hexdigest()[:16] if self.rng is not None else ""
         self.outputs = floats(out)
         if self.cotangents is not None:
             self.backward(self.cotangents)

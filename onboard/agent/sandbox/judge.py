@@ -267,7 +267,8 @@ class Judge:
         if "error" in header:
             raise Wrong(header["error"])
         try:
-            return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True}
+            return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True,
+                                                         "stream": str(header.get("stream", ""))}
         except (wire.WireError, KeyError) as exc:
             raise Broken(f"an answer that is not one ({exc})") from None
 
@@ -392,6 +393,9 @@ class Judge:
                     if got.get("drew") and not entry["modes"][mode].get("drew"):
                         raise Wrong(f"{where}: it draws from torch's random generator where the module draws "
                                     f"nothing (its outputs are noise no test can pin down)")
+                    if rng is not None and got.get("stream") != entry["modes"][mode].get("stream"):
+                        raise Wrong(f"{where}: it draws from torch's random generator other than the module does "
+                                    f"(the generator ends elsewhere: every later draw in training moves)")
                     # the same call without gradients (activation checkpointing's first forward, inference): a
                     # candidate must not depend on them being on, in either mode, at any length
                     ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=False,

@@ -148,7 +148,7 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
         twice = Call(fresh, args, kwargs)
         twice.run()
         named.update(twice.second(cotangents, int(case["second"])))
-    return {"named": named, "drew": probe.drew or call.drew}
+    return {"named": named, "drew": probe.drew or call.drew, "stream": call.stream}
 
 
 def _tolerance(run: dict, exact: dict) -> dict:
@@ -169,7 +169,7 @@ def _tolerance(run: dict, exact: dict) -> dict:
 
 def _packed(run: dict, prefix: str, tensors: dict, wire) -> dict:
     named = dict(run["named"])
-    entry = {"drew": run["drew"]}
+    entry = {"drew": run["drew"], "stream": run["stream"]}
     entry["outputs"], _ = wire.pack(named.pop("o"), tensors, prefix=f"{prefix}o")
     entry["cotangents"], _ = wire.pack(named.pop("c"), tensors, prefix=f"{prefix}c")
     tensors.update({f"{prefix}{k}": v for k, v in named.items()})
