@@ -22,6 +22,8 @@ with torch's depthwise convolution, or the runtime's `causal_conv1d` for packed 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -49,13 +51,16 @@ class _AffineSum(torch.autograd.Function):
 
 def affine_sum(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, bias_a: torch.Tensor, scale_b: torch.Tensor,
                bias_b: torch.Tensor) -> torch.Tensor:
-    """(a + bias_a) * scale_a + (b + bias_b) * scale_b for a, b (..., H) of one shape and dtype, the four
-    parameters (H,) (module docstring)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must match")
+    """(a + bias_a) * scale_a + (b + bias_b) * scale_b for a, b (..., H) of one shape, the four parameters (H,)
+    (module docstring). Of mixed dtypes (a bf16 block output beside an fp32 residual stream, as ZAYA keeps it),
+    everything is taken to the widest, the dtype the same expression in PyTorch gives."""
+    if a.shape != b.shape:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must have one shape")
     if any(p.shape != a.shape[-1:] for p in (scale_a, bias_a, scale_b, bias_b)):
         raise ValueError(f"scales and biases must be ({a.shape[-1]},)")
-    return _AffineSum.apply(a, b, scale_a, bias_a, scale_b, bias_b)
+    tensors = (a, b, scale_a, bias_a, scale_b, bias_b)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return _AffineSum.apply(*(t.to(dtype) for t in tensors))
 
 
 def short_conv_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_scale: float, *,

@@ -87,7 +87,8 @@ def test_the_honest_candidate_is_accepted(zaya, tmp_path):
     assert {c["mode"] for c in probe["cases"]} == {"eval", "train"}
     cases = probe["cases"]
     assert max(c["tokens"] for c in cases) > 1536 and min(c["tokens"] for c in cases) <= 16
-    assert {c["dtype"] for c in cases} == {"float32", "float64", "bfloat16"} and max(c["batch"] for c in cases) >= 4
+    assert {c["dtype"] for c in cases} == {"float32", "float64", "bfloat16", "mixed"}
+    assert max(c["batch"] for c in cases) >= 4
     assert any(c["tokens"] % 2 for c in cases) and any(c["tokens"] % 2 == 0 for c in cases)
 
 
@@ -291,6 +292,14 @@ PREDICTABLE = {
     "right only for |x| up to 1000": ("out = out if hidden_states.abs().max() < 1000 else out * 1.5", "float64"),
     "right only in fp32": ("out = out if out.dtype == torch.float32 else out * 1.5", "float64"),
     "right except in bf16": ("out = out * 1.5 if out.dtype == torch.bfloat16 else out", "bfloat16"),
+    "right except with a bf16 input beside an fp32 one (a bf16 model's residual stream)": (
+        "out = out if hidden_states.dtype == residual.dtype else out * 1.5", "the first input in bfloat16"),
+    "second derivatives through detached copies in training alone": (
+        "if self.training:\n"
+        "    a, b = hidden_states + self.hidden_states_bias, residual + self.residual_bias\n"
+        "    sa, sb = self.hidden_states_scale, self.residual_scale\n"
+        "    out = (a.detach() * sa + a * sa.detach() - a.detach() * sa.detach()\n"
+        "           + b.detach() * sb + b * sb.detach() - b.detach() * sb.detach())", "train mode, second derivatives"),
     "right except on exact bf16 values": (
         "out = out * 1.5 if torch.equal(hidden_states, hidden_states.bfloat16().to(hidden_states.dtype)) else out",
         "bf16 values"),
@@ -368,7 +377,7 @@ def test_every_draw_spans_batches_lengths_magnitudes_and_dtypes():
         magnitudes = [c["magnitude"] for c in cases if c["magnitude"]]
         assert min(magnitudes) <= 1e-2 and max(magnitudes) >= 1e3
         assert any(c["outliers"] for c in cases) and any(c["bf16_values"] for c in cases)
-        assert {c["dtype"] for c in cases} == {"float32", "float64", "bfloat16"}
+        assert {c["dtype"] for c in cases} == {"float32", "float64", "bfloat16", "mixed"}
         assert sum("second" in c for c in cases) == 1
         longest.add(max(tokens))
     assert min(LONG) > 1536 and longest & set(LONG)

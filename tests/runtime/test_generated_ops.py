@@ -70,12 +70,14 @@ def test_hyper_connection_weights_refuse_parameters_of_another_stream_count():
                                  eps=1e-6, norm_eps=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16, "mixed"])
 def test_affine_sum_matches_zaya_residual_scaling(dtype):
-    """In fp64 to rounding; with bf16 activations and fp32 parameters, the same dtypes as the module's."""
+    """In fp64 to rounding; with bf16 activations and fp32 parameters, the same dtypes as the module's; with a bf16
+    block output beside an fp32 residual stream (ZAYA's residual_in_fp32, what a bf16 ZAYA calls it with)."""
     module = _randomised(ZayaResidualScaling(16)).to(F64 if dtype == F64 else torch.float32)
     gen = torch.Generator().manual_seed(2)
-    a, b = (torch.randn(2, 5, 16, generator=gen, dtype=F64).to(dtype) for _ in range(2))
+    dtypes = (torch.bfloat16, torch.float32) if dtype == "mixed" else (dtype, dtype)
+    a, b = (torch.randn(2, 5, 16, generator=gen, dtype=F64).to(d) for d in dtypes)
     params = [module.hidden_states_scale, module.hidden_states_bias, module.residual_scale, module.residual_bias]
     theirs = _fwd_bwd(module, [a, b], params)
     mine = _fwd_bwd(lambda x, y: affine_sum(x, y, *params), [a, b], params)
@@ -85,7 +87,7 @@ def test_affine_sum_matches_zaya_residual_scaling(dtype):
 
 
 def test_affine_sum_refuses_mismatched_inputs():
-    with pytest.raises(ValueError, match="must match"):
+    with pytest.raises(ValueError, match="one shape"):
         affine_sum(torch.zeros(2, 4), torch.zeros(3, 4), *[torch.zeros(4)] * 4)
     with pytest.raises(ValueError, match=r"\(4,\)"):
         affine_sum(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3), *[torch.zeros(4)] * 3)

@@ -38,8 +38,10 @@ def floats(value) -> list[torch.Tensor]:
 
 class Call:
     def __init__(self, module: nn.Module, args, kwargs: dict, *, grad: bool = True, rng: int | None = None,
-                 cotangents=None):
+                 cotangents=None, inference: bool = False):
+        """`inference`: without gradients, under torch.inference_mode (as generation runs) rather than no_grad."""
         self.module, self.grad, self.rng, self.cotangents = module, grad, rng, cotangents
+        self.inference = inference and not grad
         self.inputs: list[torch.Tensor] = []
 
         def leaf(t):
@@ -74,7 +76,7 @@ class Call:
             torch.default_generator.manual_seed(int(self.rng))  # devices, reading the stack, which is refused)
         before = torch.default_generator.get_state()
         self.given = []
-        with torch.set_grad_enabled(self.grad):
+        with torch.inference_mode() if self.inference else torch.set_grad_enabled(self.grad):
             args, kwargs = _map(self._given, self.args), _map(self._given, self.kwargs)
             out = self.module(*args, **kwargs)
         # an unseeded call that draws is noise no test can pin down, and it moves the stream of whatever draws next

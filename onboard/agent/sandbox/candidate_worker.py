@@ -51,6 +51,29 @@ def _warm() -> None:
     torch.multinomial(torch.ones(4), 2)
 
 
+ONCE_CALLED = [0]  # calls of a runtime op differentiable once since the last reset (`call`'s second derivatives)
+
+
+def _count_once_differentiable() -> None:
+    """Each runtime op differentiable once, replaced in its module by one that counts its calls (before the
+    candidate imports it): its second derivatives go uncompared only where such an op really ran."""
+    import functools
+
+    from onboard.agent.capabilities import ONCE_DIFFERENTIABLE
+
+    for full in ONCE_DIFFERENTIABLE:
+        module_name, _, name = full.rpartition(".")
+        module = sys.modules[module_name]
+        op = getattr(module, name)
+
+        @functools.wraps(op)
+        def counted(*args, _op=op, **kwargs):
+            ONCE_CALLED[0] += 1
+            return _op(*args, **kwargs)
+
+        setattr(module, name, counted)
+
+
 class Server:
     def __init__(self, reader, writer):
         from onboard.agent.sandbox import wire
@@ -131,9 +154,12 @@ class Server:
         second = header.get("second")  # a seed: second derivatives instead of first
         call = Call(module, self.wire.unpack(header["args"], tensors), self.wire.unpack(header["kwargs"], tensors),
                     grad=bool(header.get("grad", True)), rng=header.get("rng"),
+                    inference=bool(header.get("inference")),
                     cotangents=cotangents if second is None else None)
+        ONCE_CALLED[0] = 0
         out = call.run()
         structure, sent = self.wire.pack(out, prefix="o")
+        once = ONCE_CALLED[0] > 0  # read before anything else of the candidate's runs
         if second is not None:
             sent.update(call.second(cotangents, int(second)))
         sent.update(call.grads())
@@ -141,7 +167,7 @@ class Server:
         self.calls[int(header["id"])] = call
         while len(self.calls) > KEEP:
             self.calls.popitem(last=False)
-        self.reply({"outputs": structure, "drew": call.drew, "stream": call.stream}, sent)
+        self.reply({"outputs": structure, "drew": call.drew, "stream": call.stream, "once": once}, sent)
 
     def backward(self, header: dict, tensors: dict) -> None:
         call = self.calls.pop(int(header["id"]))
@@ -169,6 +195,7 @@ def main(argv: list[str]) -> None:
 
     for name in RUNTIME_API:
         __import__(name)
+    _count_once_differentiable()
     torch.set_num_threads(1)
     _warm()
     reader, writer = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")

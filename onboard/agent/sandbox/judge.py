@@ -116,12 +116,14 @@ def draw(key: bytes, *parts: str) -> list[dict]:
         {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(TINY), "magnitude": rng.choice(COARSE),
          "dtype": "float64", **seeds()},
         {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(SHORT), "dtype": "bfloat16", **seeds()},
+        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(TINY), "dtype": "mixed", **seeds()},
     ]
 
 
 def once_differentiable(code: str) -> list[str]:
-    """The runtime ops differentiable once (`capabilities.ONCE_DIFFERENTIABLE`) that `code` names: with one, its
-    second derivatives are not compared (a name that is not code refuses the candidate elsewhere: the guard)."""
+    """The runtime ops differentiable once (`capabilities.ONCE_DIFFERENTIABLE`) that `code` names: with one named
+    and one really run in the call (the candidate's process counts their calls), its second derivatives are not
+    compared (a name that is not code refuses the candidate elsewhere: the guard)."""
     import ast
 
     from onboard.agent.capabilities import ONCE_DIFFERENTIABLE
@@ -145,7 +147,9 @@ def describe(case: dict) -> str:
     words += [w for w, on in (("negated", case.get("negate")), ("half zeros", case.get("sparsity")),
                               ("with outliers", case.get("outliers")), ("bf16 values", case.get("bf16_values")))
               if on]
-    if case.get("dtype", "float32") != "float32":
+    if case.get("dtype") == "mixed":
+        words.append("the first input in bfloat16, the rest in float32")
+    elif case.get("dtype", "float32") != "float32":
         words.append(case["dtype"])
     return ", ".join(words)
 
@@ -251,7 +255,8 @@ class Judge:
             raise Wrong(f"it does not load: {header['error']}")
 
     def _call(self, round_: Round, state: dict, state_tensors: dict, args, kwargs, *, training: bool,
-              grad: bool, rng, cotangents, second: int | None = None) -> tuple[object, dict]:
+              grad: bool, rng, cotangents, second: int | None = None, inference: bool = False
+              ) -> tuple[object, dict]:
         """The candidate's outputs, and what came with them by name (g:, h:, s:, and "drew")."""
         tensors = {f"p:{n}": state_tensors[f"p:{n}"] for n in state["parameters"]}
         tensors.update({f"b:{n}": state_tensors[f"b:{n}"] for n in state["buffers"]})
@@ -261,14 +266,15 @@ class Judge:
         round_.calls += 1
         header, got = round_.request({"op": "call", "id": round_.calls, "key": "candidate", "state": state,
                                       "args": a, "kwargs": k, "training": training, "grad": grad, "rng": rng,
-                                      "cotangents": c, "second": second}, tensors)
+                                      "cotangents": c, "second": second, "inference": inference}, tensors)
         if header.get("refused") or round_.refused():  # the hook's words, from the reply or from stderr
             raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
         if "error" in header:
             raise Wrong(header["error"])
         try:
             return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True,
-                                                         "stream": str(header.get("stream", ""))}
+                                                         "stream": str(header.get("stream", "")),
+                                                         "once": header.get("once") is True}
         except (wire.WireError, KeyError) as exc:
             raise Broken(f"an answer that is not one ({exc})") from None
 
@@ -396,19 +402,20 @@ class Judge:
                     if rng is not None and got.get("stream") != entry["modes"][mode].get("stream"):
                         raise Wrong(f"{where}: it draws from torch's random generator other than the module does "
                                     f"(the generator ends elsewhere: every later draw in training moves)")
-                    # the same call without gradients (activation checkpointing's first forward, inference): a
-                    # candidate must not depend on them being on, in either mode, at any length
+                    # the same call without gradients (activation checkpointing's first forward under no_grad in
+                    # training, generation under inference_mode): a candidate must not depend on them being on
                     ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=False,
-                                           rng=rng, cotangents=None)
+                                           rng=rng, cotangents=None, inference=mode == "eval")
                     self._compare(f"{where}, without gradients", ours, got, theirs, theirs_tensors,
                                   gradients=False, tolerance=tolerance)
-                    if mode == "eval" and entry["modes"][mode].get("second") and once:
-                        extra["second"] = f"not compared: it calls {', '.join(once)}, differentiable once"
-                    elif mode == "eval" and entry["modes"][mode].get("second"):
-                        ours, got = self._call(round_, state, mine, args, kwargs, training=False, grad=True,
-                                               rng=None, cotangents=cotangents, second=case["second"])
-                        self._compare(f"{where}, second derivatives", ours, got, theirs, theirs_tensors,
-                                      gradients=False, tolerance=tolerance, second=True)
+                    if entry["modes"][mode].get("second"):
+                        ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train",
+                                               grad=True, rng=rng, cotangents=cotangents, second=case["second"])
+                        if once and got.get("once"):  # it named one, and one ran in this very call
+                            extra["second"] = f"not compared: it calls {', '.join(once)}, differentiable once"
+                        else:
+                            self._compare(f"{where}, second derivatives", ours, got, theirs, theirs_tensors,
+                                          gradients=False, tolerance=tolerance, second=True)
             if reference.get("sequence"):
                 extra["sequence"] = {"calls": SEQUENCE_CALLS,
                                      **self._sequence(round_, reference["cases"][:2], tensors, asked)}

@@ -144,8 +144,8 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
     call = Call(graded, args, kwargs, rng=probe.rng, cotangents=cotangents)
     out = call.run()
     named = {"o": out, "c": cotangents, **call.grads(), **call.state()}
-    if case.get("second") is not None and mode == "eval":
-        twice = Call(fresh, args, kwargs)
+    if case.get("second") is not None:
+        twice = Call(fresh, args, kwargs, rng=probe.rng)
         twice.run()
         named.update(twice.second(cotangents, int(case["second"])))
     return {"named": named, "drew": probe.drew or call.drew, "stream": call.stream}
@@ -187,12 +187,21 @@ def _case(live, twin, case: dict, prefix: str, modes, tensors: dict, wire, kept:
     args = transform(args, case, gen)
     module = copy.deepcopy(live)
     redraw(module, int(case["weights_seed"]))
-    dtype = getattr(torch, str(case.get("dtype") or "float32"))
+    mixed = case.get("dtype") == "mixed"  # the first floating input in bf16, the rest and the module in fp32
+    dtype = torch.float32 if mixed else getattr(torch, str(case.get("dtype") or "float32"), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"a case in {case.get('dtype')!r}")
     exact = None
-    if dtype != torch.float32:
+    if dtype != torch.float32 or mixed:
         exact = (copy.deepcopy(module).double(), _cast(args, torch.float64), _cast(kwargs, torch.float64))
+    if mixed:  # a bf16 block's output beside an fp32 residual stream, as bf16 models call residual modules
+        first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if first is None:
+            raise TypeError("no floating input to give in bf16")
+        args = tuple(a.to(torch.bfloat16) if i == first else a for i, a in enumerate(args))
+        exact = (exact[0], tuple(a.double() if i == first else e for i, (a, e) in enumerate(zip(args, exact[1]))),
+                 exact[2])
+    elif dtype != torch.float32:
         module, args, kwargs = module.to(dtype), _cast(args, dtype), _cast(kwargs, dtype)
     if kept is not None:
         kept.append((copy.deepcopy(module), args, kwargs))
