@@ -10,13 +10,15 @@ candidate's process for the candidate's, compares the tensors it is sent, and de
 What a candidate cannot predict (`draw`): the cases are drawn from an HMAC of the candidate's own code, task
 and round under a key kept outside the bundle and out of every sandboxed process (`judge_key`), so nothing a
 candidate can see tells it its inputs, and a replay on the same installation draws the same ones (the record
-stays byte for byte). Each probe holds the candidate against the module on six cases, each with the module's
+stays byte for byte). Each probe holds the candidate against the module on seven cases, each with the module's
 parameters redrawn: lengths from 1 token to 4096 (primes, which are a multiple of no chunk size; even lengths
 and powers of two; past the timing run's 1024 and the twin's TWIN_SEQ), batches of 1 to 8, inputs rescaled from
 |x| <= 1e-4 to 1e4, negated, sparsified, with outliers among ordinary values and as exact bf16 values, in fp32,
-fp64 and bf16 (each against the module in the same dtype, outside fp32 within the tolerance the module's own
-error against fp64 gives). Every case runs in evaluation and in training mode (torch's generator seeded alike on
-both sides), each with gradients and again without; one case compares second derivatives too. Every output,
+fp64 and bf16, and with a bf16 first input beside fp32 (each against the module in the same dtypes, outside fp32
+within the tolerance the module's own error against fp64 gives). Every case runs in evaluation and in training
+mode (torch's generator seeded alike on both sides, and left where the module leaves it), each with gradients and
+again without (no_grad in training, inference_mode in evaluation); one case compares second derivatives in both
+modes, and one module object is called 20 times (`calls.sequence`). Every output,
 input gradient, parameter gradient, and the parameters, buffers and inputs after the call (a change in place is
 a change to the caller's tensors) must be within TOLERANCE of the module's, relative to each tensor's largest
 value (integer outputs exactly), and a call in evaluation mode may draw from torch's generator only where the
