@@ -23,11 +23,12 @@ from torch import nn
 from onboard.agent.sandbox.wire import leaves
 
 
-def _map(fn, value):
+def map_leaves(fn, value):
+    """`value` (tuples, lists and dicts of leaves) with `fn` applied to every leaf."""
     if isinstance(value, tuple | list):
-        return type(value)(_map(fn, v) for v in value)
+        return type(value)(map_leaves(fn, v) for v in value)
     if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
+        return {k: map_leaves(fn, v) for k, v in value.items()}
     return fn(value)
 
 
@@ -52,7 +53,7 @@ class Call:
                 self.inputs.append(t)
             return t
 
-        self.args, self.kwargs = _map(leaf, tuple(args)), _map(leaf, dict(kwargs))
+        self.args, self.kwargs = map_leaves(leaf, tuple(args)), map_leaves(leaf, dict(kwargs))
         self.given: list[torch.Tensor] = []  # what the module was given in the last run, in the order of `inputs`
         self.outputs: list[torch.Tensor] = []  # floating outputs of the last run, for a later backward
         self.params = list(module.parameters())
@@ -77,7 +78,7 @@ class Call:
         before = torch.default_generator.get_state()
         self.given = []
         with torch.inference_mode() if self.inference else torch.set_grad_enabled(self.grad):
-            args, kwargs = _map(self._given, self.args), _map(self._given, self.kwargs)
+            args, kwargs = map_leaves(self._given, self.args), map_leaves(self._given, self.kwargs)
             out = self.module(*args, **kwargs)
         # an unseeded call that draws is noise no test can pin down, and it moves the stream of whatever draws next
         after = torch.default_generator.get_state()
@@ -88,14 +89,19 @@ class Call:
             self.backward(self.cotangents)
         return out
 
-    def backward(self, cotangents) -> None:
+    def _paired(self, cotangents) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(output, cotangent) for each floating output that needs a gradient; ValueError where the cotangents
+        do not fit the outputs."""
         given = floats(cotangents)
         if len(given) != len(self.outputs) or any(a.shape != b.shape for a, b in zip(self.outputs, given)):
             raise ValueError(f"outputs of shapes {[tuple(a.shape) for a in self.outputs]} where the module gives "
                              f"{[tuple(b.shape) for b in given]}")
         # copies: a tensor read off the wire may sit at any alignment, and the kernels a backward picks (so the
         # last bits of its sums) depend on it; fresh memory makes a call give the same bits on every run
-        pairs = [(a, b.to(a.dtype, copy=True)) for a, b in zip(self.outputs, given) if a.requires_grad]
+        return [(a, b.to(a.dtype, copy=True)) for a, b in zip(self.outputs, given) if a.requires_grad]
+
+    def backward(self, cotangents) -> None:
+        pairs = self._paired(cotangents)
         if pairs:
             torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
 
@@ -108,8 +114,7 @@ class Call:
         named.update({f"h:{n}": p for n, p in self.module.named_parameters() if p.requires_grad})
         names = sorted(named)  # both sides draw the weights in one order, whatever order their parameters are in
         leaves = [named[n] for n in names]
-        pairs = [(a, b.to(a.dtype, copy=True)) for a, b in zip(self.outputs, floats(cotangents))
-                 if a.requires_grad]
+        pairs = self._paired(cotangents)
         if not pairs or not leaves:
             return {}
         first = torch.autograd.grad([a for a, _ in pairs], leaves, [b for _, b in pairs], create_graph=True,
@@ -168,7 +173,7 @@ def sequence(module: nn.Module, batches: list, *, seed: int, rng: int) -> dict[s
         module.train(training)
         if training:
             torch.default_generator.manual_seed(int(rng) + step)
-        fresh = _map(lambda t: t.detach().clone().requires_grad_(grad and t.is_floating_point())
+        fresh = map_leaves(lambda t: t.detach().clone().requires_grad_(grad and t.is_floating_point())
                      if isinstance(t, torch.Tensor) else t, (tuple(args), dict(kwargs)))
         with torch.set_grad_enabled(grad):
             out = module(*fresh[0], **fresh[1])

@@ -201,6 +201,30 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def _failed(round_, header: dict, where: str = "") -> None:
+    """Refused where the audit hook refused something (its words, from the reply or from stderr); Wrong where
+    the candidate's process answered with an error; nothing where it answered."""
+    if header.get("refused") or round_.refused():
+        raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
+    if "error" in header:
+        raise Wrong(f"{where}: {header['error']}" if where else header["error"])
+
+
+def _errors(where: str, label: str, mine: dict, expected: dict, measured: dict | None = None,
+            order=None) -> dict[str, float]:
+    """Per name (sorted, or by `order`), the error of the candidate's tensor against the module's; Wrong where the
+    two reach different names or a tensor's shape differs."""
+    if set(mine) != set(expected):
+        missing = sorted(set(mine) ^ set(expected), key=order)
+        raise Wrong(f"{where}: {label}s differ in what they reach ({', '.join(missing[:4])})", measured)
+    names = sorted(expected, key=order)
+    for name in names:
+        if mine[name].shape != expected[name].shape:
+            raise Wrong(f"{where}: {label} of {name} has shape {tuple(mine[name].shape)}, the module's "
+                        f"{tuple(expected[name].shape)}", measured)
+    return {name: error(mine[name], expected[name]) for name in names}
+
+
 def _prefixed(tensors: dict, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
@@ -269,10 +293,7 @@ class Judge:
         header, got = round_.request({"op": "call", "id": round_.calls, "key": "candidate", "state": state,
                                       "args": a, "kwargs": k, "training": training, "grad": grad, "rng": rng,
                                       "cotangents": c, "second": second, "inference": inference}, tensors)
-        if header.get("refused") or round_.refused():  # the hook's words, from the reply or from stderr
-            raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
-        if "error" in header:
-            raise Wrong(header["error"])
+        _failed(round_, header)
         try:
             return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True,
                                                          "stream": str(header.get("stream", "")),
@@ -297,15 +318,7 @@ class Judge:
             if (kind == "g:" and not gradients) or (kind == "h:" and not second):
                 continue
             limit = max(TOLERANCE, float(tolerance.get("gradient", TOLERANCE))) if kind != "s:" else TOLERANCE
-            mine, expected = _prefixed(got, kind), _prefixed(theirs_tensors, kind)
-            if set(mine) != set(expected):
-                missing = sorted(set(mine) ^ set(expected))
-                raise Wrong(f"{where}: {label}s differ in what they reach ({', '.join(missing[:4])})", measured)
-            for name, value in expected.items():
-                if mine[name].shape != value.shape:
-                    raise Wrong(f"{where}: {label} of {name} has shape {tuple(mine[name].shape)}, the module's "
-                                f"{tuple(value.shape)}", measured)
-            errs = {name: error(mine[name], expected[name]) for name in sorted(expected)}
+            errs = _errors(where, label, _prefixed(got, kind), _prefixed(theirs_tensors, kind), measured)
             worst = max(errs, key=errs.get) if errs else ""  # ties: the first name (safetensors' order is not fixed)
             if kind == "g:":
                 measured.update(grad_error=errs.get(worst, 0.0), worst_grad=worst)
@@ -326,30 +339,18 @@ class Judge:
                             "kwargs": wire.pack(kwargs, sent, prefix=f"q{i}k")[0]})
         header, got = round_.request({"op": "sequence", "key": "candidate", "state": entries[0]["state"],
                                       "batches": batches, **asked}, sent)
-        if header.get("refused") or round_.refused():
-            raise Refused(header.get("error", "").partition("the sandbox refused ")[2] or round_.refused())
-        if "error" in header:
-            raise Wrong(f"a sequence of calls on one module: {header['error']}")
-        theirs = _prefixed(tensors, "q.")
-        if set(got) != set(theirs):
-            missing = sorted(set(got) ^ set(theirs), key=lambda k: (int(k.partition(".")[0]), k))
-            raise Wrong(f"a sequence of calls on one module: after call {missing[0].partition('.')[0]}, "
-                        f"{', '.join(k.partition('.')[2] for k in missing[:4])} differ in what they reach")
-        worst, where = 0.0, ""
-        for name in sorted(theirs, key=lambda k: (int(k.partition(".")[0]), k)):
-            if got[name].shape != theirs[name].shape:
-                raise Wrong(f"a sequence of calls on one module: after call {name.partition('.')[0]}, "
-                            f"{name.partition('.')[2]} has shape {tuple(got[name].shape)}, the module's "
-                            f"{tuple(theirs[name].shape)}")
-            err = error(got[name], theirs[name])
+        where = "a sequence of calls on one module"
+        _failed(round_, header, where)
+        errs = _errors(where, "tensor after a call", got, _prefixed(tensors, "q."),
+                       order=lambda k: (int(k.partition(".")[0]), k))  # in the order of the calls
+        for name, err in errs.items():
             if err > TOLERANCE:
                 step, _, what = name.partition(".")
-                raise Wrong(f"a sequence of calls on one module: after call {step} of {SEQUENCE_CALLS} "
+                raise Wrong(f"{where}: after call {step} of {SEQUENCE_CALLS} "
                             f"({SEQUENCE_STEPS.get(int(step), 'the first batch again')}), {what} off by {err:.1e} "
                             f"(tolerance {TOLERANCE:.0e})")
-            if err > worst:
-                worst, where = err, name
-        return {"sequence_error": worst, "worst": where}
+        worst = max(errs, key=errs.get, default="")
+        return {"sequence_error": errs.get(worst, 0.0), "worst": worst}
 
     def round(self, worker: Worker) -> Round:
         limits = self.sandbox.limits

@@ -97,15 +97,12 @@ def transform(args, case: dict, gen):
 
 
 def _cast(value, dtype):
+    """Every floating tensor in `value` (a structure of them) in `dtype`."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
+    from onboard.agent.sandbox.calls import map_leaves
+
+    return map_leaves(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
 
 
 def _twin(model: str, trust: bool):
@@ -135,7 +132,8 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
     from onboard.agent.sandbox.calls import Call, cotangents_for
 
     module.train(mode == "train")
-    fresh = copy.deepcopy(module)  # before any call: a forward may change the module's buffers
+    second = case.get("second")
+    fresh = copy.deepcopy(module) if second is not None else None  # before any call: a forward may change buffers
     graded = copy.deepcopy(module)
     probe = Call(module, args, kwargs, grad=False, rng=case.get("rng") if mode == "train" else None)
     out = probe.run()
@@ -144,10 +142,10 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
     call = Call(graded, args, kwargs, rng=probe.rng, cotangents=cotangents)
     out = call.run()
     named = {"o": out, "c": cotangents, **call.grads(), **call.state()}
-    if case.get("second") is not None:
+    if fresh is not None:
         twice = Call(fresh, args, kwargs, rng=probe.rng)
         twice.run()
-        named.update(twice.second(cotangents, int(case["second"])))
+        named.update(twice.second(cotangents, int(second)))
     return {"named": named, "drew": probe.drew or call.drew, "stream": call.stream}
 
 
