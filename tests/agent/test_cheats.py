@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -271,6 +272,11 @@ def _run_scripted(zaya, code: str, tmp_path: Path):
 
 # --- predictable inputs: right only where it expects to be looked at --------------------------------------------
 
+DETACHED = ("a, b = hidden_states + self.hidden_states_bias, residual + self.residual_bias\n"
+            "sa, sb = self.hidden_states_scale, self.residual_scale\n"
+            "out = (a.detach() * sa + a * sa.detach() - a.detach() * sa.detach()\n"
+            "       + b.detach() * sb + b * sb.detach() - b.detach() * sb.detach())")
+
 PREDICTABLE = {
     "right only up to 1024 tokens": ("out = torch.where(torch.tensor(out.shape[1] > 1024), out * 1.5, out)",
                                      "tokens"),
@@ -295,11 +301,7 @@ PREDICTABLE = {
     "right except with a bf16 input beside an fp32 one (a bf16 model's residual stream)": (
         "out = out if hidden_states.dtype == residual.dtype else out * 1.5", "the first input in bfloat16"),
     "second derivatives through detached copies in training alone": (
-        "if self.training:\n"
-        "    a, b = hidden_states + self.hidden_states_bias, residual + self.residual_bias\n"
-        "    sa, sb = self.hidden_states_scale, self.residual_scale\n"
-        "    out = (a.detach() * sa + a * sa.detach() - a.detach() * sa.detach()\n"
-        "           + b.detach() * sb + b * sb.detach() - b.detach() * sb.detach())", "train mode, second derivatives"),
+        "if self.training:\n" + textwrap.indent(DETACHED, "    "), "train mode, second derivatives"),
     "right except on exact bf16 values": (
         "out = out * 1.5 if torch.equal(hidden_states, hidden_states.bfloat16().to(hidden_states.dtype)) else out",
         "bf16 values"),
@@ -322,11 +324,9 @@ PREDICTABLE = {
     "counts its calls and goes wrong from the eighth": (
         "self.count = self.__dict__.get('count', 0) + 1\nout = out if self.count < 8 else out * 1.5",
         "after call 8 of 20"),
-    "first derivatives right, second derivatives through detached copies": (
-        "a, b = hidden_states + self.hidden_states_bias, residual + self.residual_bias\n"
-        "sa, sb = self.hidden_states_scale, self.residual_scale\n"
-        "out = (a.detach() * sa + a * sa.detach() - a.detach() * sa.detach()\n"
-        "       + b.detach() * sb + b * sb.detach() - b.detach() * sb.detach())", "second derivatives"),
+    "first derivatives right, second derivatives through detached copies": (DETACHED, "second derivatives"),
+    "right except under inference_mode (generation)": ("out = out * 1.5 if out.is_inference() else out",
+                                                      "eval mode, without gradients"),
 }
 
 
@@ -350,6 +350,13 @@ BEYOND_THE_DRAWS = {  # right on every input the judge can afford to draw: only 
 def test_a_candidate_right_only_within_what_can_be_drawn_is_refused_by_its_graph(attack, sandbox):
     result = unguarded(sandbox, candidate(BEYOND_THE_DRAWS[attack]))
     assert not result["passed"], result["note"]
+
+
+def test_naming_a_kernel_differentiable_once_without_calling_it_excuses_nothing(sandbox):
+    """The exemption from second derivatives is the kernel's running in the call, not its name in the file."""
+    head = HEAD + "from runtime.attention import chunk_gated_delta_rule  # noqa: F401\n\n\n"
+    result = unguarded(sandbox, candidate(DETACHED, head=head))
+    assert not result["passed"] and "second derivatives" in result["note"], result["note"]
 
 
 def test_second_derivatives_go_uncompared_only_through_a_runtime_op_differentiable_once():
