@@ -45,8 +45,8 @@ class SpeedCheck:
     are below `slower_than` times the module's speed it is not swapped in (the round fails, saying so). The margin
     and the quartile keep a replacement doing the same operations as the module from being refused by the noise
     of a shared machine, whose load only widens the spread: such pairs, one millisecond calls in two processes,
-    measured medians of 0.74x to 1.28x on this 2-core VM (a candidate doing twelve extra tanh passes measures
-    0.08x)."""
+    measured medians of 0.74x to 1.28x on a 2-core VM (a candidate doing the module's work nine times measures
+    0.15x)."""
     width: int = 8
     tokens: int = 1024
     repeats: int = 9

@@ -58,9 +58,14 @@ class Replacement(Generated):
     def forward(self, hidden_states, residual):
         return ZayaResidualScaling.forward(self, hidden_states, residual)
 '''
-SLOW_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        waste = hidden_states\n        for _ in range(12):\n"
-                               "            waste = torch.tanh(waste)\n        return affine_sum(").replace(
-    "from runtime.generated import Generated", "import torch\n\nfrom runtime.generated import Generated")  # right, slow
+# right and slower by the same factor on any machine: the module's own work done nine times (x + 0 * y is x, exactly,
+# for finite y), forward and backward (extra passes of another op, tanh, cost 0.08x on the AVX2 kind and 0.6x on
+# the AVX-512 one)
+SLOW_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        out = affine_sum(").replace(
+    "self.residual_scale, self.residual_bias)\n",
+    "self.residual_scale, self.residual_bias)\n        for _ in range(8):\n"
+    "            out = out + 0 * affine_sum(hidden_states, residual, self.hidden_states_scale, "
+    "self.hidden_states_bias, self.residual_scale, self.residual_bias)\n        return out\n")
 CHATTY_ZAYA = RIGHT_ZAYA.replace("        return affine_sum(", "        for i in range(2000):\n"
                                  "            print('debugging line', i, 'x' * 100)\n        return affine_sum(")  # right
 # PhiMoE's router as the rules render it (runtime.moe.sparse_mixer), written out
