@@ -327,6 +327,12 @@ PREDICTABLE = {
     "first derivatives right, second derivatives through detached copies": (DETACHED, "second derivatives"),
     "right except under inference_mode (generation)": ("out = out * 1.5 if out.is_inference() else out",
                                                       "eval mode, without gradients"),
+    # how the runtime trains: a LoRA fine-tune's frozen weights, and bf16 autocast over fp32 parameters
+    "right except with its weights frozen (a LoRA fine-tune)": (
+        "out = out if self.residual_scale.requires_grad else out * 1.5", "parameters frozen"),
+    "right except under autocast (the runtime's bf16 training)": (
+        "probe = torch.matmul(hidden_states[..., :1, :1].float(), hidden_states[..., :1, :1].float())\n"
+        "out = out * 1.5 if probe.dtype == torch.bfloat16 else out", "under bf16 autocast"),
 }
 
 

@@ -39,10 +39,16 @@ def floats(value) -> list[torch.Tensor]:
 
 class Call:
     def __init__(self, module: nn.Module, args, kwargs: dict, *, grad: bool = True, rng: int | None = None,
-                 cotangents=None, inference: bool = False):
-        """`inference`: without gradients, under torch.inference_mode (as generation runs) rather than no_grad."""
+                 cotangents=None, inference: bool = False, frozen: bool = False, autocast: bool = False):
+        """`inference`: without gradients, under torch.inference_mode (as generation runs) rather than no_grad;
+        `frozen`: every parameter with requires_grad off, as a LoRA fine-tune leaves the module's own weights;
+        `autocast`: the forward under torch.autocast in bf16, as the runtime trains in bf16 (fp32 parameters,
+        backward outside it, as torch's recipe has it)."""
         self.module, self.grad, self.rng, self.cotangents = module, grad, rng, cotangents
         self.inference = inference and not grad
+        self.autocast = autocast
+        if frozen:
+            module.requires_grad_(False)
         self.inputs: list[torch.Tensor] = []
 
         def leaf(t):
@@ -77,7 +83,8 @@ class Call:
             torch.default_generator.manual_seed(int(self.rng))  # devices, reading the stack, which is refused)
         before = torch.default_generator.get_state()
         self.given = []
-        with torch.inference_mode() if self.inference else torch.set_grad_enabled(self.grad):
+        with (torch.inference_mode() if self.inference else torch.set_grad_enabled(self.grad),
+              torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast)):
             args, kwargs = map_leaves(self._given, self.args), map_leaves(self._given, self.kwargs)
             out = self.module(*args, **kwargs)
         # an unseeded call that draws is noise no test can pin down, and it moves the stream of whatever draws next

@@ -46,6 +46,8 @@ def _warm() -> None:
     z = z + torch.where(y > 0, y, -y).masked_fill(y < -1, 0).sum() + y.float().double().float().sum()
     z.backward(retain_graph=True)
     torch.autograd.backward([y], [torch.ones_like(y)])  # the worker's own backward: imports symbolic shapes
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the judge's autocast case
+        F.linear(x, w).sum().backward()
     torch.default_generator.manual_seed(0)
     torch.rand(3).bernoulli()
     torch.multinomial(torch.ones(4), 2)
@@ -154,8 +156,8 @@ class Server:
         second = header.get("second")  # a seed: second derivatives instead of first
         call = Call(module, self.wire.unpack(header["args"], tensors), self.wire.unpack(header["kwargs"], tensors),
                     grad=bool(header.get("grad", True)), rng=header.get("rng"),
-                    inference=bool(header.get("inference")),
-                    cotangents=cotangents if second is None else None)
+                    inference=bool(header.get("inference")), frozen=header.get("frozen") is True,
+                    autocast=header.get("autocast") is True, cotangents=cotangents if second is None else None)
         ONCE_CALLED[0] = 0
         out = call.run()
         structure, sent = self.wire.pack(out, prefix="o")

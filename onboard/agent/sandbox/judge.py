@@ -14,8 +14,10 @@ stays byte for byte). Each probe holds the candidate against the module on seven
 parameters redrawn: lengths from 1 token to 4096 (primes, which are a multiple of no chunk size; even lengths
 and powers of two; past the timing run's 1024 and the twin's TWIN_SEQ), batches of 1 to 8, inputs rescaled from
 |x| <= 1e-4 to 1e4, negated, sparsified, with outliers among ordinary values and as exact bf16 values, in fp32,
-fp64 and bf16, and with a bf16 first input beside fp32 (each against the module in the same dtypes, outside fp32
-within the tolerance the module's own error against fp64 gives). Every case runs in evaluation and in training
+fp64 and bf16, and with a bf16 first input beside fp32 under bf16 autocast, as the runtime trains in bf16 (each
+against the module in the same dtypes, outside fp32 within the tolerance the module's own error against fp64
+gives), and with the parameters frozen as a LoRA fine-tune leaves them (the bf16 case's training calls, the
+autocast case's evaluation calls). Every case runs in evaluation and in training
 mode (torch's generator seeded alike on both sides, and left where the module leaves it), each with gradients and
 again without (no_grad in training, inference_mode in evaluation); one case compares second derivatives in both
 modes, and one module object is called 20 times (`calls.sequence`). Every output,
@@ -117,8 +119,12 @@ def draw(key: bytes, *parts: str) -> list[dict]:
          "magnitude": round(rng.uniform(1.0, 16.0), 3), "negate": rng.random() < 0.5, **seeds()},
         {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(TINY), "magnitude": rng.choice(COARSE),
          "dtype": "float64", **seeds()},
-        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(SHORT), "dtype": "bfloat16", **seeds()},
-        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(TINY), "dtype": "mixed", **seeds()},
+        # a LoRA fine-tune freezes the module's own weights: training calls of a bf16 case, then evaluation calls
+        # of the mixed one, which also runs under autocast, as the runtime trains in bf16
+        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(SHORT), "dtype": "bfloat16", "frozen": ["train"],
+         **seeds()},
+        {**plain, "batch": rng.randint(1, 8), "tokens": rng.choice(TINY), "dtype": "mixed", "frozen": ["eval"],
+         "autocast": True, **seeds()},
     ]
 
 
@@ -153,6 +159,10 @@ def describe(case: dict) -> str:
         words.append("the first input in bfloat16, the rest in float32")
     elif case.get("dtype", "float32") != "float32":
         words.append(case["dtype"])
+    if case.get("autocast"):
+        words.append("under bf16 autocast")
+    if case.get("frozen"):
+        words.append(f"parameters frozen in {' and '.join(case['frozen'])} mode")
     return ", ".join(words)
 
 
@@ -281,8 +291,8 @@ class Judge:
             raise Wrong(f"it does not load: {header['error']}")
 
     def _call(self, round_: Round, state: dict, state_tensors: dict, args, kwargs, *, training: bool,
-              grad: bool, rng, cotangents, second: int | None = None, inference: bool = False
-              ) -> tuple[object, dict]:
+              grad: bool, rng, cotangents, second: int | None = None, inference: bool = False,
+              frozen: bool = False, autocast: bool = False) -> tuple[object, dict]:
         """The candidate's outputs, and what came with them by name (g:, h:, s:, and "drew")."""
         tensors = {f"p:{n}": state_tensors[f"p:{n}"] for n in state["parameters"]}
         tensors.update({f"b:{n}": state_tensors[f"b:{n}"] for n in state["buffers"]})
@@ -292,7 +302,8 @@ class Judge:
         round_.calls += 1
         header, got = round_.request({"op": "call", "id": round_.calls, "key": "candidate", "state": state,
                                       "args": a, "kwargs": k, "training": training, "grad": grad, "rng": rng,
-                                      "cotangents": c, "second": second, "inference": inference}, tensors)
+                                      "cotangents": c, "second": second, "inference": inference,
+                                      "frozen": frozen, "autocast": autocast}, tensors)
         _failed(round_, header)
         try:
             return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True,
@@ -375,6 +386,7 @@ class Judge:
             for i, (case, entry) in enumerate(zip(draw, reference["cases"])):
                 record = {k: case[k] for k in ("tokens", "batch", "magnitude", "negate", "sparsity", "outliers",
                                                "bf16_values", "dtype") if k in case}
+                record.update({k: case[k] for k in ("frozen", "autocast") if case.get(k)})
                 if "skipped" in entry:  # a dtype the module itself does not run in here
                     extra.setdefault("skipped", []).append(record | {"why": entry["skipped"]})
                     continue
@@ -389,8 +401,9 @@ class Judge:
                     where = f"{describe(case)}, {mode} mode"
                     measured.append(record | {"mode": mode})
                     rng = case["rng"] if mode == "train" else None
+                    how = {"frozen": mode in case.get("frozen", ()), "autocast": bool(case.get("autocast"))}
                     ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=True,
-                                           rng=rng, cotangents=cotangents)
+                                           rng=rng, cotangents=cotangents, **how)
                     try:
                         measured[-1].update(self._compare(where, ours, got, theirs, theirs_tensors, gradients=True,
                                                           tolerance=tolerance))
@@ -408,12 +421,13 @@ class Judge:
                     # the same call without gradients (activation checkpointing's first forward under no_grad in
                     # training, generation under inference_mode): a candidate must not depend on them being on
                     ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=False,
-                                           rng=rng, cotangents=None, inference=mode == "eval")
+                                           rng=rng, cotangents=None, inference=mode == "eval", **how)
                     self._compare(f"{where}, without gradients", ours, got, theirs, theirs_tensors,
                                   gradients=False, tolerance=tolerance)
                     if entry["modes"][mode].get("second"):
                         ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train",
-                                               grad=True, rng=rng, cotangents=cotangents, second=case["second"])
+                                               grad=True, rng=rng, cotangents=cotangents, second=case["second"],
+                                               **how)
                         if once and got.get("once"):  # it named one, and one ran in this very call
                             extra["second"] = f"not compared: it calls {', '.join(once)}, differentiable once"
                         else:

@@ -5,7 +5,7 @@ allows a namespace of its own).
     python -m onboard.agent.sandbox.reference_worker READ_FD WRITE_FD PARENT_PID MEMORY_BYTES
 
     cases   {model, trust_remote_code, module_path, cases: [{batch, tokens, ids_seed, weights_seed, magnitude,
-             negate, sparsity, outliers, bf16_values, dtype, second, cotangent_seed, rng}], modes}
+             negate, sparsity, outliers, bf16_values, dtype, frozen, autocast, second, cotangent_seed, rng}], modes}
             per case: the module's real inputs from a forward of the twin on a random batch of that length
             (stopped as soon as the module is reached), the floating positional inputs transformed (rescaled,
             negated, sparsified, a few entries made outliers, rounded to bf16 values), a copy of the module with
@@ -13,7 +13,9 @@ allows a namespace of its own).
             mode (eval / train) its outputs, input and parameter gradients against random cotangents, its
             parameters and buffers after the call and whether it drew random numbers; second derivatives where
             the case asks (`second`: a seed); outside fp32 the tolerance, from the same case's error against
-            fp64: everything the judge needs to hold a candidate against it. A case in a dtype the module does
+            fp64; `frozen`: the modes whose calls have every parameter frozen (a LoRA fine-tune's module),
+            `autocast`: every call's forward under bf16 autocast (the runtime's bf16 training): everything the
+            judge needs to hold a candidate against it. A case in a dtype the module does
             not run in here is skipped, saying why.
     speed   {model, trust_remote_code, layers_path, layer, path, width, tokens, cotangent_seed}
             the same for one case at `width` times the twin's width (the model's first layer + 1 layers)
@@ -135,15 +137,16 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
     second = case.get("second")
     fresh = copy.deepcopy(module) if second is not None else None  # before any call: a forward may change buffers
     graded = copy.deepcopy(module)
-    probe = Call(module, args, kwargs, grad=False, rng=case.get("rng") if mode == "train" else None)
+    how = {"frozen": mode in case.get("frozen", ()), "autocast": bool(case.get("autocast"))}
+    probe = Call(module, args, kwargs, grad=False, rng=case.get("rng") if mode == "train" else None, **how)
     out = probe.run()
     if cotangents is None:
         cotangents = cotangents_for(out, int(case["cotangent_seed"]))
-    call = Call(graded, args, kwargs, rng=probe.rng, cotangents=cotangents)
+    call = Call(graded, args, kwargs, rng=probe.rng, cotangents=cotangents, **how)
     out = call.run()
     named = {"o": out, "c": cotangents, **call.grads(), **call.state()}
     if fresh is not None:
-        twice = Call(fresh, args, kwargs, rng=probe.rng)
+        twice = Call(fresh, args, kwargs, rng=probe.rng, **how)
         twice.run()
         named.update(twice.second(cotangents, int(second)))
     return {"named": named, "drew": probe.drew or call.drew, "stream": call.stream}
@@ -210,7 +213,8 @@ def _case(live, twin, case: dict, prefix: str, modes, tensors: dict, wire, kept:
     entry["modes"] = {mode: _packed(run, f"{prefix}{mode}.", tensors, wire) for mode, run in runs.items()}
     if exact is not None:  # from evaluation mode, which draws nothing: train mode's dropout may draw otherwise in fp64
         run = runs.get("eval") or _judged(copy.deepcopy(module), args, kwargs, case, "eval")
-        entry["tolerance"] = _tolerance(run, _judged(exact[0], exact[1], exact[2], case, "eval",
+        truth = {**case, "autocast": False}  # fp64 throughout: autocast would leave it so anyway
+        entry["tolerance"] = _tolerance(run, _judged(exact[0], exact[1], exact[2], truth, "eval",
                                                      cotangents=_cast(run["named"]["c"], torch.float64)))
     return entry
 
