@@ -38,6 +38,7 @@ from onboard.agent import capabilities as cap
 CLASS_NAME = "Replacement"
 BASE = "runtime.generated.Generated"
 REACH, FALLBACK, TAMPER, IMPORT_TIME = "reach-through", "fallback", "judge tampering", "import-time code"
+FIRST_ARGUMENT = ("self", "input", "tensor")  # the names torch gives the tensor an in-place function writes
 MAX_SOURCE = 200_000  # characters: a candidate is one small module
 RESERVED = frozenset(n for n in dir(nn.Module) if not n.startswith("_")) - {"forward"}  # nn.Module's own methods
 MODULE_NAMES = frozenset(dir(nn.Module)) | {"training", "forward", "state", "settings"}  # what a constant may not shadow
@@ -299,9 +300,10 @@ class _Method:
                         c.refuse(child, REACH, f"{name} names a part of the module and is bound again")
                     self.aliases[name] = part
 
-    def aliases_state(self, node: ast.AST, tainted: set[str]) -> bool:
-        """Whether `node` may be (a view of) the module's state: a chain from self or from a name bound to one,
-        through attributes, subscripts and calls of methods that return a view or the tensor itself."""
+    def aliases_state(self, node: ast.AST, tainted: set[str], *, state: bool = True) -> bool:
+        """Whether `node` may be (a view of) the module's state (`state`) or of a name in `tainted`: a chain from
+        self, from a part of the module or from such a name, through attributes, subscripts and calls of methods
+        that return a view or the tensor itself."""
         while True:
             if isinstance(node, ast.Attribute | ast.Subscript | ast.Starred):
                 node = node.value
@@ -309,20 +311,17 @@ class _Method:
                   and node.func.attr in SAME_STORAGE):
                 node = node.func.value
             elif isinstance(node, ast.Name):
-                return node.id == "self" or node.id in self.aliases or node.id in tainted
+                return node.id in tainted or (state and (node.id == "self" or node.id in self.aliases))
             else:
                 return False
 
-    def state_writes(self) -> None:
-        """A candidate changes its own locals only: no in-place method, subscript store, augmented assignment or
-        `out=` into the module's state, whether named from self or through a local bound to a view of it
-        (`w = self.p.view(torch.int32); w[0] = ...`; `w = self.p.float(); w.mul_(2)`: float() of an fp32
-        tensor is the tensor itself)."""
-        tainted: set[str] = set()
-        changed = True
-        while changed:  # names bound to state, through any number of rebindings
+    def _bound_to(self, root: ast.AST, seed: set[str], *, state: bool) -> set[str]:
+        """`seed` and the names in `root` bound to (a view of) one of them or, with `state`, of the module's state,
+        through any number of rebindings."""
+        tainted, changed = set(seed), True
+        while changed:
             changed = False
-            for child in ast.walk(self.node):
+            for child in ast.walk(root):
                 targets, value = [], None
                 if isinstance(child, ast.Assign):
                     targets, value = child.targets, child.value
@@ -330,20 +329,32 @@ class _Method:
                     targets, value = [child.target], child.value
                 elif isinstance(child, ast.For | ast.comprehension):
                     targets, value = [child.target], child.iter
-                if value is None or not self.aliases_state(value, tainted):
+                if value is None or not self.aliases_state(value, tainted, state=state):
                     continue
                 for target in targets:
                     for name in ast.walk(target):
                         if isinstance(name, ast.Name) and name.id not in tainted and name.id != "self":
                             tainted.add(name.id)
                             changed = True
+        return tainted
+
+    def _writes(self, root: ast.AST, tainted: set[str], *, state: bool, what: str) -> None:
+        """Refuse, in `root`, every in-place method, in-place function (`torch.Tensor.copy_(t, ...)`), subscript
+        store or augmented assignment into `what` (see `aliases_state`), and every `out=`."""
         c = self.c
-        for child in ast.walk(self.node):
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
-                if child.func.attr.endswith("_") and self.aliases_state(child.func.value, tainted):
-                    c.refuse(child, TAMPER, f".{child.func.attr}() changes the module's state in place")
-            if isinstance(child, ast.Call) and any(k.arg == "out" for k in child.keywords):
-                c.refuse(child, TAMPER, "out=: write results into new values, not into existing ones")
+        for child in ast.walk(root):
+            if isinstance(child, ast.Call):
+                func = child.func
+                callee = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+                if callee.endswith("_"):
+                    # what an in-place call writes: the tensor it is a method of, or the first argument of the
+                    # unbound or function form (`torch.Tensor.copy_(t, src)`, `torch.nn.init.zeros_(t)`)
+                    written = [func.value] if isinstance(func, ast.Attribute) else []
+                    written += child.args[:1] + [k.value for k in child.keywords if k.arg in FIRST_ARGUMENT]
+                    if any(self.aliases_state(w, tainted, state=state) for w in written):
+                        c.refuse(child, TAMPER, f".{callee}() changes {what} in place")
+                if state and any(k.arg == "out" for k in child.keywords):
+                    c.refuse(child, TAMPER, "out=: write results into new values, not into existing ones")
             stores = []
             if isinstance(child, ast.Assign):
                 stores = child.targets
@@ -352,8 +363,26 @@ class _Method:
             for target in stores:
                 inner = target.value if isinstance(target, ast.Subscript) else target
                 if (isinstance(target, ast.Subscript) or isinstance(child, ast.AugAssign)) and \
-                        self.aliases_state(inner, tainted):
-                    c.refuse(child, TAMPER, "a store into the module's state (or a view of it)")
+                        self.aliases_state(inner, tainted, state=state):
+                    c.refuse(child, TAMPER, f"a store into {what} (or a view of it)")
+
+    def state_writes(self) -> None:
+        """A candidate changes its own locals only: no in-place method, subscript store, augmented assignment or
+        `out=` into the module's state, whether named from self or through a local bound to a view of it
+        (`w = self.p.view(torch.int32); w[0] = ...`; `w = self.p.float(); w.mul_(2)`: float() of an fp32
+        tensor is the tensor itself), nor through the unbound form (`torch.Tensor.copy_(self.p, x)`). A helper
+        (another method, a nested function, a lambda) changes none of its arguments in place either: a caller may
+        hand it the module's state (`bump(self.p)`), and the judge sees only what forward's own inputs become."""
+        self._writes(self.node, self._bound_to(self.node, set(), state=True), state=True, what="the module's state")
+        helpers = [n for n in ast.walk(self.node) if isinstance(n, ast.FunctionDef | ast.Lambda) and n is not self.node]
+        if self.node.name != "forward":
+            helpers.append(self.node)
+        for helper in helpers:
+            a = helper.args
+            params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x} - {"self"}
+            if params:
+                self._writes(helper, self._bound_to(helper, params, state=False), state=False,
+                             what="an argument of a helper")
 
     def self_path(self, node: ast.AST) -> str | None:
         """The dotted path below self of a chain rooted at self or at an alias of a part of the module."""

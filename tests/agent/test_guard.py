@@ -99,6 +99,22 @@ CHEATS = {  # name: (extra module-level line, forward body, the class and words 
                                    (REACH, "overrides nn.Module")),
     "a decorator": ("", "        return a\n\n    @staticmethod\n    def helper(x):\n        return x\n",
                     (IMPORT_TIME, "decorator")),
+    # round 3 of held-out attacks: the state written through a form the guard did not read
+    "the unbound in-place form": (
+        "", "        torch.Tensor.copy_(self.s1.view(-1), self.s1.view(-1) * 1.00005)\n        return a\n",
+        (TAMPER, ".copy_() changes the module's state in place")),
+    "an in-place init function": ("", "        torch.nn.init.zeros_(self.b1)\n        return a\n",
+                                  (TAMPER, ".zeros_() changes the module's state in place")),
+    "a nested helper that changes its argument in place": (
+        "", "        def bump(t):\n            t.mul_(1.00005)\n        bump(self.s1)\n        return a\n",
+        (TAMPER, ".mul_() changes an argument of a helper in place")),
+    "a helper method that stores into a view of its argument": (
+        "", "        self.bump(self.s1)\n        return a\n\n    def bump(self, t):\n        v = t.view(-1)\n"
+        "        v[0] = v[0] * 1.00005\n",
+        (TAMPER, "a store into an argument of a helper")),
+    "a lambda that changes its argument in place": (
+        "", "        f = lambda t: t.add_(1e-6)\n        f(self.b2)\n        return a\n",
+        (TAMPER, ".add_() changes an argument of a helper in place")),
 }
 
 
