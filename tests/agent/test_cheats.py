@@ -336,6 +336,25 @@ PREDICTABLE = {
 }
 
 
+# issue 54, round 3: writes into the module's own tensors below every tolerance, in spellings the guard does not read
+# (a held-out reader of the guard found over 40); torch's version counters see each one, whatever its size
+WRITES_IN_PLACE = {
+    "a parameter nudged by 1e-12 through a detached alias": "self.residual_bias.detach().add_(1e-12)",
+    "a parameter renormalised in place by F.embedding's max_norm": (
+        "torch.nn.functional.embedding(torch.zeros(1, dtype=torch.long), self.residual_bias[None],\n"
+        "                              max_norm=float(self.residual_bias.norm()) * (1 - 1e-9))"),
+    "a frozen parameter nudged where it is frozen": (
+        "if not self.residual_scale.requires_grad:\n    self.residual_scale.add_(1e-12)"),
+}
+
+
+@pytest.mark.parametrize("attack", list(WRITES_IN_PLACE))
+def test_a_candidate_that_writes_its_own_state_below_every_tolerance_is_refused(attack, sandbox):
+    # the write first, then the output again: autograd would refuse a tensor it saved changing under it
+    result = unguarded(sandbox, candidate(f"{WRITES_IN_PLACE[attack]}\nout = {RIGHT}"))
+    assert not result["passed"] and "in place, where the module changes nothing" in result["note"], result["note"]
+
+
 @pytest.mark.parametrize("attack", list(PREDICTABLE))
 def test_a_candidate_right_only_where_it_expects_to_be_looked_at_is_refused(attack, sandbox):
     body, words = PREDICTABLE[attack]

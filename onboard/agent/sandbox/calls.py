@@ -8,6 +8,7 @@ judge's cotangents; what it yields is the same set of tensors on both sides, nam
     call.state()          # {"s:<param or buffer>": ...} after the call
     call.drew             # whether an unseeded call drew from torch's generator (evaluation mode must not)
     call.stream           # where a seeded call left the generator: both sides draw alike or not at all
+    call.written          # the parameters, buffers and inputs the call changed in place (their version counters)
     call.second(cots, seed)  # {"h:input 0": ..., "h:<param>": ...}: second derivatives (below)
 
     sequence(module, batches, seed=..., rng=...)   # one module called again and again, as training uses it
@@ -65,6 +66,7 @@ class Call:
         self.params = list(module.parameters())
         self.drew = False
         self.stream = ""
+        self.written: list[str] = []
 
     def _given(self, t):
         """A module receives activations, not leaves: a copy of a leaf that needs a gradient (which reaches the
@@ -83,9 +85,12 @@ class Call:
             torch.default_generator.manual_seed(int(self.rng))  # devices, reading the stack, which is refused)
         before = torch.default_generator.get_state()
         self.given = []
+        watched = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         with (torch.inference_mode() if self.inference else torch.set_grad_enabled(self.grad),
               torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast)):
             args, kwargs = map_leaves(self._given, self.args), map_leaves(self._given, self.kwargs)
+            watched.update({f"input {i}": t for i, t in enumerate(self.given)})
+            versions = {name: _version(t) for name, t in watched.items()}
             out = self.module(*args, **kwargs)
         # an unseeded call that draws is noise no test can pin down, and it moves the stream of whatever draws next
         after = torch.default_generator.get_state()
@@ -94,6 +99,9 @@ class Call:
         self.outputs = floats(out)
         if self.cotangents is not None:
             self.backward(self.cotangents)
+        # what the call wrote in place, by torch's own count (every in-place op on a tensor or a view of it, in any
+        # spelling, moves its version): a change below the tolerance, a mark in the low bits, shows here exactly
+        self.written = sorted(name for name, t in watched.items() if _version(t) != versions[name])
         return out
 
     def _paired(self, cotangents) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -146,6 +154,14 @@ class Call:
         out.update({f"s:{n}": b for n, b in self.module.named_buffers()})
         out.update({f"s:input {i}": t for i, t in enumerate(self.given or self.inputs)})
         return out
+
+
+def _version(t: torch.Tensor) -> int:
+    """A tensor's in-place version (-1 for an inference tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def cotangents_for(outputs, seed: int):

@@ -169,7 +169,8 @@ class Server:
         self.calls[int(header["id"])] = call
         while len(self.calls) > KEEP:
             self.calls.popitem(last=False)
-        self.reply({"outputs": structure, "drew": call.drew, "stream": call.stream, "once": once}, sent)
+        self.reply({"outputs": structure, "drew": call.drew, "stream": call.stream, "once": once,
+                    "written": call.written}, sent)
 
     def backward(self, header: dict, tensors: dict) -> None:
         call = self.calls.pop(int(header["id"]))

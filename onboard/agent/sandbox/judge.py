@@ -20,11 +20,12 @@ gives), and with the parameters frozen as a LoRA fine-tune leaves them (the bf16
 autocast case's evaluation calls). Every case runs in evaluation and in training
 mode (torch's generator seeded alike on both sides, and left where the module leaves it), each with gradients and
 again without (no_grad in training, inference_mode in evaluation); one case compares second derivatives in both
-modes, and one module object is called 20 times (`calls.sequence`). Every output,
-input gradient, parameter gradient, and the parameters, buffers and inputs after the call (a change in place is
-a change to the caller's tensors) must be within TOLERANCE of the module's, relative to each tensor's largest
-value (integer outputs exactly), and a call in evaluation mode may draw from torch's generator only where the
-module does. The timing run's outputs and gradients are judged the same way before its time counts.
+modes, and one module object is called 20 times (`calls.sequence`). Every output, input gradient, parameter
+gradient, and the parameters, buffers and inputs after the call (a change in place is a change to the caller's
+tensors) must be within TOLERANCE of the module's, relative to each tensor's largest value (integer outputs
+exactly); the parameters, buffers and inputs a call changes in place must be those the module changes (torch's
+version counters: exact, however small the change); and a call in evaluation mode may draw from torch's
+generator only where the module does. The timing run's outputs and gradients are judged the same way before its time counts.
 
 The candidate fails on the first thing that is wrong, and the note says what, naming the class of failure:
 "wrong" (it computes something else), "refused by the sandbox" (what the audit hook stopped), "ran past"
@@ -306,11 +307,26 @@ class Judge:
                                       "frozen": frozen, "autocast": autocast}, tensors)
         _failed(round_, header)
         try:
+            written = header.get("written", [])
+            if not (isinstance(written, list) and all(isinstance(w, str) for w in written)):
+                raise wire.WireError("'written' is not a list of names")
             return wire.unpack(header["outputs"], got), {**got, "drew": header.get("drew") is True,
                                                          "stream": str(header.get("stream", "")),
-                                                         "once": header.get("once") is True}
+                                                         "once": header.get("once") is True, "written": written}
         except (wire.WireError, KeyError) as exc:
             raise Broken(f"an answer that is not one ({exc})") from None
+
+    @staticmethod
+    def _writes(where: str, got: dict, expected: list) -> None:
+        """Wrong where the candidate changed in place other parameters, buffers or inputs than the module did (by
+        torch's version counters: exact, however small the change)."""
+        mine, theirs = set(got.get("written", ())), set(expected or ())
+        if mine - theirs:
+            raise Wrong(f"{where}: it changes {', '.join(sorted(mine - theirs)[:4])} in place, where the module "
+                        f"changes {', '.join(sorted(theirs)) or 'nothing'}")
+        if theirs - mine:
+            raise Wrong(f"{where}: it does not change {', '.join(sorted(theirs - mine)[:4])} in place as the module "
+                        f"does")
 
     def _compare(self, where: str, ours, got: dict, theirs, theirs_tensors: dict, *, gradients: bool,
                  tolerance: dict | None = None, second: bool = False) -> dict:
@@ -410,6 +426,8 @@ class Judge:
                     except Wrong as exc:
                         measured[-1].update(exc.measured)
                         raise
+                    written = entry["modes"][mode].get("written") or {}
+                    self._writes(where, got, written.get("grad"))
                     if mode == "eval":
                         firsts.append(wire.leaves(theirs)[:1])
                     if got.get("drew") and not entry["modes"][mode].get("drew"):
@@ -424,6 +442,7 @@ class Judge:
                                            rng=rng, cotangents=None, inference=mode == "eval", **how)
                     self._compare(f"{where}, without gradients", ours, got, theirs, theirs_tensors,
                                   gradients=False, tolerance=tolerance)
+                    self._writes(f"{where}, without gradients", got, written.get("no_grad"))
                     if entry["modes"][mode].get("second"):
                         ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train",
                                                grad=True, rng=rng, cotangents=cotangents, second=case["second"],
@@ -433,6 +452,7 @@ class Judge:
                         else:
                             self._compare(f"{where}, second derivatives", ours, got, theirs, theirs_tensors,
                                           gradients=False, tolerance=tolerance, second=True)
+                        self._writes(f"{where}, second derivatives", got, written.get("grad"))
             if reference.get("sequence"):
                 extra["sequence"] = {"calls": SEQUENCE_CALLS,
                                      **self._sequence(round_, reference["cases"][:2], tensors, asked)}

@@ -149,7 +149,8 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
         twice = Call(fresh, args, kwargs, rng=probe.rng, **how)
         twice.run()
         named.update(twice.second(cotangents, int(second)))
-    return {"named": named, "drew": probe.drew or call.drew, "stream": call.stream}
+    return {"named": named, "drew": probe.drew or call.drew, "stream": call.stream,
+            "written": {"grad": call.written, "no_grad": probe.written}}
 
 
 def _tolerance(run: dict, exact: dict) -> dict:
@@ -170,7 +171,7 @@ def _tolerance(run: dict, exact: dict) -> dict:
 
 def _packed(run: dict, prefix: str, tensors: dict, wire) -> dict:
     named = dict(run["named"])
-    entry = {"drew": run["drew"], "stream": run["stream"]}
+    entry = {"drew": run["drew"], "stream": run["stream"], "written": run["written"]}
     entry["outputs"], _ = wire.pack(named.pop("o"), tensors, prefix=f"{prefix}o")
     entry["cotangents"], _ = wire.pack(named.pop("c"), tensors, prefix=f"{prefix}c")
     tensors.update({f"{prefix}{k}": v for k, v in named.items()})
