@@ -28,6 +28,8 @@ class of attack it stops:
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import math
 from collections.abc import Iterable
 
@@ -48,6 +50,13 @@ view view_as reshape reshape_as t transpose permute flatten unflatten squeeze un
 select diagonal unfold chunk split tensor_split unbind movedim moveaxis swapaxes swapdims detach real contiguous
 to type type_as float double half bfloat16 int long bool byte char short values indices
 """.split())
+SAME_STORAGE |= {"ravel", "broadcast_to", "as_strided", "view_as_real", "view_as_complex", "alias", "hsplit",
+                 "vsplit", "dsplit", "split_with_sizes", "atleast_1d", "atleast_2d", "atleast_3d", "imag",
+                 "broadcast_tensors", "expand_copy"}
+# builtins that hand back (some of) what they are given: a container or an iterator of the module's state is state
+PASS_THROUGH = frozenset("zip enumerate iter next list tuple sorted reversed max min dict filter map".split())
+# keywords that make a function write into its tensor argument though its name does not end in _
+WRITING_KEYWORDS = {"inplace": "inplace=True", "max_norm": "max_norm= (F.embedding renormalises its weight in place)"}
 FUTURE = "__future__.annotations"
 # names that run code or reach past the tensor API, refused wherever they appear
 FORBIDDEN = frozenset("""
@@ -238,6 +247,21 @@ class _Checker:
         return path if is_entry(path) else ""
 
 
+@functools.lru_cache(maxsize=None)
+def _inplace_position(path: str) -> int | None:
+    """The position of `inplace` among a torch.nn.functional function's parameters (None: it takes none)."""
+    module, _, name = path.rpartition(".")
+    if module != "torch.nn.functional":
+        return None
+    import torch.nn.functional as F
+
+    try:
+        params = list(inspect.signature(getattr(F, name)).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
 class _Method:
     """One method of the class (nested functions and lambdas with it): its names, and each expression."""
 
@@ -246,6 +270,14 @@ class _Method:
         self.parents = {child: parent for parent in ast.walk(node) for child in ast.iter_child_nodes(parent)}
         self.bound: set[str] = set()
         self.aliases: dict[str, str] = {}  # local name -> the part of the module it names (mlp = self.router_mlp)
+        self.functions: dict = {}  # a local name -> the lambda or nested function it is bound to (once)
+        self._open: set = set()
+        for child in ast.walk(node):
+            if isinstance(child, ast.FunctionDef) and child is not node:
+                self.functions[child.name] = child
+            elif (isinstance(child, ast.Assign) and len(child.targets) == 1 and isinstance(child.targets[0], ast.Name)
+                  and isinstance(child.value, ast.Lambda)):
+                self.functions[child.targets[0].id] = child.value
 
     def check(self) -> None:
         c, node = self.c, self.node
@@ -302,18 +334,70 @@ class _Method:
 
     def aliases_state(self, node: ast.AST, tainted: set[str], *, state: bool = True) -> bool:
         """Whether `node` may be (a view of) the module's state (`state`) or of a name in `tainted`: a chain from
-        self, from a part of the module or from such a name, through attributes, subscripts and calls of methods
-        that return a view or the tensor itself."""
-        while True:
-            if isinstance(node, ast.Attribute | ast.Subscript | ast.Starred):
-                node = node.value
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr in SAME_STORAGE):
-                node = node.func.value
-            elif isinstance(node, ast.Name):
-                return node.id in tainted or (state and (node.id == "self" or node.id in self.aliases))
-            else:
-                return False
+        self, from a part of the module or from such a name, through attributes, subscripts, views in method,
+        function or unbound form (`w.view(...)`, `torch.flatten(w)`, `torch.Tensor.view(w, ...)`), containers and
+        what picks from them (a tuple, `x if c else y`, `a or b`, `zip`, `max`, a dict's `.get`), and calls of the
+        candidate's own helpers (a lambda or method may return the state it reads)."""
+        if isinstance(node, ast.Attribute | ast.Subscript | ast.Starred):
+            return self.aliases_state(node.value, tainted, state=state)
+        if isinstance(node, ast.Name):
+            return node.id in tainted or (state and (node.id == "self" or node.id in self.aliases))
+        if isinstance(node, ast.NamedExpr):
+            return self.aliases_state(node.value, tainted, state=state)
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(self.aliases_state(e, tainted, state=state) for e in node.elts)
+        if isinstance(node, ast.Dict):
+            return any(self.aliases_state(v, tainted, state=state) for v in node.values)
+        if isinstance(node, ast.IfExp):
+            return any(self.aliases_state(e, tainted, state=state) for e in (node.body, node.orelse))
+        if isinstance(node, ast.BoolOp):
+            return any(self.aliases_state(e, tainted, state=state) for e in node.values)
+        if isinstance(node, ast.ListComp | ast.GeneratorExp | ast.SetComp):
+            return self.aliases_state(node.elt, tainted | self._comprehension_targets(node, tainted, state),
+                                      state=state)
+        if not isinstance(node, ast.Call):
+            return False
+        func, passed = node.func, [*node.args, *(k.value for k in node.keywords)]
+        if isinstance(func, ast.Attribute):
+            if func.attr in SAME_STORAGE or func.attr in ("get", "pop", "values", "items"):
+                # w.view(...), and torch.flatten(w) / torch.Tensor.view(w, ...): the tensor first either way
+                return (self.aliases_state(func.value, tainted, state=state)
+                        or any(self.aliases_state(a, tainted, state=state) for a in node.args[:1]))
+            root, _ = _chain(func)
+            # a method of the candidate's own (self.helper(...)) may return what it reads
+            return isinstance(root, ast.Name) and root.id == "self" and state
+        if isinstance(func, ast.Name):
+            if func.id in PASS_THROUGH:
+                return any(self.aliases_state(a, tainted, state=state) for a in passed)
+            local = self.functions.get(func.id)
+            if local is not None:  # a lambda or nested function: what it returns, its arguments as given
+                return self._returns_state(local, passed, tainted, state)
+            # a name bound some other way may hold any callable of the candidate's
+            return func.id in self.bound and func.id not in self.c.entries and func.id not in self.c.modules
+        return self.aliases_state(func, tainted, state=state)  # (f())(...)
+
+    def _returns_state(self, function, passed: list, tainted: set[str], state: bool) -> bool:
+        """Whether a call of the candidate's own `function` may return (a view of) the state: one of its returns
+        aliases it, its parameters counted as state where an argument passed is."""
+        if function in self._open:  # recursion: no more than it already says
+            return False
+        a = function.args
+        params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x} - {"self"}
+        seed = tainted | (params if any(self.aliases_state(p, tainted, state=state) for p in passed) else set())
+        returns = [function.body] if isinstance(function, ast.Lambda) else [
+            n.value for n in ast.walk(function) if isinstance(n, ast.Return) and n.value is not None]
+        self._open.add(function)
+        try:
+            return any(self.aliases_state(r, seed, state=state) for r in returns)
+        finally:
+            self._open.discard(function)
+
+    def _comprehension_targets(self, node, tainted: set[str], state: bool) -> set[str]:
+        names = set()
+        for generator in node.generators:
+            if self.aliases_state(generator.iter, tainted | names, state=state):
+                names |= {n.id for n in ast.walk(generator.target) if isinstance(n, ast.Name)}
+        return names
 
     def _bound_to(self, root: ast.AST, seed: set[str], *, state: bool) -> set[str]:
         """`seed` and the names in `root` bound to (a view of) one of them or, with `state`, of the module's state,
@@ -350,11 +434,32 @@ class _Method:
                     # what an in-place call writes: the tensor it is a method of, or the first argument of the
                     # unbound or function form (`torch.Tensor.copy_(t, src)`, `torch.nn.init.zeros_(t)`)
                     written = [func.value] if isinstance(func, ast.Attribute) else []
-                    written += child.args[:1] + [k.value for k in child.keywords if k.arg in FIRST_ARGUMENT]
+                    written += child.args[:1] + [k.value for k in child.keywords
+                                                 if k.arg in FIRST_ARGUMENT or not child.args]
                     if any(self.aliases_state(w, tainted, state=state) for w in written):
                         c.refuse(child, TAMPER, f".{callee}() changes {what} in place")
                 if state and any(k.arg == "out" for k in child.keywords):
                     c.refuse(child, TAMPER, "out=: write results into new values, not into existing ones")
+                if state and any(k.arg is None for k in child.keywords):
+                    c.refuse(child, TAMPER, "**: name a call's keywords (a dict of them can hold out=)")
+                position = _inplace_position(c.resolve_entry(func)) if state else None
+                if position is not None and len(child.args) > position and not (
+                        isinstance(child.args[position], ast.Constant) and child.args[position].value in (False, None)):
+                    c.refuse(child, TAMPER, f"{WRITING_KEYWORDS['inplace']}: write results into new values")
+                for k in child.keywords:
+                    if state and k.arg in WRITING_KEYWORDS and not (isinstance(k.value, ast.Constant)
+                                                                    and k.value.value in (False, None)):
+                        c.refuse(child, TAMPER, f"{WRITING_KEYWORDS[k.arg]}: write results into new values")
+            if (state and isinstance(child, ast.Name) and child.id.endswith("_") and not child.id.startswith("_")
+                    and isinstance(child.ctx, ast.Load)
+                    and not (isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child)):
+                c.refuse(child, TAMPER, f"{child.id} taken as a value: an in-place function is called where it is "
+                                        f"named")
+            if (state and isinstance(child, ast.Attribute) and child.attr.endswith("_")
+                    and not child.attr.startswith("_")
+                    and not (isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child)):
+                c.refuse(child, TAMPER, f".{child.attr} taken as a value: an in-place method is called where it is "
+                                        f"named, on a tensor of the call's own")
             stores = []
             if isinstance(child, ast.Assign):
                 stores = child.targets

@@ -112,6 +112,37 @@ CHEATS = {  # name: (extra module-level line, forward body, the class and words 
         "", "        self.bump(self.s1)\n        return a\n\n    def bump(self, t):\n        v = t.view(-1)\n"
         "        v[0] = v[0] * 1.00005\n",
         (TAMPER, "a store into an argument of a helper")),
+    # a held-out reader of the rules above: the state reached through what the guard did not follow (one per class)
+    "a write through a tuple of the state": ("", "        t = (self.b1,)\n        t[0].mul_(2)\n        return a\n",
+                                             (TAMPER, ".mul_() changes the module's state in place")),
+    "a write through a loop over the state": (
+        "", "        for p in (self.b1, self.b2):\n            p.add_(1)\n        return a\n",
+        (TAMPER, ".add_() changes the module's state in place")),
+    "a write through a conditional expression": ("", "        (self.b1 if a.dim() else a).add_(1)\n        return a\n",
+                                                 (TAMPER, ".add_() changes the module's state in place")),
+    "a write through a view in function form": ("", "        torch.flatten(self.b1).add_(1)\n        return a\n",
+                                                (TAMPER, ".add_() changes the module's state in place")),
+    "a write through a view in unbound form": ("", "        v = torch.Tensor.view(self.b1, -1)\n        v[0] = 1.0\n"
+                                               "        return a\n", (TAMPER, "a store into the module's state")),
+    "a write through a lambda that returns the state": (
+        "", "        g = lambda: self.b1\n        g().add_(1)\n        return a\n",
+        (TAMPER, ".add_() changes the module's state in place")),
+    "a write through a method that returns the state": (
+        "", "        self.get().add_(1)\n        return a\n\n    def get(self):\n        return self.b1\n",
+        (TAMPER, ".add_() changes the module's state in place")),
+    "an in-place method taken as a value": ("", "        list(map(torch.Tensor.zero_, [self.b1]))\n        return a\n",
+                                            (TAMPER, ".zero_ taken as a value")),
+    "a functional's inplace flag given by position": ("", "        F.dropout(self.b1, 0.1, True, True)\n        return a\n",
+                                                      (TAMPER, "inplace=True")),
+    "F.embedding's max_norm": (
+        "", "        F.embedding(torch.zeros(1, dtype=torch.long), self.mlp.fc1.weight, max_norm=1.0)\n        return a\n",
+        (TAMPER, "max_norm=")),
+    "out= in a dict of keywords": ("", "        torch.add(self.b1, 1, **{'out': self.b1})\n        return a\n",
+                                   (TAMPER, "**: name a call's keywords")),
+    "an in-place function's tensor given by keyword": (
+        "from runtime.moe.sparse_mixer import jitter_input_\n",
+        "        jitter_input_(hidden=self.b1, noise=0.1)\n        return a\n",
+        (TAMPER, ".jitter_input_() changes the module's state in place")),
     "a lambda that changes its argument in place": (
         "", "        f = lambda t: t.add_(1e-6)\n        f(self.b2)\n        return a\n",
         (TAMPER, ".add_() changes an argument of a helper in place")),
@@ -126,6 +157,14 @@ def _with(extra: str, body: str) -> str:
 
 def test_a_right_candidate_passes():
     assert check(RIGHT, STATE) == []
+
+
+def test_in_place_work_on_the_calls_own_tensors_passes():
+    """What honest code writes in place: tensors it made itself, a helper's result, a clone of its input."""
+    body = ("        out = torch.zeros_like(a)\n        out.add_(b)\n        f = lambda t: t * 2\n        y = f(a)\n"
+            "        y += 1\n        c = a.clone()\n        c.mul_(2)\n        x = a\n        for p in (self.s1, self.s2):\n"
+            "            x = x * p\n        return out + y + c + x\n")
+    assert check(_with("", body), STATE) == []
 
 
 @pytest.mark.parametrize("cheat", list(CHEATS))
