@@ -28,7 +28,7 @@ TORCH = frozenset("""
 abs absolute acos acosh add addcdiv addcmul addmm amax amin aminmax any all arange argmax argmin argsort asin
 asinh atan atan2 atanh baddbmm bernoulli bmm broadcast_tensors broadcast_to bucketize cat ceil chunk clamp
 clamp_max clamp_min clip clone concat concatenate cos cosh count_nonzero cummax cummin cumprod cumsum diag
-diag_embed diagonal diff div divide dot einsum empty empty_like eq erf erfc erfinv exp exp2 expm1 eye flatten
+diag_embed diagonal diff div divide dot einsum eq erf erfc erfinv exp exp2 expm1 eye flatten
 flip floor floor_divide fmod frac full full_like gather ge gt hypot index_add index_select isclose isfinite
 isinf isnan kron le lerp lgamma linspace log log10 log1p log2 log_softmax logaddexp logcumsumexp logical_and
 logical_not logical_or logical_xor logit logsumexp lt masked_fill masked_select matmul max maximum mean median
@@ -78,7 +78,7 @@ isfinite isinf isnan item itemsize kthvalue le lerp lerp_ lgamma log log10 log1p
 logaddexp logcumsumexp logical_and logical_not logical_or logical_xor logit logsumexp long lt masked_fill
 masked_fill_ masked_scatter masked_select matmul max maximum mean median min minimum mm mode moveaxis movedim
 mul mul_ multinomial multiply mv nan_to_num nanmean nansum narrow ndim ndimension ne neg neg_ negative nelement
-new_empty new_full new_ones new_tensor new_zeros nonzero norm normal_ numel outer permute pow pow_ prod
+new_full new_ones new_tensor new_zeros nonzero norm normal_ numel outer permute pow pow_ prod
 random_ ravel real reciprocal reciprocal_ relu relu_ remainder repeat repeat_interleave requires_grad
 reshape reshape_as roll round rsqrt rsqrt_ scatter scatter_ scatter_add
 scatter_add_ scatter_reduce select shape short sigmoid sigmoid_ sign sin sinh size softmax sort split sqrt

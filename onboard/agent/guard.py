@@ -54,9 +54,13 @@ SAME_STORAGE |= {"ravel", "broadcast_to", "as_strided", "view_as_real", "view_as
                  "vsplit", "dsplit", "split_with_sizes", "atleast_1d", "atleast_2d", "atleast_3d", "imag",
                  "broadcast_tensors", "expand_copy"}
 # builtins that hand back (some of) what they are given: a container or an iterator of the module's state is state
-PASS_THROUGH = frozenset("zip enumerate iter next list tuple sorted reversed max min dict filter map".split())
+PASS_THROUGH = frozenset("zip enumerate iter next list tuple sorted reversed max min dict filter map sum".split())
+# functions that may hand back any tensor argument itself or a view of it (dropout in evaluation mode)
+ANY_ARGUMENT = frozenset("einsum broadcast_tensors dropout dropout1d dropout2d dropout3d alpha_dropout "
+                         "feature_alpha_dropout atleast_1d atleast_2d atleast_3d".split())
 # keywords that make a function write into its tensor argument though its name does not end in _
-WRITING_KEYWORDS = {"inplace": "inplace=True", "max_norm": "max_norm= (F.embedding renormalises its weight in place)"}
+WRITING_KEYWORDS = {"inplace": "inplace=True", "max_norm": "max_norm= (F.embedding renormalises its weight in place)",
+                    "out": "out= (by position)"}
 FUTURE = "__future__.annotations"
 # names that run code or reach past the tensor API, refused wherever they appear
 FORBIDDEN = frozenset("""
@@ -98,6 +102,8 @@ class _Checker:
         self.entries: dict[str, str] = {}  # bound name -> entry path
         self.constants: set[str] = set()
         self.methods: set[str] = set()
+        self.method_nodes: dict[str, ast.FunctionDef] = {}
+        self.open_functions: set = set()  # the candidate's functions being read for what they return (recursion)
         self.class_constants: set[str] = set()
 
     def refuse(self, node: ast.AST, kind: str, what: str) -> None:
@@ -223,6 +229,7 @@ class _Checker:
                 else:
                     methods.append(item)
                     self.methods.add(item.name)
+                    self.method_nodes[item.name] = item
             else:
                 self.refuse(item, IMPORT_TIME, f"{type(item).__name__} in the class body: only methods and constants")
         if "forward" not in self.methods:
@@ -248,18 +255,20 @@ class _Checker:
 
 
 @functools.lru_cache(maxsize=None)
-def _inplace_position(path: str) -> int | None:
-    """The position of `inplace` among a torch.nn.functional function's parameters (None: it takes none)."""
+def _writing_positions(path: str) -> dict[str, int]:
+    """Where a torch or torch.nn.functional function written in Python takes a parameter that makes it write into
+    a tensor it is given (`inplace`, `out`, `max_norm`): {name: position}."""
     module, _, name = path.rpartition(".")
-    if module != "torch.nn.functional":
-        return None
+    if module not in ("torch", "torch.nn.functional"):
+        return {}
+    import torch
     import torch.nn.functional as F
 
     try:
-        params = list(inspect.signature(getattr(F, name)).parameters)
+        params = list(inspect.signature(getattr(F if module.endswith("functional") else torch, name)).parameters)
     except (AttributeError, TypeError, ValueError):
-        return None
-    return params.index("inplace") if "inplace" in params else None
+        return {}
+    return {p: params.index(p) for p in ("inplace", "out", "max_norm") if p in params}
 
 
 class _Method:
@@ -270,14 +279,13 @@ class _Method:
         self.parents = {child: parent for parent in ast.walk(node) for child in ast.iter_child_nodes(parent)}
         self.bound: set[str] = set()
         self.aliases: dict[str, str] = {}  # local name -> the part of the module it names (mlp = self.router_mlp)
-        self.functions: dict = {}  # a local name -> the lambda or nested function it is bound to (once)
-        self._open: set = set()
+        self.functions: dict = {}  # a local name -> the lambdas and nested functions bound to it
         for child in ast.walk(node):
             if isinstance(child, ast.FunctionDef) and child is not node:
-                self.functions[child.name] = child
+                self.functions.setdefault(child.name, []).append(child)
             elif (isinstance(child, ast.Assign) and len(child.targets) == 1 and isinstance(child.targets[0], ast.Name)
                   and isinstance(child.value, ast.Lambda)):
-                self.functions[child.targets[0].id] = child.value
+                self.functions.setdefault(child.targets[0].id, []).append(child.value)
 
     def check(self) -> None:
         c, node = self.c, self.node
@@ -352,6 +360,14 @@ class _Method:
             return any(self.aliases_state(e, tainted, state=state) for e in (node.body, node.orelse))
         if isinstance(node, ast.BoolOp):
             return any(self.aliases_state(e, tainted, state=state) for e in node.values)
+        if isinstance(node, ast.Lambda):  # a function that returns the state it closes over is as good as it
+            return self._returns_state(node, [], tainted, state)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult) and any(
+                isinstance(side, ast.List | ast.Tuple | ast.ListComp) for side in (node.left, node.right)):
+            return any(self.aliases_state(side, tainted, state=state) for side in (node.left, node.right))
+        if isinstance(node, ast.DictComp):
+            return self.aliases_state(node.value, tainted | self._comprehension_targets(node, tainted, state),
+                                      state=state)
         if isinstance(node, ast.ListComp | ast.GeneratorExp | ast.SetComp):
             return self.aliases_state(node.elt, tainted | self._comprehension_targets(node, tainted, state),
                                       state=state)
@@ -359,38 +375,50 @@ class _Method:
             return False
         func, passed = node.func, [*node.args, *(k.value for k in node.keywords)]
         if isinstance(func, ast.Attribute):
-            if func.attr in SAME_STORAGE or func.attr in ("get", "pop", "values", "items"):
+            if func.attr in ANY_ARGUMENT or func.attr in ("get", "pop", "setdefault"):
+                return any(self.aliases_state(x, tainted, state=state) for x in (func.value, *passed))
+            if func.attr in SAME_STORAGE or func.attr in ("values", "items"):
                 # w.view(...), and torch.flatten(w) / torch.Tensor.view(w, ...): the tensor first either way
                 return (self.aliases_state(func.value, tainted, state=state)
                         or any(self.aliases_state(a, tainted, state=state) for a in node.args[:1]))
-            root, _ = _chain(func)
-            # a method of the candidate's own (self.helper(...)) may return what it reads
-            return isinstance(root, ast.Name) and root.id == "self" and state
+            # a method of the candidate's own (self.helper(...)) returns what its returns say
+            own = self.c.method_nodes.get(func.attr) if isinstance(func.value, ast.Name) and func.value.id == "self" \
+                else None
+            return own is not None and self._returns_state(own, passed, tainted, state)
         if isinstance(func, ast.Name):
             if func.id in PASS_THROUGH:
                 return any(self.aliases_state(a, tainted, state=state) for a in passed)
-            local = self.functions.get(func.id)
-            if local is not None:  # a lambda or nested function: what it returns, its arguments as given
-                return self._returns_state(local, passed, tainted, state)
+            locals_ = self.functions.get(func.id)
+            if locals_:  # a lambda or nested function (any one bound to the name): what it returns, as called
+                return any(self._returns_state(f, passed, tainted, state) for f in locals_)
             # a name bound some other way may hold any callable of the candidate's
             return func.id in self.bound and func.id not in self.c.entries and func.id not in self.c.modules
-        return self.aliases_state(func, tainted, state=state)  # (f())(...)
+        if isinstance(func, ast.Lambda):
+            return self._returns_state(func, passed, tainted, state)
+        return self.aliases_state(func, tainted, state=state)  # (f())(...), g[0]()
 
     def _returns_state(self, function, passed: list, tainted: set[str], state: bool) -> bool:
-        """Whether a call of the candidate's own `function` may return (a view of) the state: one of its returns
-        aliases it, its parameters counted as state where an argument passed is."""
-        if function in self._open:  # recursion: no more than it already says
+        """Whether a call of the candidate's own `function` (a lambda, a nested function, another method) may return
+        (a view of) the state: one of its returns aliases it, read where it is defined, its parameters counted
+        as state where an argument passed is."""
+        opened = self.c.open_functions
+        if function in opened:  # recursion: no more than it already says
             return False
         a = function.args
         params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x} - {"self"}
-        seed = tainted | (params if any(self.aliases_state(p, tainted, state=state) for p in passed) else set())
+        given = params if any(self.aliases_state(p, tainted, state=state) for p in passed) else set()
+        reader = self
+        if isinstance(function, ast.FunctionDef) and self.c.method_nodes.get(function.name) is function:
+            reader = _Method(self.c, function)  # another method: its own names and aliases
+            reader.names()
         returns = [function.body] if isinstance(function, ast.Lambda) else [
             n.value for n in ast.walk(function) if isinstance(n, ast.Return) and n.value is not None]
-        self._open.add(function)
+        opened.add(function)
         try:
-            return any(self.aliases_state(r, seed, state=state) for r in returns)
+            seed = reader._bound_to(function, (tainted if reader is self else set()) | given, state=state)
+            return any(reader.aliases_state(r, seed, state=state) for r in returns)
         finally:
-            self._open.discard(function)
+            opened.discard(function)
 
     def _comprehension_targets(self, node, tainted: set[str], state: bool) -> set[str]:
         names = set()
@@ -442,15 +470,20 @@ class _Method:
                     c.refuse(child, TAMPER, "out=: write results into new values, not into existing ones")
                 if state and any(k.arg is None for k in child.keywords):
                     c.refuse(child, TAMPER, "**: name a call's keywords (a dict of them can hold out=)")
-                position = _inplace_position(c.resolve_entry(func)) if state else None
-                if position is not None and len(child.args) > position and not (
-                        isinstance(child.args[position], ast.Constant) and child.args[position].value in (False, None)):
-                    c.refuse(child, TAMPER, f"{WRITING_KEYWORDS['inplace']}: write results into new values")
+                positions = _writing_positions(c.resolve_entry(func)) if state else {}
+                for param, position in positions.items():
+                    given = child.args[:position + 1]
+                    if any(isinstance(x, ast.Starred) for x in given):
+                        c.refuse(child, TAMPER, f"* before {param}: name what a writing parameter gets")
+                    elif len(child.args) > position and not (isinstance(child.args[position], ast.Constant)
+                                                             and child.args[position].value in (False, None)):
+                        c.refuse(child, TAMPER, f"{WRITING_KEYWORDS.get(param, param + '=')}: write results into "
+                                                f"new values")
                 for k in child.keywords:
                     if state and k.arg in WRITING_KEYWORDS and not (isinstance(k.value, ast.Constant)
                                                                     and k.value.value in (False, None)):
                         c.refuse(child, TAMPER, f"{WRITING_KEYWORDS[k.arg]}: write results into new values")
-            if (state and isinstance(child, ast.Name) and child.id.endswith("_") and not child.id.startswith("_")
+            if (state and isinstance(child, ast.Name) and child.id.endswith("_") and c.resolve_entry(child)
                     and isinstance(child.ctx, ast.Load)
                     and not (isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child)):
                 c.refuse(child, TAMPER, f"{child.id} taken as a value: an in-place function is called where it is "
@@ -460,6 +493,10 @@ class _Method:
                     and not (isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child)):
                 c.refuse(child, TAMPER, f".{child.attr} taken as a value: an in-place method is called where it is "
                                         f"named, on a tensor of the call's own")
+            if (state and isinstance(child, ast.Assign | ast.NamedExpr)
+                    and _writing_positions(c.resolve_entry(child.value))):
+                c.refuse(child, TAMPER, f"{c.resolve_entry(child.value)} bound to a name: a function that can write "
+                                        f"into its arguments is called where it is named")
             stores = []
             if isinstance(child, ast.Assign):
                 stores = child.targets
@@ -615,6 +652,10 @@ class _Method:
 
     def call(self, node: ast.Call) -> None:
         func = node.func
+        if self.c.resolve_path(func) == "torch.Tensor":
+            self.c.refuse(node, TAMPER, "torch.Tensor(...): the legacy constructor aliases the tensor it is given or "
+                                        "hands back memory nobody wrote (state from an earlier call); use "
+                                        "torch.zeros or torch.tensor")
         if isinstance(func, ast.Name) and func.id in self.aliases:
             self.c.refuse(node, REACH, f"calling {func.id}, a part of the module (its forward is not yours)")
 

@@ -143,6 +143,23 @@ CHEATS = {  # name: (extra module-level line, forward body, the class and words 
         "from runtime.moe.sparse_mixer import jitter_input_\n",
         "        jitter_input_(hidden=self.b1, noise=0.1)\n        return a\n",
         (TAMPER, ".jitter_input_() changes the module's state in place")),
+    # a second reader: another method's own alias, the legacy constructor, memory nobody wrote
+    "a write through another method's local alias of the state": (
+        "", "        self.get().add_(1)\n        return a\n\n    def get(self):\n        w = self.b1\n        return w\n",
+        (TAMPER, ".add_() changes the module's state in place")),
+    "the legacy constructor, an alias of the state": (
+        "", "        v = torch.Tensor(self.b1)\n        v += 1\n        return a\n", (TAMPER, "the legacy constructor")),
+    "uninitialised memory, a counter that outlives the call": (
+        "", "        m = torch.empty(4099)\n        return a\n", (REACH, "torch.empty is not")),
+    "a write through a lambda called where it is written": ("", "        (lambda: self.b1)().add_(1)\n        return a\n",
+                                                            (TAMPER, ".add_() changes the module's state in place")),
+    "a write through dropout, which hands back its input in evaluation": (
+        "", "        F.dropout(self.b1, 0.1, self.training).zero_()\n        return a\n",
+        (TAMPER, ".zero_() changes the module's state in place")),
+    "out given by position": ("", "        F.normalize(self.b1, 2.0, 0, 1e-12, self.b1)\n        return a\n",
+                              (TAMPER, "out= (by position)")),
+    "a writing functional bound to a name": ("", "        f = F.relu\n        f(self.b1, True)\n        return a\n",
+                                             (TAMPER, "bound to a name")),
     "a lambda that changes its argument in place": (
         "", "        f = lambda t: t.add_(1e-6)\n        f(self.b2)\n        return a\n",
         (TAMPER, ".add_() changes an argument of a helper in place")),
@@ -163,7 +180,10 @@ def test_in_place_work_on_the_calls_own_tensors_passes():
     """What honest code writes in place: tensors it made itself, a helper's result, a clone of its input."""
     body = ("        out = torch.zeros_like(a)\n        out.add_(b)\n        f = lambda t: t * 2\n        y = f(a)\n"
             "        y += 1\n        c = a.clone()\n        c.mul_(2)\n        x = a\n        for p in (self.s1, self.s2):\n"
-            "            x = x * p\n        return out + y + c + x\n")
+            "            x = x * p\n        h = self.b1.clone()\n        h.mul_(2)\n        w = self.s1.exp()\n"
+            "        w[w > 10] = 10.0\n        m = self.gate(a)\n        m += 1\n        input_ = a * 2\n"
+            "        return out + y + c + x + h + w + m + input_\n"
+            "\n    def gate(self, x):\n        return x * self.s1\n")
     assert check(_with("", body), STATE) == []
 
 
