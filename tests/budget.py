@@ -27,10 +27,6 @@ class Shared:
     # a session fixture that makes one thing per parameter (a family's bundle): the tests of one parameter id run on
     # one worker, in every file that asks for it and is in no group of its own
     by_parameter: bool = False
-    one_worker: bool = False  # a session fixture made once for all its files: they run on one xdist worker
-    # a session fixture that makes one thing per parameter (a family's bundle): the tests of one parameter id run on
-    # one worker, in every file that asks for it and is in no group of its own
-    by_parameter: bool = False
 
 
 @dataclass(frozen=True)
