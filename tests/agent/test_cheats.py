@@ -348,6 +348,14 @@ WRITES_IN_PLACE = {
 }
 
 
+def test_a_write_only_at_the_timing_runs_width_is_refused(sandbox):
+    """The timing run is judged like a case, what it writes in place too: a candidate that writes its state only at
+    8x the twin's width (where no probe case looks) is refused there."""
+    code = candidate(f"if hidden_states.shape[-1] > 256:\n    self.residual_bias.detach().add_(1e-12)\nout = {RIGHT}")
+    result = unguarded(sandbox, code, speed=True)
+    assert not result["passed"] and "in place, where the module changes nothing" in result["note"], result["note"]
+
+
 @pytest.mark.parametrize("attack", list(WRITES_IN_PLACE))
 def test_a_candidate_that_writes_its_own_state_below_every_tolerance_is_refused(attack, sandbox):
     # the write first, then the output again: autograd would refuse a tensor it saved changing under it

@@ -491,6 +491,7 @@ class Judge:
                                    cotangents=wire.unpack(entry["cotangents"], tensors))
             measured = self._compare(f"{tokens} tokens at {width}x the twin's width", ours, got, theirs, tensors,
                                      gradients=True)
+            self._writes(f"{tokens} tokens at {width}x the twin's width", got, entry.get("written"))
             reference = self.sandbox.reference()
             once = _cpu(reference, lambda: self._reference({"op": "repeat", "times": 1}))
             calls = max(1, int(SAMPLE_SECONDS / max(once, 1e-4)))

@@ -282,6 +282,7 @@ def speed(request: dict, wire) -> tuple[dict, dict]:
     out = call.run()
     entry["outputs"], _ = wire.pack(out, tensors, prefix="o")
     entry["cotangents"], _ = wire.pack(cotangents, tensors, prefix="c")
+    entry["written"] = call.written
     tensors.update(call.grads())
     tensors.update(call.state())
     _SPEED["last"] = call
