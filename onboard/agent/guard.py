@@ -51,16 +51,14 @@ select diagonal unfold chunk split tensor_split unbind movedim moveaxis swapaxes
 to type type_as float double half bfloat16 int long bool byte char short values indices
 """.split())
 SAME_STORAGE |= {"ravel", "broadcast_to", "as_strided", "view_as_real", "view_as_complex", "alias", "hsplit",
-                 "vsplit", "dsplit", "split_with_sizes", "atleast_1d", "atleast_2d", "atleast_3d", "imag",
-                 "broadcast_tensors", "expand_copy"}
+                 "vsplit", "dsplit", "split_with_sizes", "imag", "expand_copy"}
 # builtins that hand back (some of) what they are given: a container or an iterator of the module's state is state
 PASS_THROUGH = frozenset("zip enumerate iter next list tuple sorted reversed max min dict filter map sum".split())
 # functions that may hand back any tensor argument itself or a view of it (dropout in evaluation mode)
 ANY_ARGUMENT = frozenset("einsum broadcast_tensors dropout dropout1d dropout2d dropout3d alpha_dropout "
                          "feature_alpha_dropout atleast_1d atleast_2d atleast_3d".split())
 # keywords that make a function write into its tensor argument though its name does not end in _
-WRITING_KEYWORDS = {"inplace": "inplace=True", "max_norm": "max_norm= (F.embedding renormalises its weight in place)",
-                    "out": "out= (by position)"}
+WRITING_KEYWORDS = {"inplace": "inplace=True", "max_norm": "max_norm= (F.embedding renormalises its weight in place)"}
 FUTURE = "__future__.annotations"
 # names that run code or reach past the tensor API, refused wherever they appear
 FORBIDDEN = frozenset("""
@@ -271,6 +269,17 @@ def _writing_positions(path: str) -> dict[str, int]:
     return {p: params.index(p) for p in ("inplace", "out", "max_norm") if p in params}
 
 
+def _parameters(function: ast.FunctionDef | ast.Lambda) -> set[str]:
+    """The names a function's parameters bind, self aside."""
+    a = function.args
+    return {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x} - {"self"}
+
+
+def _off(value: ast.AST) -> bool:
+    """A writing parameter given as False or None: it writes nothing."""
+    return isinstance(value, ast.Constant) and value.value in (False, None)
+
+
 class _Method:
     """One method of the class (nested functions and lambdas with it): its names, and each expression."""
 
@@ -404,8 +413,7 @@ class _Method:
         opened = self.c.open_functions
         if function in opened:  # recursion: no more than it already says
             return False
-        a = function.args
-        params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x} - {"self"}
+        params = _parameters(function)
         given = params if any(self.aliases_state(p, tainted, state=state) for p in passed) else set()
         reader = self
         if isinstance(function, ast.FunctionDef) and self.c.method_nodes.get(function.name) is function:
@@ -475,22 +483,19 @@ class _Method:
                     given = child.args[:position + 1]
                     if any(isinstance(x, ast.Starred) for x in given):
                         c.refuse(child, TAMPER, f"* before {param}: name what a writing parameter gets")
-                    elif len(child.args) > position and not (isinstance(child.args[position], ast.Constant)
-                                                             and child.args[position].value in (False, None)):
-                        c.refuse(child, TAMPER, f"{WRITING_KEYWORDS.get(param, param + '=')}: write results into "
-                                                f"new values")
+                    elif len(child.args) > position and not _off(child.args[position]):
+                        c.refuse(child, TAMPER, f"{WRITING_KEYWORDS.get(param, 'out= (by position)')}: write "
+                                                f"results into new values")
                 for k in child.keywords:
-                    if state and k.arg in WRITING_KEYWORDS and not (isinstance(k.value, ast.Constant)
-                                                                    and k.value.value in (False, None)):
+                    if state and k.arg in WRITING_KEYWORDS and not _off(k.value):
                         c.refuse(child, TAMPER, f"{WRITING_KEYWORDS[k.arg]}: write results into new values")
-            if (state and isinstance(child, ast.Name) and child.id.endswith("_") and c.resolve_entry(child)
-                    and isinstance(child.ctx, ast.Load)
-                    and not (isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child)):
+            called = isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child
+            if state and not called and isinstance(child, ast.Name) and child.id.endswith("_") \
+                    and isinstance(child.ctx, ast.Load) and c.resolve_entry(child):
                 c.refuse(child, TAMPER, f"{child.id} taken as a value: an in-place function is called where it is "
                                         f"named")
-            if (state and isinstance(child, ast.Attribute) and child.attr.endswith("_")
-                    and not child.attr.startswith("_")
-                    and not (isinstance(self.parents.get(child), ast.Call) and self.parents[child].func is child)):
+            if state and not called and isinstance(child, ast.Attribute) and child.attr.endswith("_") \
+                    and not child.attr.startswith("_"):
                 c.refuse(child, TAMPER, f".{child.attr} taken as a value: an in-place method is called where it is "
                                         f"named, on a tensor of the call's own")
             if (state and isinstance(child, ast.Assign | ast.NamedExpr)
@@ -520,8 +525,7 @@ class _Method:
         if self.node.name != "forward":
             helpers.append(self.node)
         for helper in helpers:
-            a = helper.args
-            params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x} - {"self"}
+            params = _parameters(helper)
             if params:
                 self._writes(helper, self._bound_to(helper, params, state=False), state=False,
                              what="an argument of a helper")

@@ -11,6 +11,8 @@ judge's cotangents; what it yields is the same set of tensors on both sides, nam
     call.written          # the parameters, buffers and inputs the call changed in place (their version counters)
     call.second(cots, seed)  # {"h:input 0": ..., "h:<param>": ...}: second derivatives (below)
 
+    Call(module, args, kwargs, **conditions(case, mode))   # frozen / autocast as a drawn case says
+
     sequence(module, batches, seed=..., rng=...)   # one module called again and again, as training uses it
 """
 
@@ -154,6 +156,11 @@ class Call:
         out.update({f"s:{n}": b for n, b in self.module.named_buffers()})
         out.update({f"s:input {i}": t for i, t in enumerate(self.given or self.inputs)})
         return out
+
+
+def conditions(case: dict, mode: str) -> dict:
+    """How a drawn case calls the module in `mode` (`Call`'s `frozen` and `autocast`), alike on both sides."""
+    return {"frozen": mode in case.get("frozen", ()), "autocast": bool(case.get("autocast"))}
 
 
 def _version(t: torch.Tensor) -> int:

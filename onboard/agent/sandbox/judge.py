@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from onboard.agent.sandbox import wire
-from onboard.agent.sandbox.calls import SEQUENCE_CALLS
+from onboard.agent.sandbox.calls import SEQUENCE_CALLS, conditions
 from onboard.agent.sandbox.process import Stopped, Worker
 
 TOLERANCE = 1e-4  # fp32, relative to the tensor's largest value: a reading of the wrong thing is off by O(1)
@@ -417,7 +417,7 @@ class Judge:
                     where = f"{describe(case)}, {mode} mode"
                     measured.append(record | {"mode": mode})
                     rng = case["rng"] if mode == "train" else None
-                    how = {"frozen": mode in case.get("frozen", ()), "autocast": bool(case.get("autocast"))}
+                    how = conditions(case, mode)
                     ours, got = self._call(round_, state, mine, args, kwargs, training=mode == "train", grad=True,
                                            rng=rng, cotangents=cotangents, **how)
                     try:

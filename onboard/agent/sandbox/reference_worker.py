@@ -131,13 +131,13 @@ def _judged(module, args, kwargs, case: dict, mode: str, cotangents=None) -> dic
     """Run one case in one mode: what the judge is sent, by name (outputs, cotangents, gradients, state after,
     second derivatives), and the outputs' structure. `cotangents` given: those (the fp64 run of a case in another
     dtype takes the case's own)."""
-    from onboard.agent.sandbox.calls import Call, cotangents_for
+    from onboard.agent.sandbox.calls import Call, conditions, cotangents_for
 
     module.train(mode == "train")
     second = case.get("second")
     fresh = copy.deepcopy(module) if second is not None else None  # before any call: a forward may change buffers
     graded = copy.deepcopy(module)
-    how = {"frozen": mode in case.get("frozen", ()), "autocast": bool(case.get("autocast"))}
+    how = conditions(case, mode)
     probe = Call(module, args, kwargs, grad=False, rng=case.get("rng") if mode == "train" else None, **how)
     out = probe.run()
     if cotangents is None:
