@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from predictors import workers
+from predictors import binning, workers
 from predictors.costmodel import Estimate, estimate
 from predictors.errors import PredictorError
 from predictors.features import FEATURES, RENAMED, Dataset, features, load_dataset
@@ -309,8 +309,9 @@ def fit(X: np.ndarray, y: np.ndarray, sources: list) -> HistGradientBoostingRegr
     model = HistGradientBoostingRegressor(max_iter=100, learning_rate=0.1, max_leaf_nodes=15, min_samples_leaf=8,
                                           l2_regularization=1.0, random_state=0)
     # one thread: these fits take a fraction of a second, and OpenMP threads on a busy machine make
-    # them take minutes (spin-waiting for cores other processes hold)
-    with threadpool_limits(1):
+    # them take minutes (spin-waiting for cores other processes hold); the weighted binning's percentiles in one
+    # call per feature (`predictors.binning`: the same thresholds)
+    with threadpool_limits(1), binning.vectorised():
         model.fit(X, y, sample_weight=_weights(sources))
     return model
 

@@ -205,9 +205,10 @@ def _why_not_small(source: ModelSource, cfg: dict, key: str | None) -> str | Non
         model = build_meta(source, cfg)
     except OnboardError as exc:
         return f"the config shrunk by field names does not build ({exc})"
-    table = getattr(model.get_input_embeddings(), "weight", None)
-    if table is not None and (table.shape[0] > SIZES["vocab"] or table.shape[-1] > SIZES["hidden"]):
-        return f"shrunk by field names, the input embedding is still {table.shape[0]} x {table.shape[-1]}"
+    for which, table in (("input embedding", model.get_input_embeddings()), ("output head", _output_head(model))):
+        table = getattr(table, "weight", None)
+        if table is not None and (table.shape[0] > SIZES["vocab"] or table.shape[-1] > SIZES["hidden"]):
+            return f"shrunk by field names, the {which} is still {table.shape[0]} x {table.shape[-1]}"
     try:
         _, stack = depth.decoder_stack(model, get(cfg, key) if key else None)
     except OnboardError:
@@ -218,6 +219,14 @@ def _why_not_small(source: ModelSource, cfg: dict, key: str | None) -> str | Non
     if biggest > LAYER_BUDGET:
         return f"shrunk by field names, a decoder layer still holds {biggest:,} parameters"
     return None
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head (its logits' width is the vocabulary it predicts), or None."""
+    try:
+        return model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _shortest_prefix(stack: nn.ModuleList) -> int:

@@ -65,8 +65,36 @@ def per_layer_lists(cfg: dict, num_layers: int) -> list[str]:
     ]
 
 
+def has(d: dict, path: str) -> bool:
+    """Whether a dotted path leads to a value."""
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
+
+
+def layer_keyed(d: dict, full_layers: int) -> bool:
+    """Whether a config dict is keyed by layer index: a dict of fields for each layer it overrides (Dots3's
+    ``per_layer_config``: {"02": {...}, "03": {...}}), as opposed to a dict of named fields or a table keyed by
+    other numbers (``id2label``: {"0": "LABEL_0", ...})."""
+    return bool(d) and all(str(k).isdigit() and int(k) < full_layers and isinstance(v, dict) for k, v in d.items())
+
+
+def _dicts(d: dict):
+    """Every dict nested in `d`, below it."""
+    for value in d.values():
+        if isinstance(value, dict):
+            yield value
+            yield from _dicts(value)
+
+
 def truncate_layers(cfg: dict, layers_key: str, full_layers: int, keep: int) -> None:
-    """Cut the config to its first `keep` layers: the layer count, per-layer lists and layer-index lists."""
+    """Cut the config to its first `keep` layers: the layer count, per-layer lists, layer-index lists and the
+    entries of dicts keyed by layer index."""
+    for d in [d for d in _dicts(cfg) if layer_keyed(d, full_layers)]:
+        for k in [k for k in d if int(k) >= keep]:
+            del d[k]
     for path, key, value in list(walk(cfg)):
         if is_index_list(key, value):
             one_based = max(value) == full_layers

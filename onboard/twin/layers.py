@@ -32,21 +32,48 @@ def _attr_fingerprint(module: nn.Module) -> list[str]:
     return out
 
 
-def layer_signature(layer: nn.Module, per_layer_values: tuple = ()) -> str:
-    """Structure of one decoder layer: module classes, parameter ranks, flags; never its widths."""
+def layer_signature(layer: nn.Module, per_layer_values: tuple = (), shared: frozenset = frozenset()) -> str:
+    """Structure of one decoder layer: module classes, parameter ranks, flags; never its widths. Below a module
+    of `shared` (`shared_modules`: Zamba2's shared transformer block) the entries of a module
+    list are named by what they are, not by how many there are: such a block may hold one entry per layer that
+    uses it (Zamba2's adapters), so their count follows the model's depth, not the layer's kind."""
     parts = [f"cfg:{per_layer_values!r}"]
-    for name, module in layer.named_modules():
+    for name, module in _named(layer, shared):
         parts.append(f"{name}:{type(module).__name__}:{','.join(_attr_fingerprint(module))}")
-    for name, param in layer.named_parameters():
+    for name, param in _named(layer, shared, parameters=True):
         parts.append(f"p:{name}:{param.dim()}")
-    return "|".join(parts)
+    return "|".join(dict.fromkeys(parts))  # the entries of a shared block's lists, once each
+
+
+def _named(layer: nn.Module, shared: frozenset, parameters: bool = False):
+    """(name, module) of `layer`'s modules, or (name, parameter) of its parameters, with list indices below a
+    shared module written `*`."""
+    below = [name for name, m in layer.named_modules() if id(m) in shared]
+    items = layer.named_parameters() if parameters else layer.named_modules()
+    for name, item in items:
+        inside = next((b for b in below if name == b or name.startswith(b + ".") or not b), None)
+        if inside is not None:
+            head, tail = name[:len(inside)], name[len(inside):]
+            name = head + ".".join("*" if part.isdigit() else part for part in tail.split("."))
+        yield name, item
+
+
+def shared_modules(stack: nn.ModuleList) -> frozenset:
+    """Ids of the modules of `stack`'s layers that hold a parameter another layer holds too (the same module, or
+    copies tied to the same tensors, as transformers ties Zamba2's shared block)."""
+    holders = collections.Counter()
+    for layer in stack:
+        holders.update({id(p) for p in layer.parameters()})
+    return frozenset(id(m) for layer in stack for m in layer.modules()
+                     if any(holders[id(p)] > 1 for p in m.parameters()))
 
 
 def signatures(model: nn.Module, cfg: dict, layers_path: str, list_paths: list[str]) -> list[str]:
     """The signature of every decoder layer of `model`, with its entries of the config's per-layer lists."""
     stack = model.get_submodule(layers_path)
     lists = [get(cfg, p) for p in list_paths]
-    return [layer_signature(layer, tuple(lst[i] for lst in lists)) for i, layer in enumerate(stack)]
+    shared = shared_modules(stack)
+    return [layer_signature(layer, tuple(lst[i] for lst in lists), shared) for i, layer in enumerate(stack)]
 
 
 def prefix(signatures: list[str], uses: int) -> int:

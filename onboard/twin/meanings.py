@@ -45,7 +45,7 @@ MEANINGS: list[tuple[str, str]] = [
     ("heads", r"num_attention_heads|n_head|num_heads|n_heads"),
     ("head_dim", r"head_dim|attention_head_dim|kv_channels|global_head_dim"),
     ("hidden", r"hidden_size|d_model|n_embd|dim|model_dim"),
-    ("vocab", r"vocab_size"),
+    ("vocab", r"vocab_size|unpadded_vocab_size"),  # the second sizes the output head where the table is padded
 ]
 _COMPILED = [(meaning, re.compile(rf"(?:{pattern})$")) for meaning, pattern in MEANINGS]
 

@@ -4,7 +4,7 @@ or what the twin found a field drives where its name says nothing)."""
 
 from __future__ import annotations
 
-from onboard.twin.fields import get, per_layer_meaning, put, walk
+from onboard.twin.fields import get, has, per_layer_meaning, put, walk
 from onboard.twin.meanings import WIDENED, meaning_of
 from onboard.twin.shrink import Shrink
 
@@ -40,4 +40,5 @@ class FullFields:
         rank = {meaning: i for i, meaning in enumerate(meanings)}
         holders = [(rank.get(meaning_of(key), len(rank)), path) for path, key, v in self.sizes if v == value]
         holders += [(len(rank) + 1, f.path) for f in self.found if f.full == value]
+        holders = [(r, path) for r, path in holders if has(self.cfg, path)]  # a layer cut away holds nothing
         return bool(holders), get(self.cfg, min(holders)[1]) if holders else None

@@ -172,3 +172,61 @@ def test_a_per_layer_head_count_list_shrinks_and_widens_with_the_heads(tmp_path)
 def _saved(config, folder):
     config.save_pretrained(folder)
     return folder
+
+
+def _family_twin(family: str) -> Twin:
+    from onboard.review.families import default_config
+    from onboard.source import from_config
+
+    return Twin.build(from_config(default_config(family), family))
+
+
+def test_a_dict_keyed_by_layer_is_cut_with_the_layers():
+    """Dots3's `per_layer_config` overrides layers by index ({"02": {...}, ...}); cut to the twin's 3 layers it
+    keeps only the entries below 3 (transformers refuses keys past the layer count), where the twin once kept all 46
+    layers at twin width."""
+    twin = _family_twin("dots3_note_text")
+    from onboard.twin.fields import truncate_layers
+
+    assert twin.config.get_text_config().num_hidden_layers == 3 < len(twin.full_layer_signatures) == 46
+    cfg = {"num_hidden_layers": 46, "per_layer_config": {"02": {"heads": 4}, "03": {"heads": 4}, "45": {}},
+           "id2label": {"0": "LABEL_0", "1": "LABEL_1", "7": "LABEL_7"}}
+    truncate_layers(cfg, "num_hidden_layers", 46, 1)
+    assert cfg == {"num_hidden_layers": 1, "per_layer_config": {},
+                   "id2label": {"0": "LABEL_0", "1": "LABEL_1", "7": "LABEL_7"}}
+    assert twin.layer_signatures == twin.full_layer_signatures[:3]
+
+
+def test_a_block_shared_across_layers_keeps_one_entry_per_layer_that_uses_it():
+    """Zamba2's shared transformer block holds one adapter per hybrid layer: the twin's layers read it by kind (its
+    list entries count with the depth, not the layer's kind), so 13 layers show both kinds twice, where the twin once
+    kept all 54."""
+    from onboard.twin.layers import shared_modules
+
+    twin = _family_twin("zamba2")
+    assert len(twin.layer_signatures) == 13 and len(set(twin.layer_signatures)) == 2
+    stack = twin.model.get_submodule(twin.layers_path)
+    hybrid = [layer for layer in stack if hasattr(layer, "shared_transformer")]
+    assert len(hybrid) == 2 and len(hybrid[0].shared_transformer.feed_forward.gate_up_proj_adapter_list) == 2
+    shared = shared_modules(stack)
+    assert id(hybrid[0].shared_transformer) in shared and id(stack[0]) not in shared
+
+
+def test_an_output_head_sized_by_a_field_of_its_own_is_shrunk():
+    """Inkling2-Loop sizes its LM head by `unpadded_vocab_size`: by name it is a vocabulary; where names do not
+    say so (the name taken out of the table here), the head still 200,058 rows wide sends the twin to be shrunk by
+    what each field drives."""
+    import re
+
+    from onboard.twin import meanings
+
+    twin = _family_twin("inkling2_loop_text")
+    assert twin.model.get_output_embeddings().weight.shape[0] <= 512 and twin.why_probed is None
+    table = list(meanings._COMPILED)
+    try:
+        meanings._COMPILED[:] = [(m, re.compile("vocab_size") if m == "vocab" else r) for m, r in table]
+        probed = _family_twin("inkling2_loop_text")
+    finally:
+        meanings._COMPILED[:] = table
+    assert "output head is still 200058" in probed.why_probed
+    assert probed.model.get_output_embeddings().weight.shape[0] <= 512
