@@ -24,7 +24,11 @@ def test_every_rank_is_the_one_sklearn_gives(average):
     weight[::7] = 0.0
     at_once = binning.AllRanksAtOnce(_weighted_percentile)
     # and unit weights on 255 values, where most ranks of the grid land on a value (and `average` decides)
-    for col, w in ((column, weight), (np.sort(rng.normal(size=255)), np.ones(255))):
+    # and there with every fifth weight zero: the value averaged with is the next one that has weight
+    gaps = np.ones(255)
+    gaps[::5] = 0.0
+    for col, w in ((column, weight), (np.sort(rng.normal(size=255)), np.ones(255)),
+                   (np.sort(rng.normal(size=255)), gaps)):
         for rank in [*binning.RANKS, 33.3]:
             assert at_once(col, w, rank, average=average) == _weighted_percentile(col, w, rank, average=average)
     other = column[::-1].copy()  # another column is computed afresh, not read from the first one's
@@ -52,3 +56,14 @@ def test_a_fit_bins_and_predicts_as_without_it():
     for a, b in zip(fast._bin_mapper.bin_thresholds_, plain._bin_mapper.bin_thresholds_, strict=True):
         assert np.array_equal(a, b)
     assert np.array_equal(fast.predict(data.X), plain.predict(data.X))
+
+
+@needs_weighted_bins
+def test_the_ends_of_the_range_and_leading_weightless_values():
+    """Ranks 0 and 100 and values of zero weight first: rank 0 skips them, as scikit-learn's own does."""
+    weight = np.array([0.0, 0.0, 1.0, 2.0, 0.0, 1.0, 1.0])
+    column = np.array([-3.0, -2.0, 0.5, 1.0, 1.5, 2.0, 7.0])
+    ranks = np.array([0.0, 20.0, 40.0, 60.0, 100.0])
+    for average in (True, False):
+        want = [binning_module._weighted_percentile(column, weight, r, average=average) for r in ranks]
+        assert binning.weighted_percentiles(column, weight, ranks, average).tolist() == want
