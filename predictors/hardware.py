@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from predictors.errors import PredictorError
+from runtime import bounded
 
 HARDWARE_DIR = Path(__file__).parent / "hardware"
 # Fraction of peak a large matmul-bound step reaches (the cost model's rate; the learned part corrects it per regime)
@@ -164,9 +165,9 @@ def _from_mapping(data: dict, where: str) -> Hardware:
 
 def load_file(path) -> Hardware:
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise PredictorError(f"cannot read hardware spec {path}: {e.strerror or e}") from None
+        data = yaml.safe_load(bounded.read_text(path, "hardware spec"))
+    except bounded.Refused as e:
+        raise PredictorError(str(e)) from None
     except yaml.YAMLError as e:
         raise PredictorError(f"hardware spec {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     except (UnicodeDecodeError, RecursionError) as e:

@@ -24,6 +24,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from runtime import bounded
+
 SCHEMA_VERSION = 4  # 2: the field `swap` is called `offload`; 3: pipeline fields `pp_schedule`, `pp_layers`;
 # 4: `etp` (MoE parallel folding). Version 1 differs only in that name, and measured run logs
 # (predictors/data/runlogs/) keep their version-1 plans, so all are read (a plan without the pipeline fields or
@@ -166,13 +168,9 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> Plan:
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read plan {path}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+        d = bounded.read_json(path, "plan")  # a regular file, bounded in size and depth (Refused: a ValueError)
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: a plan is a JSON object")
         return cls.from_dict(d)
 
 

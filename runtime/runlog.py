@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime import bounded
 from runtime.dims import Mixer, mixers_of
 
 SCHEMA_VERSION = 1
@@ -204,23 +205,21 @@ def read_runs(paths) -> tuple[list[Run], list[Skipped]]:
     runs: dict[tuple[str, str], Run] = {}
     skipped: list[Skipped] = []
     for path in files:
-        if not path.is_file():  # a FIFO would block the reader, a device never end
-            skipped.append(Skipped(str(path), "not a regular file"))
-            continue
         try:
-            # bytes that are not UTF-8 (a torn write, a stray binary) spoil their own line, not the file
-            lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-        except OSError as e:
-            skipped.append(Skipped(str(path), f"unreadable: {getattr(e, 'strerror', None) or e}"))
+            # a regular file of bounded size (a FIFO would block the reader, a device never end); bytes that are
+            # not UTF-8 (a torn write, a stray binary) spoil their own line, not the file
+            lines = bounded.read_text(path, "run log", errors="replace").splitlines()
+        except bounded.Refused as e:
+            skipped.append(Skipped(str(path), e.reason))
             continue
         for number, line in enumerate(lines, 1):
             where = f"{path}:{number}"
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                skipped.append(Skipped(where, f"not JSON ({e.msg})"))
+                record = bounded.loads(line, where, "run log")
+            except bounded.Refused as e:
+                skipped.append(Skipped(where, e.reason))
                 continue
             if not isinstance(record, dict):
                 skipped.append(Skipped(where, "not a JSON object"))

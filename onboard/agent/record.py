@@ -20,6 +20,7 @@ from pathlib import Path
 from onboard.agent.candidate import Candidate, propose_in_order
 from onboard.agent.rules import Declined
 from onboard.errors import OnboardError
+from runtime import bounded
 
 SCHEMA_VERSION = 1
 
@@ -42,15 +43,15 @@ class Recorder:
 def read_record(path: Path) -> list[dict]:
     """The events of an agent.jsonl; OnboardError (one line) for a file that is not one."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OnboardError(f"{path}: cannot read the replay file ({exc})") from None
+        lines = bounded.read_text(path, "agent record").splitlines()
+    except bounded.Refused as exc:
+        raise OnboardError(str(exc)) from None
     events = []
     for number, line in enumerate(lines, 1):
         try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            raise OnboardError(f"{path}:{number}: not a JSON line of an agent record") from None
+            event = bounded.loads(line, f"{path}:{number}", "agent record")
+        except bounded.Refused as exc:
+            raise OnboardError(f"{exc} (not a JSON line of an agent record)") from None
         if not isinstance(event, dict) or not isinstance(event.get("event"), str):
             raise OnboardError(f"{path}:{number}: an agent record line is an object with an 'event'")
         events.append(event)

@@ -37,7 +37,8 @@ def read_plan(path) -> Plan:
     try:
         return Plan.load(path)
     except (ValueError, TypeError) as exc:
-        raise OnboardError(f"plan {path}: {exc}") from None
+        message = str(exc)
+        raise OnboardError(message if str(path) in message else f"plan {path}: {message}") from None
 
 def command(job_file, world: int) -> list[str]:
     """The torchrun command line of a job whose file is `job_file`, for `world` processes."""

@@ -66,7 +66,8 @@ def _plan_file(text: str) -> dict:
     try:
         return Plan.load(text).to_dict()
     except (OSError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"{text}: {exc}") from None
+        message = str(exc)  # the bounded reader's own message names the file already
+        raise argparse.ArgumentTypeError(message if message.startswith(f"{text}: ") else f"{text}: {message}") from None
 
 
 KINDS = {"positive": whole_number(1), "non_negative": whole_number(0), "float": float, "text": str, "json": _json,

@@ -504,3 +504,67 @@ def test_a_run_log_that_is_a_fifo_is_refused_without_waiting(tmp_path):
     result = cli_process("plan", "mixtral-8x7b", "--devices", 8, "--hardware", "H100", "--runlog",
                          tmp_path / "log.jsonl", "--out", tmp_path / "p.json")
     assert refused(result, "not a regular file")
+
+
+# -- one bounded reader for every file a verb takes (issue 55) -------------------------------------------------
+def _hostile_file(kind: str, folder: Path, suffix: str) -> Path:
+    """A file argument that is no bounded regular file: a device that never ends, a FIFO, a folder, a link loop,
+    or one JSON line nested 100,000 deep."""
+    path = folder / f"{kind}{suffix}"
+    if kind == "zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "loop":
+        path.symlink_to(path.name)
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    return path
+
+
+HOSTILE_FILES = ("zero", "fifo", "folder", "loop", "deep")
+
+
+def test_the_bounded_reader_takes_only_a_regular_file_of_its_size_and_depth(tmp_path):
+    from runtime import bounded
+
+    for kind in HOSTILE_FILES:
+        with pytest.raises(bounded.Refused, match=str(tmp_path)):
+            bounded.read_json(_hostile_file(kind, tmp_path, ".json"), "plan")
+    big = tmp_path / "big.json"
+    big.write_text("[" + "0," * 600_000 + "0]")
+    with pytest.raises(bounded.Refused, match="over the 1,048,576"):
+        bounded.read_json(big, "plan")
+    assert bounded.read_json(big, "run log")[-1] == 0  # the same file within another kind's size
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * bounded.MAX_DEPTH + "]" * bounded.MAX_DEPTH)
+    assert bounded.depth(bounded.read_json(nested, "plan")) == bounded.MAX_DEPTH
+    nested.write_text('{"a": ' * (bounded.MAX_DEPTH + 1) + "1" + "}" * (bounded.MAX_DEPTH + 1))
+    with pytest.raises(bounded.Refused, match="nested deeper than 64"):
+        bounded.read_json(nested, "plan")
+
+
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_every_verb_refuses_a_file_argument_that_is_no_bounded_regular_file(kind, copy_of, tmp_path):
+    """`train --plan`, `plan --hardware`, `agent --replay`, `report` and a bundle's agent.jsonl under `check`: one
+    line and a non-zero exit, at once (a FIFO or /dev/zero hung the first three; a deep line was a RecursionError,
+    exit 70, under `check` and `report`)."""
+    b = copy_of()
+    cases = {
+        "train --plan": ("train", b, "--plan", _hostile_file(kind, tmp_path, ".json"), "--steps", 1),
+        "plan --hardware": ("plan", "qwen3-8b", "--devices", 8, "--hardware", _hostile_file(kind, tmp_path, ".yaml"),
+                            "--out", tmp_path / "p.json"),
+        "agent --replay": ("agent", "qwen3-8b", "--replay", _hostile_file(kind, tmp_path, ".jsonl"),
+                           "--out", tmp_path / "agent-out"),
+        "report": ("report", _hostile_file(kind, tmp_path, ".log.jsonl"), "--out", tmp_path / "r"),
+    }
+    for verb, args in cases.items():
+        result = cli(*args)
+        assert refused(result), f"{verb} with a {kind}: {result.returncode} {result.stderr[-400:]}"
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "agent-out").exists()
+    if kind == "deep":
+        (b / "agent.jsonl").write_text('{"event": "session", "schema_version": 1}\n' + "[" * 100_000 + "]" * 100_000)
+        result = cli("check", b)
+        assert refused(result, "agent.jsonl:2", "nested deeper"), result.stderr[-400:]

@@ -116,7 +116,7 @@ def test_predictor_verbs(tmp_path, capsys):
     models = tmp_path / "models"
     assert main(["predictor", "train", "--logs", str(logs), "--only", "--out", str(models)]) == 0
     out = capsys.readouterr().out
-    assert "throughput-v1: 60 runs" in out and "1 skipped" in out and "not JSON" in out
+    assert "throughput-v1: 60 runs" in out and "1 skipped" in out and "not valid JSON" in out
     assert main(["predictor", "train", "--logs", str(logs), "--only", "--out", str(models)]) == 0
     assert sorted(p.name for p in models.iterdir()) == [
         "throughput-v1.joblib", "throughput-v1.json", "throughput-v1.reach.npz", "throughput-v1.trees.npz",

@@ -233,7 +233,7 @@ def test_damaged_logs_are_read_past_the_damage_with_one_warning_each(tmp_path, c
     assert cli.main(["report", str(first), str(second), "--out", str(out)]) == 0
     warnings = capsys.readouterr().err.splitlines()
     assert warnings == [
-        f"warning: {first}: 3 damaged lines skipped (first at line 5: not JSON (Expecting value))",
+        f"warning: {first}: 3 damaged lines skipped (first at line 5: not valid JSON (Expecting value))",
         f"warning: {second}: 1 damaged line skipped (first at line 3: no header for run 'zzz')"]
     page = check_page(out)
     assert [row[:1] + row[4:5] for row in page.rows if row] == [["r1", "4"], ["r2", "2"]]

@@ -239,7 +239,7 @@ def test_corrupt_and_partial_lines_are_skipped_with_reasons(tmp_path):
     assert len(data) == 3
     reasons = " | ".join(s.reason for s in data.skipped)
     assert len(data.skipped) == 4, reasons
-    assert "not JSON" in reasons and "unknown hardware" in reasons and "step_time_s" in reasons
+    assert "not valid JSON" in reasons and "unknown hardware" in reasons and "step_time_s" in reasons
 
 
 # -- learned predictor ---------------------------------------------------------------------------

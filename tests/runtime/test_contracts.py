@@ -91,5 +91,5 @@ def test_run_log_round_trip_and_skips_bad_lines(tmp_path):
     assert runs[0].step_time_s() == pytest.approx(1.1)  # warm-up step left out
     reasons = " | ".join(s.reason for s in skipped)
     assert len(skipped) == 6, reasons
-    for expected in ("not JSON", "positive finite number", "no header", "no valid step lines"):
+    for expected in ("not valid JSON", "positive finite number", "no header", "no valid step lines"):
         assert expected in reasons
