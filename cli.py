@@ -694,10 +694,11 @@ def main(argv: list[str] | None = None) -> int:
         print("onboard: error: --seq-len must be a positive number of tokens", file=sys.stderr)
         return 2
     from onboard.errors import OnboardError
+    from runtime.errors import InputError
 
     try:
         return args.func(args)
-    except OnboardError as exc:  # one line even when a message quotes the user's text
+    except (OnboardError, InputError) as exc:  # one line even when a message quotes the user's text
         print(f"onboard: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -6,7 +6,7 @@ returns), a directory, a symlink loop, gigabytes, or JSON nested 100,000 deep (a
 or later in whatever walks it). So a file is read only when it is a regular file (checked before the open, and
 again on the open descriptor, which is opened non-blocking so a FIFO put in its place between the two cannot hold the
 reader), of at most its kind's size (`CAPS`), and JSON is taken only when it is nested at most `MAX_DEPTH` deep.
-Everything else is `Refused`, a `ValueError` whose message is one line naming the file: every verb turns it into
+Everything else is `Refused`, a `ValueError` (`runtime.errors.InputError`) whose message is one line naming the file: every verb turns it into
 its own one-line error and a non-zero exit.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+
+from runtime.errors import InputError
 
 # the most each kind of file may hold; each is far above what onboard writes for it
 CAPS = {
@@ -30,7 +32,7 @@ CAPS = {
 MAX_DEPTH = 64  # JSON nesting: onboard's own files nest a handful of levels
 
 
-class Refused(ValueError):
+class Refused(InputError):
     """A file the bounded reader will not take; its message is one line, `where: reason`."""
 
     def __init__(self, where: str, reason: str):

@@ -82,13 +82,38 @@ def mixer_fields(mixers: tuple[Mixer, ...]) -> dict:
             "mixers": [m.to_dict() for m in mixers]}
 
 
+def why_not_appendable(path) -> str | None:
+    """Why a run may not be appended to `path` (None: it may): only a new file or a run log is written to, never a
+    file of the user's that happens to be named (`--runlog notes.txt`), a FIFO or a device."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not bounded.is_regular(path):
+        return f"{path}: not a regular file; a run log is appended to a run log or a new file"
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    if not first.strip():
+        return None if path.stat().st_size == 0 else f"{path}: does not start with a run log's header line"
+    try:
+        header = bounded.loads(first, str(path), "run log")
+    except bounded.Refused:
+        header = None
+    if not (isinstance(header, dict) and header.get("kind") == "run" and "schema_version" in header):
+        return f"{path}: not a run log (its first line is no run header); name a new file or a run log"
+    return None
+
+
 class RunLogWriter:
-    """Appends one run to a JSON-lines file; each line is flushed so a killed run keeps what it wrote."""
+    """Appends one run to a JSON-lines file; each line is flushed so a killed run keeps what it wrote. A file that
+    is not a run log is refused (`why_not_appendable`, ValueError)."""
 
     def __init__(self, path, *, model: dict, plan: dict, hardware: dict, precision: str, source: str = "runtime",
                  run_id: str | None = None, meta: dict | None = None):
         self.path = Path(path)
         self.run_id = run_id or f"{int(time.time() * 1000):x}"
+        why = why_not_appendable(self.path)
+        if why:
+            raise ValueError(why)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")  # noqa: SIM115 - held for the whole run, closed by close()
         record = {k: model.get(k) for k in (*MODEL_FIELDS, "digest")}

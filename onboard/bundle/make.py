@@ -29,6 +29,7 @@ from onboard.inspect.inspection import build_spec
 from onboard.inspect.spec import ModelSpec
 from onboard.source import ModelSource
 from onboard.twin import Twin
+from runtime.kernels import store as kernel_store
 
 
 def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
@@ -39,6 +40,7 @@ def adapt(source: ModelSource, out: Path, *, force: bool = False, plan=None,
     (`onboard.adapt.settle`); its generated modules are verified with the rest."""
     protect = (source.path,) if source.kind in ("local", "hf-cache", "hub") else ()
     out = check_target(out, force=force, protect=protect)
+    kernel_store.check_writable()
     done = tidy(out)
     if notes is not None:
         notes.extend(done)

@@ -28,6 +28,7 @@ from onboard.errors import OnboardError
 from onboard.train.model import build_model, train_config, weights_source
 from onboard.train.request import TrainRequest
 from runtime.plan import Plan
+from runtime.runlog import why_not_appendable
 from runtime.train.job import FILE as JOB_FILE
 from runtime.train.job import TrainJob
 
@@ -77,6 +78,9 @@ def run(request: TrainRequest, job: TrainJob) -> int:
             raise OnboardError(f"{path}: no such token file")
     checkpoint_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else bundle / "checkpoints"
     runlog = Path(job.runlog) if job.runlog else bundle / "runs" / "train.jsonl"
+    why = why_not_appendable(runlog)  # before anything is built or any rank starts
+    if why:
+        raise OnboardError(why)
     if weights is not None:
         record_launch(checkpoint_dir, bundle, weights, plan)
     kwargs = {"bundle": str(bundle), "layers": request.layers, "width": request.width,

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runtime.errors import InputError
 from runtime.kernels import registry
 
 _KEY = re.compile(r"[a-z0-9_]+-[0-9a-f]{12}")
@@ -29,6 +30,19 @@ _KEY = re.compile(r"[a-z0-9_]+-[0-9a-f]{12}")
 
 def root() -> Path:
     return Path(os.environ.get("ONBOARD_KERNEL_STORE") or Path(__file__).with_name("store"))
+
+
+def check_writable() -> None:
+    """The store is a folder this process can write (made where it is missing); InputError, one line, where it is
+    not: said before an adapt builds anything, not when its first kernel is rendered."""
+    folder = root()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise InputError(f"cannot write the kernel store {folder}: {exc.strerror or exc} "
+                         f"(set ONBOARD_KERNEL_STORE to a writable folder)") from None
 
 
 def path_of(key: str) -> Path:
@@ -52,7 +66,7 @@ def put(key: str, text: str) -> Path:
             tmp.write(text)
         os.replace(tmp.name, path)
     except OSError as exc:
-        raise ValueError(f"cannot write the kernel store {path.parent}: {exc.strerror or exc} "
+        raise InputError(f"cannot write the kernel store {path.parent}: {exc.strerror or exc} "
                          f"(set ONBOARD_KERNEL_STORE to a writable folder)") from None
     return path
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -53,6 +54,20 @@ def whole_number(least: int):
     return parse
 
 
+def finite_number(least: float):
+    """An argparse type: a finite number of at least `least` (a negative clip norm flips the gradient, an infinite
+    learning rate makes the weights inf / NaN: refused before anything is built)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < least:
+            raise argparse.ArgumentTypeError(f"must be a finite number of at least {least:g}, got {text}")
+        return value
+    return parse
+
+
 def _json(text: str):
     try:
         return json.loads(text)
@@ -70,7 +85,8 @@ def _plan_file(text: str) -> dict:
         raise argparse.ArgumentTypeError(message if message.startswith(f"{text}: ") else f"{text}: {message}") from None
 
 
-KINDS = {"positive": whole_number(1), "non_negative": whole_number(0), "float": float, "text": str, "json": _json,
+KINDS = {"positive": whole_number(1), "non_negative": whole_number(0), "float": float,
+         "non_negative_float": finite_number(0.0), "text": str, "json": _json,
          "plan": _plan_file}
 
 
@@ -156,10 +172,10 @@ class TrainJob(Options):
     plan: dict | None = option(None, "plan.json: the parallel layout, micro-batch, memory policies, LoRA "
                                      "(onboard train: default BUNDLE/plan.json)", kind="plan", metavar="PLAN")
     steps: int = option(10, "optimizer steps in the whole run, resumed runs included (default 10)", kind="positive")
-    lr: float = option(1e-3, "AdamW learning rate (default 1e-3)", kind="float")
-    weight_decay: float = option(0.0, "AdamW weight decay (default 0)", kind="float")
+    lr: float = option(1e-3, "AdamW learning rate (default 1e-3)", kind="non_negative_float")
+    weight_decay: float = option(0.0, "AdamW weight decay (default 0)", kind="non_negative_float")
     betas: tuple = option((0.9, 0.95), "AdamW betas (default 0.9 0.95)", kind="pair")
-    clip: float = option(1.0, "largest gradient norm; 0 turns clipping off (default 1)", kind="float")
+    clip: float = option(1.0, "largest gradient norm; 0 turns clipping off (default 1)", kind="non_negative_float")
     seed: int = option(0, "seed of the weights and the synthetic data (default 0)", kind="non_negative")
     data: str | None = option(None, "training data: text (.txt, .jsonl, .json, .parquet; onboard train tokenises "
                                     "it with the --weights model's tokenizer and packs it), token ids (.npy, or .bin "
@@ -227,6 +243,8 @@ def _misfit(value, f: dataclasses.Field) -> str | None:
         return None if ok else f"must be a whole number of at least {least}"
     if kind == "float":
         return None if number and value == value and abs(value) != float("inf") else "must be a finite number"
+    if kind == "non_negative_float":
+        return None if number and math.isfinite(value) and value >= 0 else "must be a finite number of at least 0"
     if kind == "pair":
         ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)

@@ -568,3 +568,43 @@ def test_every_verb_refuses_a_file_argument_that_is_no_bounded_regular_file(kind
         (b / "agent.jsonl").write_text('{"event": "session", "schema_version": 1}\n' + "[" * 100_000 + "]" * 100_000)
         result = cli("check", b)
         assert refused(result, "agent.jsonl:2", "nested deeper"), result.stderr[-400:]
+
+
+@pytest.mark.parametrize("option, value", [("--clip", "-1"), ("--lr", "inf"), ("--lr", "nan"),
+                                           ("--weight-decay", "-0.1")])
+def test_values_that_cannot_train_are_refused_before_anything_is_built(option, value, copy_of, tmp_path):
+    """A negative clip norm flipped the gradient (the loss rose from 5.49 to 6.50 over 6 steps, exit 0); an
+    infinite learning rate made the weights inf / NaN."""
+    b = copy_of()
+    result = cli("train", b, option, value, "--steps", 1, "--runlog", tmp_path / "log.jsonl")
+    assert result.returncode == 2 and f"argument {option}: must be a finite number of at least 0" in result.stderr
+    assert not (tmp_path / "log.jsonl").exists() and not (b / "checkpoints").exists()
+
+
+def test_a_run_log_is_appended_only_to_a_run_log(copy_of, tmp_path):
+    """`--runlog notes.txt`, the user's text, is refused and left as it was (train appended JSON lines to it); a new
+    file and a run log are written to."""
+    from runtime.runlog import RunLogWriter, why_not_appendable
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    result = cli("train", copy_of(), "--steps", 1, "--runlog", notes)
+    assert refused(result, "notes.txt", "not a run log") and notes.read_text() == "my notes\n"
+    with pytest.raises(ValueError, match="not a run log"):  # the runtime's own writer refuses it too
+        RunLogWriter(notes, model={}, plan={}, hardware={}, precision="fp32")
+    log = tmp_path / "runs.jsonl"
+    assert why_not_appendable(log) is None
+    RunLogWriter(log, model={}, plan={}, hardware={}, precision="fp32").close()
+    assert why_not_appendable(log) is None and why_not_appendable(tmp_path) is not None
+
+
+@pytest.mark.parametrize("store", ["a file", "/proc/self/kernels"])
+def test_a_kernel_store_that_is_no_writable_folder_is_an_input_error(store, tmp_path):
+    """The message was right, but the exit was 70 (internal error): it is the user's setting to fix, exit 1."""
+    if store == "a file":
+        store = tmp_path / "store"
+        store.write_text("mine\n")
+    result = run_cli("adapt", "qwen3-next-80b-a3b", "--out", tmp_path / "b", env={"ONBOARD_KERNEL_STORE": str(store)},
+                     timeout=HANG)
+    assert result.returncode == 1 and refused(result, "cannot write the kernel store", "writable folder")
+    assert not (tmp_path / "b").exists() and (store == "/proc/self/kernels" or store.read_text() == "mine\n")
