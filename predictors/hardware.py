@@ -145,6 +145,10 @@ def _problems(data: dict) -> list[str]:
     aliases = data.get("aliases") or []
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         out.append("aliases must be a list of names")
+    known = set(Hardware.__dataclass_fields__) - {"extra"}
+    unknown = sorted(str(k) for k in data if k not in known and k != "layer_overhead_ms")
+    if unknown:  # a misspelt field would otherwise leave its default in place, unnoticed (plans refuse theirs too)
+        out.append(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     return out
 
 

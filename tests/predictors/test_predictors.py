@@ -49,6 +49,13 @@ def test_user_hardware_yaml(tmp_path):
         find(str(tmp_path / "broken.yaml"))
     with pytest.raises(PredictorError, match="unknown hardware"):
         find("TPU-v9")
+    # issue 55: a misspelt field would leave its default in place unnoticed; an infinite figure is no figure
+    (tmp_path / "typo.yaml").write_text(spec.read_text() + "memroy_gb: 32\n")
+    with pytest.raises(PredictorError, match="unknown field.s. memroy_gb"):
+        find(str(tmp_path / "typo.yaml"))
+    (tmp_path / "inf.yaml").write_text(spec.read_text() + "host_gbs: .inf\n")
+    with pytest.raises(PredictorError, match="host_gbs must be a positive number"):
+        find(str(tmp_path / "inf.yaml"))
 
 
 def test_run_log_hardware_names_as_drivers_report_them():
