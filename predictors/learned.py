@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import re
 import zipfile
 from collections import Counter
@@ -55,6 +56,7 @@ from predictors.errors import PredictorError
 from predictors.features import FEATURES, RENAMED, Dataset, features, load_dataset
 from predictors.hardware import Hardware
 from predictors.trees import Trees
+from runtime import bounded
 from runtime.dims import Dims
 from runtime.plan import Plan
 
@@ -540,14 +542,15 @@ def load(path=None) -> Predictor:
         path = latest(path)
     sidecar = path.with_suffix(".json")
     try:
-        meta = json.loads(sidecar.read_text())
-    except OSError as e:
-        raise PredictorError(f"cannot read predictor metadata {sidecar}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise PredictorError(f"predictor metadata {sidecar} is corrupt: {e.msg}") from None
+        meta = bounded.read_json(sidecar, "predictor")
+    except bounded.Refused as e:
+        raise PredictorError(f"predictor metadata {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PredictorError(f"predictor metadata {sidecar} has format {meta.get('format') if isinstance(meta, dict) else '?'}, "
                              f"this code reads {FORMAT}")
+    problems = schema_problems(meta)
+    if problems:
+        raise PredictorError(f"predictor metadata {sidecar}: {'; '.join(problems)}")
     meta = _current_names(meta)
     if not isinstance(meta.get("features"), list) or not set(meta["features"]) <= set(FEATURES):
         raise PredictorError(f"predictor {path} was trained on features this code does not compute; retrain it")
@@ -557,6 +560,46 @@ def load(path=None) -> Predictor:
         raise PredictorError(f"predictor model file {path} is corrupt (its sha256 does not match {sidecar.name})")
     model = _load_trees(path, meta) if meta.get("trees") else _unpickle(path)
     return Predictor(model, meta, path, _load_reach(path, meta))
+
+
+def _finite(value, low: float = -math.inf) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > low
+
+
+def _file_record(record) -> bool:
+    """{"file": a name beside the model, "sha256": ...}: a plain file name, never a path elsewhere."""
+    return (isinstance(record, dict) and isinstance(record.get("file"), str) and isinstance(record.get("sha256"), str)
+            and record["file"] not in ("", ".", "..") and "/" not in record["file"] and "\\" not in record["file"])
+
+
+def schema_problems(meta: dict) -> list[str]:
+    """What in a predictor's metadata is not of the shape training writes, before any field is used: the files it
+    names (trees, reach), the numbers the prediction multiplies by (reach factor, fallback, interval), the
+    feature ranges."""
+    out = []
+    if meta.get("trees") and not _file_record(meta["trees"]):
+        out.append("trees must be {file: a file name beside the model, sha256}")
+    reach = meta.get("reach")
+    if reach:
+        if not _file_record(reach):
+            out.append("reach must be {file: a file name beside the model, sha256, factor}")
+        elif "factor" in reach and not _finite(reach["factor"], 0):
+            out.append(f"reach factor must be a positive number, got {reach['factor']!r}")
+    fallback = meta.get("fallback")
+    if fallback and not (isinstance(fallback, dict) and _finite(fallback.get("moe"))):
+        out.append("fallback must be {moe: a finite number}")
+    interval = meta.get("interval")
+    if interval and not (isinstance(interval, dict) and _finite(interval.get("learned"), 0)
+                         and _finite(interval.get("cost_model"), 0) and _finite(interval.get("scale", 1.0), 0)
+                         and (interval.get("moe_cost_model") is None or _finite(interval["moe_cost_model"], 0))):
+        out.append("interval must be {learned, cost_model, scale, moe_cost_model}: positive numbers")
+    ranges = meta.get("feature_range")
+    if ranges is not None and not (isinstance(ranges, dict) and all(
+            isinstance(r, list) and len(r) == 2 and all(_finite(v) for v in r) for r in ranges.values())):
+        out.append("feature_range must map features to [low, high]")
+    if not isinstance(meta.get("model_sha256"), str):
+        out.append("model_sha256 must be the model file's digest")
+    return out
 
 
 def _unpickle(path: Path):
@@ -590,8 +633,16 @@ def _load_reach(path: Path, meta: dict) -> Reach | None:
     file = path.with_name(record["file"])
     if not file.is_file() or _sha256(file) != record.get("sha256"):
         raise PredictorError(f"predictor reach file {file} is missing or corrupt (its sha256 does not match)")
-    with np.load(file) as z:
-        return Reach(z["mean"], z["scale"], z["points"], float(z["radius"]), float(record.get("factor", OLD_REACH)))
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            mean, scale, points, radius = (np.asarray(z[k], dtype=float) for k in ("mean", "scale", "points", "radius"))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise PredictorError(f"predictor reach file {file} cannot be read: {type(e).__name__}: {e}") from None
+    width = len(meta["features"])
+    if (mean.shape != (width,) or scale.shape != (width,) or points.ndim != 2 or points.shape[1] != width
+            or radius.size != 1 or not all(np.isfinite(a).all() for a in (mean, scale, points, radius))):
+        raise PredictorError(f"predictor reach file {file} does not hold the reach of {width} features")
+    return Reach(mean, scale, points, float(radius), float(record.get("factor", OLD_REACH)))
 
 
 @dataclass

@@ -608,3 +608,49 @@ def test_a_kernel_store_that_is_no_writable_folder_is_an_input_error(store, tmp_
                      timeout=HANG)
     assert result.returncode == 1 and refused(result, "cannot write the kernel store", "writable folder")
     assert not (tmp_path / "b").exists() and (store == "/proc/self/kernels" or store.read_text() == "mine\n")
+
+
+def _damaged_predictor(folder: Path, damage: str) -> Path:
+    """A copy of the shipped predictor (model, trees, reach and metadata) with its metadata or reach damaged."""
+    import hashlib
+
+    from predictors import learned
+
+    shipped = learned.load()
+    for file in shipped.path.parent.glob(f"{shipped.path.stem}.*"):
+        shutil.copy(file, folder / file.name)
+    meta_file = folder / f"{shipped.path.stem}.json"
+    meta = json.loads(meta_file.read_text())
+    if damage == "trees is text":
+        meta["trees"] = "trees.npz"
+    elif damage == "reach names no file":
+        del meta["reach"]["file"]
+    elif damage == "reach factor is a word":
+        meta["reach"]["factor"] = "big"
+    elif damage == "fallback is NaN":
+        meta["fallback"] = {"moe": float("nan")}
+    elif damage == "reach lacks its mean":
+        reach = folder / meta["reach"]["file"]
+        with np.load(reach) as z:
+            kept = {k: z[k] for k in z.files if k != "mean"}
+        with open(reach, "wb") as f:  # np.savez would add .npz to a name without it
+            np.savez(f, **kept)
+        meta["reach"]["sha256"] = hashlib.sha256(reach.read_bytes()).hexdigest()
+    meta_file.write_text(json.dumps(meta))
+    return folder / shipped.path.name
+
+
+@pytest.mark.parametrize("damage", ["trees is text", "reach names no file", "reach factor is a word",
+                                    "fallback is NaN", "reach lacks its mean"])
+def test_a_damaged_predictor_file_is_one_line_and_writes_no_plan(damage, tmp_path):
+    """Each was an internal error (exit 70), or with a NaN fallback, exit 0 and a plan with a NaN step time: the
+    metadata is checked against the shape training writes before any field is used."""
+    def plan(folder: Path, damage: str):
+        folder.mkdir()
+        return cli("plan", "qwen3-8b", "--devices", 8, "--hardware", "H100", "--out", folder / "p.json",
+                   "--predictor", _damaged_predictor(folder, damage))
+
+    assert plan(tmp_path / "whole", "none").returncode == 0 and (tmp_path / "whole" / "p.json").is_file()
+    result = plan(tmp_path / "damaged", damage)
+    assert refused(result, "predictor"), (damage, result.returncode, result.stderr[-300:])
+    assert not (tmp_path / "damaged" / "p.json").exists()

@@ -291,7 +291,7 @@ def test_corrupt_model_files_give_clear_errors(tmp_path):
     with pytest.raises(PredictorError, match="cannot be loaded"):
         learned.load(broken)
     broken.with_suffix(".json").write_text("{")
-    with pytest.raises(PredictorError, match="metadata .* is corrupt"):
+    with pytest.raises(PredictorError, match="metadata .* not valid JSON"):
         learned.load(broken)
     (tmp_path / "empty").mkdir()
     with pytest.raises(PredictorError, match="no trained predictor"):
