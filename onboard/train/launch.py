@@ -27,6 +27,7 @@ from onboard.bundle.launcher import FACTORY
 from onboard.errors import OnboardError
 from onboard.train.model import build_model, train_config, weights_source
 from onboard.train.request import TrainRequest
+from runtime import bounded
 from runtime.plan import Plan
 from runtime.runlog import why_not_appendable
 from runtime.train.job import FILE as JOB_FILE
@@ -102,10 +103,17 @@ def run(request: TrainRequest, job: TrainJob) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="onboard-train-") as scratch:
         if weights is None:  # the twin's config, computed once here for every rank
+            model_config = train_config(bundle, layers=request.layers, width=request.width,
+                                        trust_remote_code=request.trust_remote_code)
             config = Path(scratch) / "config.json"
-            config.write_text(json.dumps(train_config(bundle, layers=request.layers, width=request.width,
-                                                      trust_remote_code=request.trust_remote_code), sort_keys=True))
+            config.write_text(json.dumps(model_config, sort_keys=True))
             job.model_kwargs = {**kwargs, "config": str(config)}
+        else:
+            model_config = _released_config(weights)
+        # what every rank would refuse with the model's own expert count, said once before any rank starts
+        problems = plan.problems(num_experts=experts_of(model_config))
+        if problems:
+            raise OnboardError(f"the plan cannot run on this model: {'; '.join(problems)}")
         job_file = Path(scratch) / JOB_FILE
         job_file.write_text(job.to_json())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -113,6 +121,25 @@ def run(request: TrainRequest, job: TrainJob) -> int:
             return torchrun(job_file, plan.world_size, env)
         except KeyboardInterrupt:
             return 130
+
+
+def _released_config(weights) -> dict:
+    """The config.json of released weights (a folder); {} where it cannot be read (the ranks then say why)."""
+    try:
+        config = bounded.read_json(Path(weights) / "config.json", "bundle file")
+    except bounded.Refused:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def experts_of(config: dict) -> int | None:
+    """The routed expert count of a model config (the first field whose name means it, at any depth: a
+    multimodal config's text model), or None for a dense model."""
+    from onboard.twin.fields import walk
+    from onboard.twin.meanings import meaning_of
+
+    return next((value for _, key, value in walk(config) if meaning_of(key) == "experts"
+                 and isinstance(value, int) and not isinstance(value, bool) and value > 1), None)
 
 
 def torchrun(job_file: Path, world: int, env: dict) -> int:

@@ -654,3 +654,20 @@ def test_a_damaged_predictor_file_is_one_line_and_writes_no_plan(damage, tmp_pat
     result = plan(tmp_path / "damaged", damage)
     assert refused(result, "predictor"), (damage, result.returncode, result.stderr[-300:])
     assert not (tmp_path / "damaged" / "p.json").exists()
+
+
+def test_a_plan_the_models_experts_cannot_split_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """ep 3 over a twin's 8 experts: three ranks started, failed, and torchrun printed its own traceback."""
+    from onboard.train import launch
+
+    started = []
+    monkeypatch.setattr(launch, "torchrun", lambda *a: started.append(a) or 0)
+    b = Path(shutil.copytree(ROOT / "bundles" / "qwen3-30b-a3b", tmp_path / "b"))
+    plan = json.loads((b / "plan.json").read_text())
+    plan.update(ep=3, dp_shard=3, dp_replicate=1, tp=1, pp=1, cp=1, etp=None)
+    (tmp_path / "ep3.json").write_text(json.dumps(plan))
+    result = cli("train", b, "--plan", tmp_path / "ep3.json", "--steps", 1)
+    assert refused(result, "ep=3 must divide the 8 experts") and not started, result.stderr[-300:]
+    plan.update(ep=2, dp_shard=2)  # the same model split in two: it reaches the launcher
+    (tmp_path / "ep2.json").write_text(json.dumps(plan))
+    assert cli("train", b, "--plan", tmp_path / "ep2.json", "--steps", 1).returncode == 0 and len(started) == 1
