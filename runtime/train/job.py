@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime import bounded
+
 SCHEMA_VERSION = 1
 FILE = "job.json"  # in a run's checkpoint folder
 # what a resumed run must share with the run that wrote its checkpoints: they decide the steps already taken
@@ -157,13 +159,9 @@ class Options:
 
     @classmethod
     def load(cls, path):
-        path = Path(path)
-        try:
-            return cls.from_dict(json.loads(path.read_text()), str(path))
-        except (OSError, UnicodeDecodeError, RecursionError) as exc:
-            raise ValueError(f"{path}: cannot read it ({type(exc).__name__})") from None
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}: not JSON") from None
+        # a checkpoint folder's job.json arrives with the folder: a regular file, bounded in size and depth (a FIFO
+        # there held `onboard export`); Refused is a ValueError naming the file
+        return cls.from_dict(bounded.read_json(path, "job"), str(path))
 
 
 @dataclass

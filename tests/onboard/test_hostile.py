@@ -671,3 +671,15 @@ def test_a_plan_the_models_experts_cannot_split_is_refused_before_any_rank_start
     plan.update(ep=2, dp_shard=2)  # the same model split in two: it reaches the launcher
     (tmp_path / "ep2.json").write_text(json.dumps(plan))
     assert cli("train", b, "--plan", tmp_path / "ep2.json", "--steps", 1).returncode == 0 and len(started) == 1
+
+
+def test_a_checkpoint_folders_job_file_is_read_bounded(tmp_path):
+    """job.json arrives with a checkpoint folder (`onboard export` reads it): a FIFO, /dev/zero, a folder, a link
+    loop or a 100,000-deep line is a ValueError naming it, at once."""
+    from runtime.train.job import TrainJob
+
+    for kind in HOSTILE_FILES:
+        with pytest.raises(ValueError, match=f"{kind}.json"):
+            TrainJob.load(_hostile_file(kind, tmp_path, ".json"))
+    (tmp_path / "job.json").write_text(TrainJob(steps=3).to_json())
+    assert TrainJob.load(tmp_path / "job.json").steps == 3
