@@ -174,7 +174,7 @@ def load_file(path) -> Hardware:
         raise PredictorError(str(e)) from None
     except yaml.YAMLError as e:
         raise PredictorError(f"hardware spec {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    except (UnicodeDecodeError, RecursionError) as e:
+    except RecursionError as e:  # YAML nested past the parser's depth (the bounded reader decoded the text)
         raise PredictorError(f"hardware spec {path} is not a YAML text: {type(e).__name__}") from None
     return _from_mapping(data, str(path))
 

@@ -128,11 +128,5 @@ def is_regular(path) -> bool:
         return False
 
 
-def check_appendable(path, kind: str) -> None:
-    """A file that will be appended to: absent, or a regular file (never a FIFO, device or directory)."""
-    if os.path.lexists(path) and not is_regular(path):
-        raise Refused(str(path), f"the {kind} is not a regular file")
-
-
-__all__ = ["CAPS", "MAX_DEPTH", "Refused", "check_appendable", "depth", "is_regular", "loads", "read_bytes",
+__all__ = ["CAPS", "MAX_DEPTH", "Refused", "depth", "is_regular", "loads", "read_bytes",
            "read_json", "read_text"]

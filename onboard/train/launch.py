@@ -135,11 +135,9 @@ def _released_config(weights) -> dict:
 def experts_of(config: dict) -> int | None:
     """The routed expert count of a model config (the first field whose name means it, at any depth: a
     multimodal config's text model), or None for a dense model."""
-    from onboard.twin.fields import walk
-    from onboard.twin.meanings import meaning_of
+    from onboard.twin.fields import sizes_by_meaning
 
-    return next((value for _, key, value in walk(config) if meaning_of(key) == "experts"
-                 and isinstance(value, int) and not isinstance(value, bool) and value > 1), None)
+    return next((value for _, value in sizes_by_meaning(config).get("experts", []) if value > 1), None)
 
 
 def torchrun(job_file: Path, world: int, env: dict) -> int:
@@ -213,6 +211,5 @@ def _prepared(bundle: Path, path, weights: str | None, mask_prompt: bool, text_f
     if packed and not packed.get("kept_apart"):
         raise OnboardError(f"{bundle}: training on packed text needs documents kept apart, and this adapted model "
                            f"lets them see each other ({packed.get('why', 'see verification.json')})")
-    config = json.loads((Path(weights) / "config.json").read_text())
     return prepare_text(path, weights, bundle / "data", mask_prompt=mask_prompt, text_field=text_field,
-                        vocab_size=config.get("vocab_size"))
+                        vocab_size=_released_config(weights).get("vocab_size"))
