@@ -73,6 +73,8 @@ SHARED_FIXTURES: dict[str, Shared] = {
         "a password in onboard's environment (autouse)", ("tests/agent/test_cheats.py",)),
     "tests/agent/test_jail.py::inside": Shared("what one probe saw from inside a jail, seccomp loaded",
                                                ("tests/agent/test_jail.py",)),
+    "tests/agent/test_jail.py::forked": Shared("what one fork of a zygote saw of the zygote and of a sibling fork",
+                                               ("tests/agent/test_jail.py",)),
     "tests/agent/test_graph.py::reference": Shared("the plain module's torch.export capture in each mode, what "
                                                    "every planted graph is read against", ("tests/agent/test_graph.py",)),
     "tests/agent/test_cheats.py::sandbox": Shared("one ZAYA sandbox every cheat is judged in",

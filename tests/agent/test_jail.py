@@ -210,3 +210,94 @@ def test_onboard_agent_without_a_jail_refuses_in_one_line_and_writes_nothing(tmp
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and "bubblewrap" in lines[0], done.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --- a sandbox's zygote and the processes forked from it ---------------------------------------------------------
+
+FORKED_PROBE = textwrap.dedent('''
+    import errno, json, os, signal, sys
+    from onboard.agent.sandbox import candidate_worker, confine
+    candidate_worker.DUMPABLE = int(sys.argv[1])
+
+    def probe(read_fd, write_fd, jailed, network):
+        confine.seccomp()
+        if os.read(read_fd, 1) == b"w":  # the sibling: waits to be looked at, then ends
+            os.read(read_fd, 1)
+            return
+        me = os.getpid()
+        others = sorted(int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in (1, me))
+        seen = {"pid": me, "others": others, "cwd": os.getcwd(), "path": sys.path}
+
+        def fails(name, act):
+            try:
+                act()
+            except OSError as exc:
+                seen[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+            else:
+                seen[name] = "done"
+
+        for pid, who in [(1, "zygote"), *((p, "sibling") for p in others)]:
+            fails(f"read the {who}'s memory", lambda: open(f"/proc/{pid}/mem", "rb").close())
+            fails(f"open the {who}'s descriptors", lambda: [open(f"/proc/{pid}/fd/{fd}", "rb").close()
+                                                            for fd in os.listdir(f"/proc/{pid}/fd")])
+            fails(f"read the {who}'s root", lambda: os.readlink(f"/proc/{pid}/root"))
+            fails(f"read the {who}'s environment", lambda: open(f"/proc/{pid}/environ", "rb").read())
+            fails(f"signal the {who}", lambda: os.kill(pid, signal.SIGSTOP))
+        os.write(write_fd, json.dumps(seen).encode())
+
+    confine.early(0)
+    candidate_worker.zygote(int(sys.argv[2]), serve=probe)
+''')
+
+
+def _forked_probe(tmp_path, dumpable: int) -> dict:
+    """What one fork of a zygote saw of the zygote and of a sibling fork alive beside it (the worker's seccomp
+    allow-list loaded, no audit hook: the kernel's layer alone)."""
+    from onboard.agent.sandbox.zygote import Zygote
+
+    zygote = Zygote(tmp_path / "zygote", program=["-c", FORKED_PROBE, str(dumpable)])
+    pipes = []
+    try:
+        children = []
+        for role in (b"w", b"p"):
+            to_child, from_parent = os.pipe()[::-1]
+            from_child, to_parent = os.pipe()
+            err_r, err_w = os.pipe()
+            children.append(zygote.start((from_parent, to_parent, err_w), 8 << 30, err_r))
+            for fd in (from_parent, to_parent, err_w):
+                os.close(fd)
+            os.write(to_child, role)
+            pipes.append((to_child, from_child))
+        seen = json.loads(os.read(pipes[1][1], 1 << 20) or b"{}")
+        os.write(pipes[0][0], b"e")
+        return seen
+    finally:
+        for fds in pipes:
+            for fd in fds:
+                os.close(fd)
+        zygote.close()
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory) -> dict:
+    return _forked_probe(tmp_path_factory.mktemp("forked"), 0)
+
+
+def test_a_forked_candidate_cannot_reach_its_zygote_or_a_sibling(forked):
+    """A candidate's process forked from the sandbox's zygote shares its pid namespace with the zygote (which has
+    no seccomp filter) and with the round's other processes. None of them is dumpable, so the kernel refuses what
+    /proc/1/mem gave a candidate when bubblewrap's init sat beside it; signals go nowhere but to itself."""
+    assert forked["others"], "no sibling was alive beside the probe"
+    refused = {what: how for what, how in forked.items() if what.startswith(("read", "open", "signal"))}
+    assert refused and all(how in ("EACCES", "EPERM") for how in refused.values()), refused
+
+
+def test_a_forked_candidate_works_in_a_folder_of_its_own_off_the_import_path(forked):
+    assert forked["cwd"].startswith(jail.SCRATCH + "/candidate-")
+    assert not [p for p in forked["path"] if p in ("", jail.SCRATCH) or p.startswith(jail.SCRATCH + "/")]
+
+
+def test_a_dumpable_zygote_is_seen(tmp_path):
+    """Planted: a zygote left dumpable gives its memory to its children (the test above would fail)."""
+    seen = _forked_probe(tmp_path, 1)
+    assert seen["read the zygote's memory"] == "done"

@@ -1,6 +1,7 @@
 """The candidate's process: the only place model-written code runs (started by `onboard.agent.sandbox.process`).
 
     python -m onboard.agent.sandbox.candidate_worker READ_FD WRITE_FD PARENT_PID MEMORY_BYTES
+    python -m onboard.agent.sandbox.candidate_worker --zygote CONTROL_FD     # forks such processes (`zygote`)
 
 It runs in the kernel's jail (`jail`: PARENT_PID 0), raises its own walls first (`confine.early`: limits),
 imports torch and the runtime API and nothing of transformers or of the judge, warms torch up, loads its seccomp
@@ -184,12 +185,8 @@ class Server:
         self.reply({"repeated": header["id"]})
 
 
-def main(argv: list[str]) -> None:
-    read_fd, write_fd, parent, memory = (int(a) for a in argv[1:5])
-    from onboard.agent.sandbox import confine
-
-    network = confine.early(parent)
-    confine.memory(memory)
+def _prepare() -> None:
+    """Everything before the walls close: torch, the runtime API the candidate may import, the warm-up."""
     import torch
 
     import runtime.generated  # noqa: F401 - the runtime API, imported before the walls close
@@ -201,14 +198,124 @@ def main(argv: list[str]) -> None:
     _count_once_differentiable()
     torch.set_num_threads(1)
     _warm()
+
+
+def _serve(read_fd: int, write_fd: int, jailed: bool, network: str) -> None:
+    """Close the walls (in the jail: the kernel's allow-list of calls; then the audit hook), say ready, serve."""
+    from onboard.agent.sandbox import confine
+
     reader, writer = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
-    if parent == 0:  # in the jail: the kernel's allow-list of calls, then the audit hook
+    if jailed:
         confine.seccomp()
     confine.audit(os.getcwd())
     server = Server(reader, writer)
     server.reply({"ready": os.getpid(), "network": network or "a network namespace of its own",
                   "transformers": any(m.split(".")[0] == "transformers" for m in sys.modules)})
     server.serve()
+
+
+PR_SET_DUMPABLE = 4
+DUMPABLE = 0  # what the zygote sets its dumpable flag to (its children inherit it): not dumpable
+
+
+def zygote(control_fd: int, serve=None) -> None:
+    """The jail's first process when a sandbox forks its candidates' processes (`onboard.agent.sandbox.zygote`):
+    it imports and warms up once, then on each request on `control_fd` (a Unix socket to `onboard`; the request
+    carries the new process's two pipe ends and its stderr) forks a candidate's process, which closes the walls
+    and serves as a started worker does. It never runs candidate code itself, and nothing a candidate can reach
+    reaches it:
+
+    - it is not dumpable, nor are its children: /proc/PID/mem, fd, environ and ptrace of it, or of a sibling, need
+      CAP_SYS_PTRACE, which nothing in the jail has (a candidate alone in its pid namespace needed no such wall);
+    - a child closes the control socket before anything else, so no candidate can ask for, or take, another's pipes;
+    - after its imports it imports nothing, and the scratch folder is off its path: nothing a candidate writes is
+      read by it, or by a later candidate's process;
+    - each child works in a folder of its own under the scratch tmpfs, removed when it ends; signals go only to
+      itself (`confine.seccomp`), and it cannot fork, so killing it ends all it is."""
+    import ctypes
+    import json
+    import shutil
+    import signal
+    import socket
+
+    from onboard.agent.sandbox import confine
+
+    serve = serve or _serve
+    sock = socket.socket(fileno=control_fd)
+    here = os.path.realpath(os.getcwd())
+    sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != here]
+    _prepare()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, DUMPABLE, 0, 0, 0) != 0:
+        os._exit(1)
+    ended: list[int] = []
+
+    def reap(*_):
+        while True:
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            ended.append(pid)
+
+    signal.signal(signal.SIGCHLD, reap)
+    folders: dict[int, str] = {}
+    sock.sendall(json.dumps({"ready": os.getpid()}).encode())
+    count = 0
+    while True:
+        data, fds, _flags, _address = socket.recv_fds(sock, 4096, 3)
+        if not data:
+            os._exit(0)
+        while ended:
+            shutil.rmtree(folders.pop(ended.pop(), ""), ignore_errors=True)
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            sock.sendall(b'{"error": "three file descriptors expected"}')
+            continue
+        memory = int(json.loads(data)["memory"])
+        count += 1
+        folder = os.path.join(here, f"candidate-{count}")
+        os.mkdir(folder, 0o700)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sock.close()
+                read_fd, write_fd, err_fd = fds
+                os.dup2(err_fd, 2)
+                os.dup2(2, 1)
+                os.close(err_fd)
+                os.closerange(3, min(read_fd, write_fd))
+                os.closerange(max(read_fd, write_fd) + 1, 1 << 16)
+                os.closerange(min(read_fd, write_fd) + 1, max(read_fd, write_fd))
+                os.chdir(folder)
+                os.environ["HOME"] = os.environ["TMPDIR"] = folder
+                confine.memory(memory)
+                serve(read_fd, write_fd, True, "")
+            except BaseException:  # noqa: BLE001 - a child never returns into the zygote's loop
+                os._exit(1)
+            sys.stderr.flush()
+            os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        folders[pid] = folder
+        sock.sendall(json.dumps({"pid": pid}).encode())
+
+
+def main(argv: list[str]) -> None:
+    from onboard.agent.sandbox import confine
+
+    if argv[1] == "--zygote":
+        confine.early(0)
+        zygote(int(argv[2]))
+        return
+    read_fd, write_fd, parent, memory = (int(a) for a in argv[1:5])
+    network = confine.early(parent)
+    confine.memory(memory)
+    _prepare()
+    _serve(read_fd, write_fd, parent == 0, network)
 
 
 if __name__ == "__main__":

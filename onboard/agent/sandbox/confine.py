@@ -144,7 +144,8 @@ def seccomp_available() -> None:
 
 def seccomp() -> None:
     """Load the allow-list (ALLOWED_SYSCALLS) on every thread of this process (TSYNC), for good: a loaded filter
-    can only be narrowed. Signals go to this process only (its pid namespace holds nothing else of ours anyway)."""
+    can only be narrowed. Signals go to this process only (its pid namespace holds nothing else of ours, or its zygote and the
+    zygote's other forks)."""
     import errno
 
     import pyseccomp as sc

@@ -4,7 +4,8 @@
     argv = command([python, "-m", CANDIDATE, ...])   # the worker's command line, run inside the jail
 
 A jailed process has new user, pid, mount, network, ipc, uts and cgroup namespaces (`--unshare-all`), is the only
-process of its pid namespace (pid 1: no bubblewrap init beside it to take over through /proc/1/mem), runs as
+process of its pid namespace (pid 1: no bubblewrap init beside it to take over through /proc/1/mem; a sandbox's
+zygote is that process, and its forks share the namespace with it, none of them dumpable: `candidate_worker.zygote`), runs as
 nobody (65534) with no capabilities and `no_new_privs` (bubblewrap sets it), in a session of its own, and dies
 with its parent. It sees:
 
@@ -15,7 +16,7 @@ with its parent. It sees:
   but /usr are bound under JAIL, so no path of the caller's (a home directory holding pyenv, a virtual
   environment, the checkout) exists inside;
 - read-write: its scratch directory, a tmpfs of SCRATCH_BYTES at SCRATCH; the rest is read-only;
-- a /proc of its own pid namespace (itself alone), a minimal /dev, and nothing else: no home
+- a /proc of its own pid namespace (itself alone, or a zygote and its forks), a minimal /dev, and nothing else: no home
   directory, no /root, nothing of /etc but the linker's cache, no judge key, no model folder, no network interface but a loopback.
 
 Every site-packages or dist-packages folder under /usr is hidden under an empty read-only tmpfs; the listed

@@ -69,7 +69,7 @@ def _launch_forever() -> None:
         started.set()
 
 
-def _popen(args: list[str], **kwargs) -> subprocess.Popen:
+def popen(args: list[str], **kwargs) -> subprocess.Popen:
     """Popen from one thread that lives as long as this process: bubblewrap's --die-with-parent is the kernel's
     parent-death signal, which follows the *thread* that started a process, and the sandbox starts workers from
     threads that end."""
@@ -87,7 +87,7 @@ def _popen(args: list[str], **kwargs) -> subprocess.Popen:
     return done[0]
 
 
-def _leaf(pid: int) -> int:
+def deepest_child(pid: int) -> int:
     """The deepest process below `pid` along first children: a jailed worker under bubblewrap's two processes."""
     while True:
         try:
@@ -102,8 +102,9 @@ def _leaf(pid: int) -> int:
 class Worker:
     def __init__(self, module: str, scratch: Path, *, memory_bytes: int, passed_env: tuple[str, ...] = (),
                  max_reply: int = wire.MAX_PAYLOAD, start_seconds: float = 120.0, jailed: bool = False,
-                 output_cap: int = OUTPUT_CAP, started=None):
-        """`started(proc)`, where given, is told of the process as soon as it exists (before it is ready)."""
+                 output_cap: int = OUTPUT_CAP, started=None, zygote=None):
+        """`started(proc)`, where given, is told of the process as soon as it exists (before it is ready). With a
+        `zygote` (`zygote.Zygote`) the process is a fork of it, in its jail, rather than a new interpreter."""
         self.scratch = Path(scratch)
         self.scratch.mkdir(parents=True, exist_ok=True)
         to_child, from_parent = os.pipe()[::-1]  # (write end here, read end there)
@@ -111,13 +112,26 @@ class Worker:
         argv = [sys.executable, "-m", module, str(from_parent), str(to_parent), str(0 if jailed else os.getpid()),
                 str(memory_bytes)]
         env = environment(self.scratch, passed=passed_env)
-        if jailed:  # its walls are the kernel's (`jail`): no pid of ours to watch, bubblewrap ends it with us
-            argv = jail.command(argv)  # (its PYTHONPATH, HOME and TMPDIR are the jail's)
-        self.proc = (_popen if jailed else subprocess.Popen)(
-            argv, pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True)
-        os.close(from_parent)
-        os.close(to_parent)
+        self.forked = zygote is not None
+        if self.forked:
+            from_stderr, to_stderr = os.pipe()
+            try:
+                self.proc = zygote.start((from_parent, to_parent, to_stderr), memory_bytes, from_stderr,
+                                         seconds=start_seconds)
+            except BaseException:
+                os.close(from_stderr)
+                raise
+            finally:
+                for fd in (from_parent, to_parent, to_stderr):
+                    os.close(fd)
+        else:
+            if jailed:  # its walls are the kernel's (`jail`): no pid of ours to watch, bubblewrap ends it with us
+                argv = jail.command(argv)  # (its PYTHONPATH, HOME and TMPDIR are the jail's)
+            self.proc = (popen if jailed else subprocess.Popen)(
+                argv, pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, cwd=self.scratch, env=env, start_new_session=True)
+            os.close(from_parent)
+            os.close(to_parent)
         if started is not None:
             started(self.proc)
         self.pid = self.proc.pid  # the worker's own pid once it is ready (under bubblewrap: two levels down)
@@ -132,8 +146,8 @@ class Worker:
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._drain, daemon=True).start()
         self.ready = self._reply(start_seconds, "starting")[0]
-        if jailed:
-            self.pid = _leaf(self.proc.pid)
+        if jailed and not self.forked:
+            self.pid = deepest_child(self.proc.pid)
 
     def _read(self) -> None:
         try:
@@ -192,7 +206,8 @@ class Worker:
         if self.flooded:
             self.dead = f"wrote more than {self.output_cap >> 20} MiB of output while {doing} and was stopped"
         elif got is None:
-            self.dead = f"ended with code {code} while {doing}: {self.last_error()[:300]}"
+            ended = "ended" if self.forked else f"ended with code {code}"  # (a fork's status is its zygote's)
+            self.dead = f"{ended} while {doing}: {self.last_error()[:300]}"
         else:
             self.dead = f"wrote something that is not a reply while {doing} ({got})"
         raise Stopped(self.dead)
@@ -252,6 +267,9 @@ class Worker:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
+            if self.forked:  # one process, by its pidfd: it cannot fork, so it leaves nothing behind
+                self.proc.kill()
+                return
             if self.pid != self.proc.pid:  # the jailed worker first (bubblewrap's own death would end it too)
                 try:
                     os.kill(self.pid, signal.SIGKILL)
@@ -273,6 +291,8 @@ class Worker:
                 time.sleep(0.02)
         self.kill()
         self.proc.wait()
+        if self.forked:
+            self.proc.release()
         for stream in (self._writer, self._reader):
             try:
                 stream.close()
