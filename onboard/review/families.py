@@ -7,6 +7,7 @@ each one and prints the support table that README carries.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -85,8 +86,10 @@ def default_config(model_type: str):
     return config
 
 
-def discover() -> list[str]:
-    """Model types with a causal-LM head whose default config is MoE or hybrid (or known unsupported)."""
+@functools.lru_cache(maxsize=1)
+def discover() -> tuple[str, ...]:
+    """Model types with a causal-LM head whose default config is MoE or hybrid (or known unsupported). Once per
+    process: it builds every causal-LM family's default config (5 s), and test collection asks from several files."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     found = []
@@ -101,7 +104,7 @@ def discover() -> list[str]:
                 continue
             if is_moe_or_hybrid(cfg):
                 found.append(model_type)
-    return found
+    return tuple(found)
 
 
 def support_row(model_type: str, adapt_dir=None) -> dict:
