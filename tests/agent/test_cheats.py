@@ -493,7 +493,8 @@ def test_under_strace_no_candidate_code_runs_in_onboard_and_no_candidate_connect
               f"sys.exit(main(['agent', {zaya[0].ref!r}, '--out', {str(tmp_path / 'bundle')!r}, '--keep-slower']))\n")
     # --keep-slower: strace slows system calls, and the timing is not what this test is about; --seccomp-bpf:
     # the traced processes stop at the traced calls only, not at every system call (25-40 s of CPU before, 20 s after)
-    done = subprocess.run(["strace", "-f", "--seccomp-bpf", "--decode-pids=pidns", "-qq",
+    # -ff: a file for each process and thread, so no call is split across lines by another's (a busy machine did)
+    done = subprocess.run(["strace", "-f", "-ff", "--seccomp-bpf", "--decode-pids=pidns", "-qq",
                            "-e", "trace=execve,connect,clone,clone3,fork,vfork", "-o", str(log),
                            sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).parents[2])
@@ -502,23 +503,30 @@ def test_under_strace_no_candidate_code_runs_in_onboard_and_no_candidate_connect
     assert generated  # the rules' candidates were accepted, and ran (probe, timing, whole-twin verification)
     executed = seen.read_text().splitlines()
     assert executed and not [f for f in executed if any(name in f for name in generated) or "onboard_candidate" in f]
-    lines = log.read_text().splitlines()
+    lines = [f"{path.name.rpartition('.')[2]} {line}" for path in tmp_path.glob("strace.log.*")
+             for line in path.read_text().splitlines()]
     # the interpreters started as candidate workers: the sandboxes' zygotes, which fork the candidates' processes
     zygotes = {line.split()[0] for line in lines if "execve(" in line and "sandbox.candidate_" in line}
     assert zygotes
-    children = {}  # a process -> the process that made it (threads left out), by pids of strace's namespace
-    for line in lines:
-        pid, _, rest = line.partition(" ")
-        if rest.startswith(("clone", "fork", "vfork")) and "CLONE_THREAD" not in rest and "= " in rest:
+    children, process_of = {}, {}  # a process -> the process that made it; a thread -> its process
+    for line in sorted(lines, key=lambda line: int(line.split()[0])):
+        task, _, rest = line.partition(" ")
+        if rest.startswith(("clone", "fork", "vfork")) and "= " in rest:
             returned = rest.rpartition("= ")[2]
             child = returned.split("/* ")[1].split()[0] if "in strace's PID NS" in returned else returned.split()[0]
-            if child.isdigit():
-                children[child] = pid
+            if not child.isdigit():
+                continue
+            if "CLONE_THREAD" in rest:
+                process_of[child] = process_of.get(task, task)
+            else:
+                children[child] = process_of.get(task, task)
     forked = {c for c, parent in children.items() if parent in zygotes}
     assert forked  # the candidates ran in forks of a zygote
     made_by_candidates = {c for c, parent in children.items() if parent in forked}
     assert not made_by_candidates  # no candidate's process started another
-    assert not [line for line in lines if line.split()[0] in zygotes | forked and "connect(" in line]
+    theirs = zygotes | forked
+    assert not [line for line in lines if process_of.get(line.split()[0], line.split()[0]) in theirs
+                and "connect(" in line]
 
 
 # --- the replaced class, reached on another object ---------------------------------------------------------------

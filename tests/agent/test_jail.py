@@ -221,8 +221,20 @@ FORKED_PROBE = textwrap.dedent('''
 
     def probe(read_fd, write_fd, jailed, network):
         confine.seccomp()
-        if os.read(read_fd, 1) == b"w":  # the sibling: waits to be looked at, then ends
+        role = os.read(read_fd, 1)
+        if role == b"w":  # the sibling: waits to be looked at, then ends
             os.read(read_fd, 1)
+            return
+        if role == b"l":  # litter beside its folder, then end
+            open("/scratch/litter", "w").write("for the next candidate")
+            return
+        if role == b"d":  # a chain of folders deeper than the zygote's open-file limit lets it remove, then end
+            fd = os.open(".", os.O_RDONLY)
+            for _ in range(300):
+                os.mkdir("d", dir_fd=fd)
+                deeper = os.open("d", os.O_RDONLY, dir_fd=fd)
+                os.close(fd)
+                fd = deeper
             return
         me = os.getpid()
         others = sorted(int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in (1, me))
@@ -301,3 +313,58 @@ def test_a_dumpable_zygote_is_seen(tmp_path):
     """Planted: a zygote left dumpable gives its memory to its children (the test above would fail)."""
     seen = _forked_probe(tmp_path, 1)
     assert seen["read the zygote's memory"] == "done"
+
+
+def _start(zygote, role: bytes):
+    """A fork of the probe's zygote given `role`: (the process, the descriptor to write to it)."""
+    to_child, from_parent = os.pipe()[::-1]
+    from_child, to_parent = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        forked = zygote.start((from_parent, to_parent, err_w), 8 << 30, err_r)
+    finally:
+        for fd in (from_parent, to_parent, err_w, from_child):
+            os.close(fd)
+    os.write(to_child, role)
+    return forked, to_child
+
+
+@pytest.mark.parametrize("role", [b"l", b"d"], ids=["a file beside its folder", "a tree deeper than rmtree reaches"])
+def test_what_an_ended_candidate_left_retires_the_zygote(tmp_path, role):
+    """Held-out attacks: a candidate's files outlived its round in the shared tmpfs (a 256 MiB file at the bottom
+    of a chain of folders 300 deep, past the zygote's open-file limit, left every later candidate without space).
+    A zygote whose tmpfs holds anything but its live candidates' folders forks no more, and says why; a failed
+    request is answered and the zygote goes on."""
+    from onboard.agent.sandbox.zygote import Retired, Zygote
+
+    zygote = Zygote(tmp_path / "zygote", program=["-c", FORKED_PROBE, "0"])
+    try:
+        with pytest.raises(Exception, match="three file descriptors"):
+            zygote._fork((0, 1), 8 << 30, 30)  # a malformed request: answered, the zygote lives on
+        forked, to_child = _start(zygote, role)
+        forked.wait(60)
+        os.close(to_child)
+        with pytest.raises(Retired, match="left by candidates"):
+            _start(zygote, b"w")
+        assert zygote.retired and zygote.proc.poll() is None or zygote.proc.wait(10) == 0
+    finally:
+        zygote.close()
+
+
+def test_a_sandbox_forks_from_a_new_zygote_when_one_retires_or_dies(tmp_path):
+    from onboard.agent.sandbox.session import Sandbox
+
+    with Sandbox() as sandbox:
+        first = sandbox.zygote()
+        first.retire("planted")
+        second = sandbox.zygote()
+        assert second is not first and second.pid != first.pid
+        worker = sandbox.acquire()
+        assert worker.forked and worker.ready["transformers"] is False
+        sandbox.release(worker, spare=False)
+        second.kill()
+        second.proc.wait(10)
+        second.dead = "killed"
+        third = sandbox.zygote()
+        assert third is not second and second.proc.returncode is not None and second._socket.fileno() == -1
+    assert first.proc.returncode is not None and third.proc.returncode is not None  # closed with the sandbox

@@ -230,13 +230,18 @@ def zygote(control_fd: int, serve=None) -> None:
     - a child closes the control socket before anything else, so no candidate can ask for, or take, another's pipes;
     - after its imports it imports nothing, and the scratch folder is off its path: nothing a candidate writes is
       read by it, or by a later candidate's process;
-    - each child works in a folder of its own under the scratch tmpfs, removed when it ends; signals go only to
-      itself (`confine.seccomp`), and it cannot fork, so killing it ends all it is."""
+    - each child works in a folder of its own under the scratch tmpfs (a name it cannot guess), removed when it
+      ends; where anything is left after that (a tree deeper than the zygote's open-file limit lets it remove,
+      a file outside the folder), it forks no more, and the sandbox starts another zygote, in a new tmpfs;
+    - a request that fails is answered with its error: the zygote lives as long as the sandbox wants it, so the
+      long-lived processes forked from it (whole-twin verification's) do not die with it;
+    - signals go only to a child itself (`confine.seccomp`), and it cannot fork, so killing it ends all it is."""
     import ctypes
     import json
     import shutil
     import signal
     import socket
+    import tempfile
 
     from onboard.agent.sandbox import confine
 
@@ -245,6 +250,8 @@ def zygote(control_fd: int, serve=None) -> None:
     here = os.path.realpath(os.getcwd())
     sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != here]
     _prepare()
+    # the allow-list's bindings find libseccomp by running ldconfig: once here, not in every fork before its walls
+    confine.seccomp_available()
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, DUMPABLE, 0, 0, 0) != 0:
         os._exit(1)
     ended: list[int] = []
@@ -260,48 +267,87 @@ def zygote(control_fd: int, serve=None) -> None:
             ended.append(pid)
 
     signal.signal(signal.SIGCHLD, reap)
-    folders: dict[int, str] = {}
+    folders: dict[int, str] = {}  # a live child -> its folder
+    own = _contents(here)  # what its own imports left (a cache folder torch makes), before any candidate ran
     sock.sendall(json.dumps({"ready": os.getpid()}).encode())
-    count = 0
     while True:
         data, fds, _flags, _address = socket.recv_fds(sock, 4096, 3)
         if not data:
-            os._exit(0)
-        while ended:
-            shutil.rmtree(folders.pop(ended.pop(), ""), ignore_errors=True)
-        if len(fds) != 3:
+            break
+        try:
+            while ended:
+                pid = ended.pop()
+                shutil.rmtree(folders.pop(pid, ""), ignore_errors=True)
+            left = _leftovers(here, own | set(folders.values()))
+            if left:  # an ended candidate's files: no later candidate starts beside them
+                sock.sendall(json.dumps({"retire": left}).encode())
+                continue
+            if len(fds) != 3:
+                raise ValueError("three file descriptors expected")
+            memory = int(json.loads(data)["memory"])
+            folder = tempfile.mkdtemp(prefix="candidate-", dir=here)  # a name no other candidate can guess
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, fds, folder, memory, serve)
+            folders[pid] = folder
+            sock.sendall(json.dumps({"pid": pid}).encode())
+        except Exception as exc:  # noqa: BLE001 - a request that fails ends that request, never the zygote
+            sock.sendall(json.dumps({"error": f"{type(exc).__name__}: {str(exc)[:200]}"}).encode())
+        finally:
             for fd in fds:
                 os.close(fd)
-            sock.sendall(b'{"error": "three file descriptors expected"}')
-            continue
-        memory = int(json.loads(data)["memory"])
-        count += 1
-        folder = os.path.join(here, f"candidate-{count}")
-        os.mkdir(folder, 0o700)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                sock.close()
-                read_fd, write_fd, err_fd = fds
-                os.dup2(err_fd, 2)
-                os.dup2(2, 1)
-                os.close(err_fd)
-                os.closerange(3, min(read_fd, write_fd))
-                os.closerange(max(read_fd, write_fd) + 1, 1 << 16)
-                os.closerange(min(read_fd, write_fd) + 1, max(read_fd, write_fd))
-                os.chdir(folder)
-                os.environ["HOME"] = os.environ["TMPDIR"] = folder
-                confine.memory(memory)
-                serve(read_fd, write_fd, True, "")
-            except BaseException:  # noqa: BLE001 - a child never returns into the zygote's loop
-                os._exit(1)
-            sys.stderr.flush()
+    # asked to stop: the candidates' processes still running go on until they end (or are killed)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
             os._exit(0)
-        for fd in fds:
-            os.close(fd)
-        folders[pid] = folder
-        sock.sendall(json.dumps({"pid": pid}).encode())
+
+
+def _contents(here: str) -> set[str]:
+    """The paths in the scratch tmpfs's top folder and in /dev/shm (the two places a jailed process may write)."""
+    found = set()
+    for folder in (here, "/dev/shm"):
+        try:
+            found |= {os.path.join(folder, name) for name in os.listdir(folder)}
+        except OSError:
+            pass
+    return found
+
+
+def _leftovers(here: str, kept: set[str]) -> str:
+    """What the scratch tmpfs and /dev/shm hold besides `kept` (the zygote's own, the live candidates' folders):
+    "" when nothing."""
+    found = sorted(_contents(here) - kept)
+    return f"{len(found)} things left by candidates that ended, such as {found[0]}" if found else ""
+
+
+def _child(sock, fds: list[int], folder: str, memory: int, serve) -> None:
+    """In the fork: drop what belongs to the zygote, take its own descriptors and folder, serve; never returns."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        read_fd, write_fd, err_fd = fds
+        os.dup2(err_fd, 2)
+        os.dup2(2, 1)
+        os.close(err_fd)
+        low, high = sorted((read_fd, write_fd))
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, 1 << 16)
+        os.chdir(folder)
+        os.environ["HOME"] = os.environ["TMPDIR"] = folder
+        from onboard.agent.sandbox import confine
+
+        confine.memory(memory)
+        serve(read_fd, write_fd, True, "")
+    except BaseException:  # noqa: BLE001 - a child never returns into the zygote's loop
+        os._exit(1)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:

@@ -119,7 +119,8 @@ class Worker:
                 self.proc = zygote.start((from_parent, to_parent, to_stderr), memory_bytes, from_stderr,
                                          seconds=start_seconds)
             except BaseException:
-                os.close(from_stderr)
+                for fd in (from_stderr, to_child, from_child):
+                    os.close(fd)
                 raise
             finally:
                 for fd in (from_parent, to_parent, to_stderr):
@@ -217,6 +218,9 @@ class Worker:
         """Send one request and wait at most `seconds` for its reply (its CPU time capped at `cpu_seconds`
         more than it has used); Stopped when it does not come."""
         if self.dead:
+            raise Stopped(self.dead)
+        if self.forked and self.proc.poll() is not None:  # ended: its pid may be another process's by now
+            self.dead = "ended before the request"
             raise Stopped(self.dead)
         if cpu_seconds is not None:
             self.limit_cpu(cpu_seconds)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from onboard.agent.sandbox import jail
 from onboard.agent.sandbox.process import REFERENCE_ENV, Stopped, Worker
-from onboard.agent.sandbox.zygote import Forked, Zygote
+from onboard.agent.sandbox.zygote import Forked, Retired, Zygote
 from onboard.errors import OnboardError
 
 CANDIDATE = "onboard.agent.sandbox.candidate_worker"
@@ -55,13 +55,18 @@ class _Starting:
         candidate = module == CANDIDATE
 
         def start():
-            try:
-                extra = {"max_reply": limits.reply_bytes, "zygote": zygote()} if candidate else {}
-                self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env,
-                                     jailed=candidate, started=lambda proc: setattr(self, "proc", proc),
-                                     **extra)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
-                self.error = exc
+            for _ in range(2):  # a second time where the zygote retired: the sandbox starts another
+                try:
+                    extra = {"max_reply": limits.reply_bytes, "zygote": zygote()} if candidate else {}
+                    self.worker = Worker(module, scratch, memory_bytes=limits.memory_bytes, passed_env=passed_env,
+                                         jailed=candidate, started=lambda proc: setattr(self, "proc", proc),
+                                         **extra)
+                    return
+                except Retired as exc:
+                    self.error = exc
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
+                    self.error = exc
+                    return
 
         self.thread = threading.Thread(target=start, daemon=True)
         self.thread.start()
@@ -112,6 +117,7 @@ class Sandbox:
         self._spare: _Starting | None = None
         self._workers: list[Worker] = []
         self._zygote: Zygote | None = None
+        self._retired: list[Zygote] = []
         self._zygote_lock = threading.Lock()
 
     def __enter__(self) -> Sandbox:
@@ -121,10 +127,15 @@ class Sandbox:
         self.close()
 
     def zygote(self) -> Zygote:
-        """The process every candidate's process of this sandbox is forked from (started, or started again where
-        it died, on first need)."""
+        """The process every candidate's process of this sandbox is forked from (started on first need, and again
+        where it died or retired: a retired one is kept until the sandbox closes, its forks still running)."""
         with self._zygote_lock:
-            if self._zygote is None or self._zygote.dead:
+            old = self._zygote
+            if old is None or old.dead or old.retired:
+                if old is not None and old.dead:
+                    old.close()
+                elif old is not None:
+                    self._retired.append(old)
                 self._zygote = Zygote(self._folder("zygote"), start_seconds=self.limits.start_seconds)
             return self._zygote
 
@@ -188,8 +199,8 @@ class Sandbox:
             worker.close()
         self._workers.clear()
         with self._zygote_lock:
-            if self._zygote is not None:
-                self._zygote.close()
-            self._zygote = None
+            for zygote in [*self._retired, *([self._zygote] if self._zygote is not None else [])]:
+                zygote.close()
+            self._zygote, self._retired = None, []
         shutil.rmtree(self._scratch, ignore_errors=True)
         _OPEN.discard(self)

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from onboard.agent.sandbox import jail
@@ -30,6 +31,14 @@ from onboard.agent.sandbox.process import LINE_BYTES, Stopped, deepest_child, en
 
 CANDIDATE = "onboard.agent.sandbox.candidate_worker"
 REPLY_BYTES = 4096
+
+
+def _readable(fd: int, seconds: float | None) -> bool:
+    """Whether `fd` is readable (a pidfd: its process has ended) within `seconds` (None: however long it takes).
+    poll, not select: a long-lived process may hold descriptors past select's 1,024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if seconds is None else max(0, int(seconds * 1000))))
 
 
 class Zygote:
@@ -48,7 +57,7 @@ class Zygote:
         self.errors: collections.deque = collections.deque(maxlen=30)
         threading.Thread(target=self._drain, daemon=True).start()
         self._lock = threading.Lock()
-        self.dead = ""
+        self.dead = self.retired = ""
         try:
             self._ask(None, (), start_seconds, "starting")
         except Stopped:
@@ -68,17 +77,28 @@ class Zygote:
         try:
             if request is not None:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
-            ready, _, _ = select.select([self._socket], [], [], seconds)
-            data = self._socket.recv(REPLY_BYTES) if ready else None
+            data = self._socket.recv(REPLY_BYTES) if self._answered(seconds) else None
         except OSError as exc:
             data, doing = b"", f"{doing} ({exc})"
         if not data:
+            ended = data == b"" or self.proc.poll() is not None
             self.kill()
             last = self.errors[-1] if self.errors else "no output"
-            self.dead = (f"the candidates' zygote ran past its {seconds:.0f} s while {doing}" if data is None else
-                         f"the candidates' zygote ended while {doing}: {last[:300]}")
+            self.dead = (f"the candidates' zygote ended while {doing}: {last[:300]}" if ended else
+                         f"the candidates' zygote ran past its {seconds:.0f} s while {doing}")
             raise Stopped(self.dead)
         return json.loads(data)
+
+    def _answered(self, seconds: float) -> bool:
+        """Whether a reply (or the end of the socket) came within `seconds`; False at once where bubblewrap, and so
+        the zygote, has ended (its socket may stay open a while in a fork that had not closed it yet)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if _readable(self._socket.fileno(), min(0.25, max(0.0, left))):
+                return True
+            if left <= 0 or self.proc.poll() is not None:
+                return False
 
     def start(self, fds: tuple[int, int, int], memory_bytes: int, stderr: int, seconds: float = 30.0) -> Forked:
         """A new candidate's process reading requests on fds[0], replying on fds[1], writing its stderr to fds[2]
@@ -88,7 +108,12 @@ class Zygote:
 
     def _fork(self, fds: tuple[int, int, int], memory_bytes: int, seconds: float) -> tuple[int, int]:
         with self._lock:
+            if self.retired:
+                raise Retired(self.retired)
             reply = self._ask({"memory": int(memory_bytes)}, fds, seconds, "forking")
+            if "retire" in reply:
+                self.retire(str(reply["retire"])[:300])
+                raise Retired(self.retired)
             inside = reply.get("pid")
             if not isinstance(inside, int):
                 raise Stopped(f"the candidates' zygote could not fork: {reply.get('error', reply)}")
@@ -115,6 +140,15 @@ class Zygote:
                 return int(child)
         return 0
 
+    def retire(self, why: str) -> None:
+        """Fork no more: the zygote ends once the processes forked from it have (a verification worker may still
+        be serving), and its tmpfs with it."""
+        self.retired = why or "retired"
+        try:
+            self._socket.close()
+        except OSError:
+            pass
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -136,6 +170,10 @@ class Zygote:
         self.dead = self.dead or "closed"
 
 
+class Retired(Stopped):
+    """The zygote forks no more (what ended candidates left in its tmpfs): the sandbox starts another."""
+
+
 class Forked:
     """A zygote's child, as `subprocess.Popen` is seen by `process.Worker`: poll, wait, kill, its stderr."""
 
@@ -144,13 +182,13 @@ class Forked:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self.pidfd], [], [], 0)[0]:
+        if self.returncode is None and _readable(self.pidfd, 0):
             self.returncode = -1  # ended (the zygote reaps it: its status is not ours to read)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            if not select.select([self.pidfd], [], [], timeout)[0]:
+            if not _readable(self.pidfd, timeout):
                 raise subprocess.TimeoutExpired("candidate", timeout)
             self.returncode = -1
         return self.returncode
