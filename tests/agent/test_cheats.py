@@ -144,6 +144,19 @@ def test_a_candidate_cannot_write_a_file_outside_its_scratch_directory(sandbox, 
     assert not marker.exists()
 
 
+def test_a_candidate_makes_folders_only_in_its_own(sandbox):
+    """Held-out attack on the zygote: a folder named as the next fork's stopped the zygote and every fork of it;
+    a folder made beside its own outlived the round as a bit the next candidate read. Both refused; one of its
+    own is not."""
+    for body in ("import os\nos.mkdir(os.path.dirname(os.getcwd()) + '/candidate-x')",
+                 "import os\nos.mkdir('/dev/shm/x')",
+                 "import os\nos.mkdir('x', dir_fd=os.open('.', os.O_RDONLY))"):
+        result = unguarded(sandbox, candidate(body))
+        assert not result["passed"] and "refused by the sandbox: os.mkdir(" in result["note"], result["note"]
+    result = unguarded(sandbox, candidate("import os\nos.makedirs('mine', exist_ok=True)"))
+    assert result["passed"], result["note"]
+
+
 def test_a_candidate_cannot_start_a_process(sandbox, tmp_path):
     marker = tmp_path / "marker"
     result = unguarded(sandbox, candidate(f"import os\nos.system('touch {marker}')"))

@@ -224,7 +224,7 @@ def audit(scratch: str, roots: tuple[str, ...] | None = None) -> None:
             if not writes and not under(path, readable):
                 refuse(f"open({path!r}) for reading outside the Python installation and the scratch directory")
         elif event == "os.mkdir":  # (held-out attack: a folder named as the zygote's next child's stopped it)
-            if len(args) > 2 and args[2] is not None or not args or not under(args[0], (scratch,)):
+            if len(args) > 2 and args[2] not in (None, -1) or not args or not under(args[0], (scratch,)):
                 refuse(f"os.mkdir({args[0] if args else ''!r}) outside the scratch directory")
         elif event in ("os.listdir", "os.scandir"):
             if args and args[0] is not None and not under(args[0], readable):
