@@ -185,7 +185,7 @@ def cmd_export(args) -> int:
     from onboard.train.export import export
 
     code = export(args.checkpoint, args.format, args.out, bundle=args.bundle, weights=args.weights,
-                  trust_remote_code=args.trust_remote_code)
+                  trust_remote_code=args.trust_remote_code, trust_checkpoint=args.trust_checkpoint)
     if code == 0:
         print(f"exported: {args.out}")
     return code
@@ -543,6 +543,9 @@ def _export_options(p: argparse.ArgumentParser) -> None:
                                      "required with --trust-remote-code)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model's own modeling code (never read from the checkpoint's launch.json)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read a checkpoint whose pickled index names more than DCP's own classes with torch's "
+                        "readers, which run what it names (only for checkpoints you wrote; never read from job.json)")
 
 
 def _catalogue_options(p: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ CAPS = {
     "cache entry": 16 << 20,  # an inspection cache entry: one model's spec
     "bundle file": 64 << 20,  # a bundle's JSON, code and text
     "job": 1 << 20,  # a training job file
+    "checkpoint metadata": 256 << 20,  # DCP's index of a checkpoint (a pickle: `runtime.train.checkpoint_reader`)
 }
 MAX_DEPTH = 64  # JSON nesting: onboard's own files nest a handful of levels
 

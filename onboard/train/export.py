@@ -26,13 +26,15 @@ def _launch(launch_file: Path) -> tuple[LaunchRecord, Plan]:
     return record, plan
 
 
-def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote_code: bool = False) -> int:
+def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote_code: bool = False,
+           trust_checkpoint: bool = False) -> int:
     """`onboard export CHECKPOINT_DIR --format peft|hf --out DIR [--bundle B] [--weights W]`: the newest checkpoint
     of a run trained on released weights, exported as `onboard train --export-*` does at the end of a run: the
     run's own plan (and process count) resumes it with nothing left to train, then writes the export shard by
     shard. The bundle whose code runs is named here (default: the folder above BUNDLE/checkpoints) and must be
     the one the checkpoint was written by (launch.json's digest of its code); consent to run the model's own code
-    comes from `trust_remote_code` alone, and with it the released model must be named here too."""
+    comes from `trust_remote_code` alone, and with it the released model must be named here too; consent to
+    read the checkpoint's pickles with torch's own readers from `trust_checkpoint` alone (never job.json's)."""
     from runtime.train.checkpoint import checkpoints
 
     checkpoint = Path(checkpoint)
@@ -63,7 +65,7 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
                            f"the folder, or move the newer ones away")
     from runtime.train.checkpoint import incomplete
 
-    broken = incomplete(saved[-1][1])
+    broken = incomplete(saved[-1][1], trust_checkpoint)  # Unsafe (one line) where its index names code
     if broken:  # resuming would pass over it and train from an older state, or from the released weights
         raise OnboardError(f"{saved[-1][1]} is incomplete ({broken}): export needs the newest checkpoint whole; "
                            f"move it away to export an older one")
@@ -76,6 +78,7 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
     with tempfile.TemporaryDirectory(prefix="onboard-export-") as scratch:
         exports = {"export_hf": None, "export_peft": None, f"export_{fmt}": str(out)}
         job = dataclasses.replace(job, plan=plan.to_dict(), steps=saved[-1][0], checkpoint_dir=str(folder),
+                                  trust_checkpoint=trust_checkpoint,
                                   runlog=str(Path(scratch) / "export.jsonl"), data=None, eval_data=None, **exports)
         request = TrainRequest(bundle=str(bundle), weights=weights or launch.weights,
                                trust_remote_code=trust_remote_code)

@@ -30,6 +30,7 @@ from onboard.train.request import TrainRequest
 from runtime import bounded
 from runtime.plan import Plan
 from runtime.runlog import why_not_appendable
+from runtime.train.checkpoint import newest
 from runtime.train.job import FILE as JOB_FILE
 from runtime.train.job import TrainJob
 
@@ -78,6 +79,8 @@ def run(request: TrainRequest, job: TrainJob) -> int:
         if path is not None and not Path(path).exists():
             raise OnboardError(f"{path}: no such token file")
     checkpoint_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else bundle / "checkpoints"
+    if checkpoint_dir.is_dir():  # a checkpoint whose index names code is refused here, before any rank reads it
+        newest(checkpoint_dir, job.trust_checkpoint)
     runlog = Path(job.runlog) if job.runlog else bundle / "runs" / "train.jsonl"
     why = why_not_appendable(runlog)  # before anything is built or any rank starts
     if why:

@@ -30,6 +30,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from runtime.bounded import Refused
+from runtime.train.checkpoint_reader import Planner, Reader, Unsafe, read_metadata
+
 _NAME = re.compile(r"step-(\d{8})")
 
 
@@ -191,15 +194,19 @@ def save(directory, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     return final
 
 
-def incomplete(path: Path) -> str | None:
+def incomplete(path: Path, trust: bool = False) -> str | None:
     """Why a checkpoint directory cannot be loaded (None when it can): DCP's metadata must read, and every
     byte range it names must lie inside a file that is there. A truncated file or an emptied directory is
-    found here, before anything is loaded into the model."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    found here, before anything is loaded into the model. An index that names code is not incomplete: `Unsafe`
+    (an InputError) is raised, unless `trust` (the user's --trust-checkpoint) reads it with torch's reader."""
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - a missing or garbled .metadata, whatever DCP raises for it
+        # a pickle: read without running what it names, unless the user vouches for it
+        metadata = FileSystemReader(str(path)).read_metadata() if trust else read_metadata(path)
+    except Unsafe:
+        raise
+    except Refused as exc:
+        return f"its metadata does not read: {exc.reason}"
+    except Exception as exc:  # noqa: BLE001 - (trusted) whatever DCP raises for a garbled .metadata
         return f"its metadata does not read ({type(exc).__name__})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -230,28 +237,32 @@ def _check_tensors(path: Path, metadata: dict, expected: dict) -> None:
                              f"{list(tensor.shape)}")
 
 
-def newest(directory) -> tuple[tuple[int, Path] | None, list[tuple[str, str]]]:
-    """The newest complete checkpoint (step, path), or None, and the newer ones passed over, with why."""
+def newest(directory, trust: bool = False) -> tuple[tuple[int, Path] | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint (step, path), or None, and the newer ones passed over, with why (`Unsafe`
+    where one's index names code)."""
     skipped = []
     for step, candidate in reversed(checkpoints(directory)):
-        why = incomplete(candidate)
+        why = incomplete(candidate, trust)
         if why is None:
             return (step, candidate), skipped
         skipped.append((str(candidate), why))
     return None, skipped
 
 
-def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                trust: bool = False) -> dict | None:
     """Restore the newest complete checkpoint in place; returns its train state (step, data position, path,
     and `skipped`: newer checkpoints it passed over, with why) or None when there is none. Every rank reads
-    the same files and so makes the same choice."""
-    found, skipped = newest(directory)
+    the same files and so makes the same choice. Its pickles (DCP's index, the non-tensor items) are read by
+    `checkpoint_reader`, or by torch's own readers where the user trusts the checkpoint (`trust`)."""
+    found, skipped = newest(directory, trust)
     if found is None:
         return {"step": 0, "data_position": 0, "path": None, "skipped": skipped} if skipped else None
     path = found[1]
     shards = _expert_shards(model)
     layout = {"train": {"ep": 1, "pp": 1, "expert_placement": "{}"}}  # older checkpoints recorded none of these
-    dcp.load(layout, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    reader, planner = (FileSystemReader, DefaultLoadPlanner) if trust else (Reader, Planner)
+    dcp.load(layout, storage_reader=reader(str(path)), planner=planner(allow_partial_load=True))
     for name, kind, here in (("ep", "expert", _ep(shards)), ("pp", "pipeline", _pp(model))):
         if layout["train"][name] != here:
             raise ValueError(f"checkpoint {path} was saved with {kind} parallelism {name}={layout['train'][name]} and "
@@ -262,7 +273,7 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model_view, optim_view = _checkpoint_view(model_state, optim_state, shards, groups, canonical)
     # a parameter without optimizer state in the checkpoint had no gradient before it was saved: it gets none
     # here either (its state is not read, and taken away below), as in the run that was not interrupted
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = reader(str(path)).read_metadata().state_dict_metadata
     absent = {k for k in optim_view["state"] if not any(key.startswith(f"optim.state.{k}.") for key in metadata)}
     for key in absent:
         optim_view["state"].pop(key)
@@ -270,7 +281,7 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
                                     **{f"optim.state.{k}.{n}": v for k, s in optim_view["state"].items()
                                        for n, v in s.items()}})
     state = {"model": model_view, "optim": optim_view, "train": {"step": 0, "data_position": 0}}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=reader(str(path)), planner=planner())
     for key in absent:
         optim_view["state"][key] = {}
     model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards, groups,

@@ -185,6 +185,10 @@ class TrainJob(Options):
                                               "(onboard train: default BUNDLE/checkpoints)")
     checkpoint_every: int = option(0, "steps between checkpoints (default 0: at the end)", kind="non_negative")
     keep_checkpoints: int = option(2, "checkpoints kept, the newest (default 2)", kind="positive")
+    trust_checkpoint: bool = option(False, "resume from checkpoints whose pickled index names more than DCP's own "
+                                           "classes, reading them with torch's readers, which run what they name "
+                                           "(only for checkpoints you wrote; never taken from a file)",
+                                    kind="switch")
     runlog: str | None = option(None, "run log JSON lines (onboard train: default BUNDLE/runs/train.jsonl)")
     offload_dir: str | None = option(None, "where the plan's CPU offload keeps its file (default: the system "
                                            "temp folder)")

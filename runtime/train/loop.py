@@ -202,7 +202,7 @@ def _record_job(cfg: TrainJob, plan: Plan, rank: int) -> None:
         return
     folder = Path(cfg.checkpoint_dir)
     here = dataclasses.replace(cfg, plan=plan.to_dict())
-    saved, _ = checkpoint.newest(folder)
+    saved, _ = checkpoint.newest(folder, cfg.trust_checkpoint)
     if saved and cfg.steps <= saved[0]:
         return  # nothing left to train (an export resumes to write): the record stays the training run's
     if saved and (folder / JOB_FILE).is_file():
@@ -276,7 +276,8 @@ def train(factory: Callable[[], nn.Module | tuple], plan: Plan, cfg: TrainJob) -
     apply_recompute(model, plan.recompute)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    resumed = checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer) if cfg.checkpoint_dir else None
+    resumed = (checkpoint.load_latest(cfg.checkpoint_dir, model, optimizer, trust=cfg.trust_checkpoint)
+               if cfg.checkpoint_dir else None)
     for path, why in (resumed or {}).get("skipped", []):
         if rank == 0:
             print(f"resume: skipped {path}: {why}", file=sys.stderr, flush=True)

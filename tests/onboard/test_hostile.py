@@ -312,6 +312,27 @@ def test_training_checks_where_it_writes_before_the_first_step(place, copy_of, t
     assert not (b / "checkpoints").exists() and (place == "--runlog" or wrong.read_text() == "keep me")
 
 
+def test_a_checkpoint_whose_index_names_code_is_refused_before_any_rank(copy_of, tmp_path):
+    """Issue 55: DCP's `.metadata` is a pickle. A checkpoint folder handed over whose index names a call (os.system
+    here) ran it while train looked for a checkpoint to resume from, then trained from scratch with exit 0. Now
+    refused in one line before anything is built, and nothing ran; `--trust-checkpoint` is the user's say-so."""
+    import pickle
+
+    b = copy_of()
+    ck = tmp_path / "ck"
+    ran = tmp_path / "ran"
+    planted = type("Planted", (), {"__reduce__": lambda self: (os.system, (f"touch {ran}",))})
+    (ck / "step-00000002").mkdir(parents=True)
+    (ck / "step-00000002" / ".metadata").write_bytes(pickle.dumps(planted()))
+    result = cli("train", b, "--steps", 1, "--checkpoint-dir", ck, "--runlog", tmp_path / "log.jsonl")
+    assert refused(result, ".metadata", "posix.system", "--trust-checkpoint"), result.stderr
+    assert not ran.exists() and not (tmp_path / "log.jsonl").exists()
+    # with the user's say-so torch's own reader reads it, and runs what it names (what the test is there for)
+    result = cli("train", b, "--steps", 1, "--checkpoint-dir", ck, "--runlog", tmp_path / "log.jsonl",
+                 "--trust-checkpoint")
+    assert result.returncode == 0 and ran.exists(), result.stderr[-2000:]
+
+
 # --- one line, never a traceback ----------------------------------------------------------------------------
 
 def _config(tmp_path, change: dict | str, slug="mixtral-8x7b") -> Path:

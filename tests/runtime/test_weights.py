@@ -421,3 +421,11 @@ def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_tr
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "hf2"), "--bundle", str(bundle)]) == 1
     assert not (tmp_path / "hf2").exists()
+    # issue 55: its index a pickle that names code (as a checkpoint handed over may): refused, and nothing ran
+    import pickle
+
+    marker = tmp_path / "ran"
+    planted = type("Planted", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})
+    (newest / ".metadata").write_bytes(pickle.dumps(planted()))
+    assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "hf3"), "--bundle", str(bundle)]) == 1
+    assert not (tmp_path / "hf3").exists() and not marker.exists()
