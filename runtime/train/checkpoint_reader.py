@@ -15,6 +15,7 @@ offset. Non-tensor items load with `weights_only=True` (numbers, strings and con
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import re
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 
 from runtime import bounded
 
@@ -43,6 +45,8 @@ METADATA_CLASSES = frozenset({
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 })
+# the class each storage entry is pickled as: private to torch, so taken by the name the index itself names it by
+STORAGE_INFO = getattr(importlib.import_module("torch.distributed.checkpoint.filesystem"), "_StorageInfo")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -83,18 +87,60 @@ def read_metadata(path, name: str = ".metadata") -> Metadata:
 
 
 def _problem(metadata) -> str:
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    """What in a loaded index is not what DCP writes ("" when nothing): only DCP's own types, at DCP's places, so
+    that nothing DCP does with it next fails deep inside (a traceback) or reads outside the folder."""
+    if not isinstance(metadata, Metadata):
         return f"it holds {type(metadata).__name__}"
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
+        return "its entries are not named by text"
+    for key, entry in entries.items():
+        why = "" if isinstance(entry, BytesStorageMetadata) else _tensor_problem(entry)
+        if why:
+            return f"{key[:80]}: {why}"
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         return "it names no storage"
-    for info in storage.values():
-        name = str(getattr(info, "relative_path", ""))
-        if not FILE_NAME.fullmatch(name) or name in (".", ".."):
-            return f"a storage entry names {name[:80]!r}, not a file in the checkpoint's folder"
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
-            return f"a storage entry of {name} has offset {offset!r} and length {length!r}"
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, STORAGE_INFO):
+            return "a storage entry is not DCP's"
+        name = info.relative_path
+        if not isinstance(name, str) or not FILE_NAME.fullmatch(name):
+            return f"a storage entry names {str(name)[:80]!r}, not a file in the checkpoint's folder"
+        if not all(_whole(v) for v in (info.offset, info.length)):
+            return f"a storage entry of {name} has offset {info.offset!r} and length {info.length!r}"
+        transforms = info.transform_descriptors
+        if transforms is not None and not (isinstance(transforms, (list, tuple))
+                                           and all(isinstance(t, str) for t in transforms)):
+            return f"a storage entry of {name} has transforms that are not names"
+    planner = metadata.planner_data
+    if planner is not None and not (isinstance(planner, dict) and all(
+            isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(p, (str, int)) for p in v)
+            for k, v in planner.items())):
+        return "its planner data is not paths of names"
+    return ""
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _size(value) -> bool:
+    return isinstance(value, torch.Size) and all(_whole(v) for v in value)
+
+
+def _tensor_problem(entry) -> str:
+    if not isinstance(entry, TensorStorageMetadata):
+        return f"an entry of type {type(entry).__name__}"
+    properties = entry.properties
+    if not isinstance(properties, TensorProperties) or not isinstance(properties.dtype, torch.dtype):
+        return "a tensor without a dtype"
+    if not _size(entry.size) or not isinstance(entry.chunks, list):
+        return "a tensor without a size"
+    for chunk in entry.chunks:
+        if not (isinstance(chunk, ChunkStorageMetadata) and _size(chunk.offsets) and _size(chunk.sizes)
+                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)):
+            return "a chunk that is not a part of its tensor"
     return ""
 
 

@@ -88,7 +88,8 @@ def test_an_item_that_names_code_loads_as_nothing_but_data(tmp_path):
     assert marker.exists()
 
 
-@pytest.mark.parametrize("damage", ["a path out of the folder", "a negative offset", "not an index", "a FIFO"])
+@pytest.mark.parametrize("damage", ["a path out of the folder", "a negative offset", "not an index", "a FIFO",
+                                    "an entry that is not DCP's", "a chunk of negative size", "planner data"])
 def test_a_damaged_index_is_one_line(tmp_path, damage):
     _checkpoint(tmp_path / "ck")
     index = tmp_path / "ck" / ".metadata"
@@ -98,6 +99,12 @@ def test_a_damaged_index_is_one_line(tmp_path, damage):
         info.relative_path = "../../etc/passwd"
     elif damage == "a negative offset":
         info.offset = -5
+    elif damage == "an entry that is not DCP's":
+        metadata.state_dict_metadata["model.weight"] = torch.Size([2, 3])
+    elif damage == "a chunk of negative size":
+        metadata.state_dict_metadata["model.weight"].chunks[0].sizes = torch.Size([-2, 3])
+    elif damage == "planner data":
+        metadata.planner_data = {"model.weight": 3.5}
     if damage == "not an index":
         index.write_bytes(pickle.dumps({"storage_data": {}}))
     elif damage == "a FIFO":
