@@ -80,7 +80,11 @@ def locked(folder: Path):
 
 
 def _writer_alive(staging: Path) -> bool:
-    """Whether the process that writes a staging folder still runs (unknown writers count as alive)."""
+    """Whether the process that writes a staging folder still runs (unknown writers count as alive). Called under
+    the folder's lock, which `staging_for` holds from making the folder to writing its record: a folder with no
+    record was made by a process killed in between."""
+    if not (staging / _WRITER).exists() and not (staging / _WRITER).is_symlink():
+        return False
     try:
         record = json.loads((staging / _WRITER).read_text())
         if record["host"] != socket.gethostname():
@@ -129,8 +133,9 @@ def tidy(out: Path) -> list[str]:
 
 def staging_for(out: Path) -> Path:
     """A fresh staging folder beside `out`, recording which process writes it."""
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.onboard-"))
-    (staging / _WRITER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with locked(out.parent):  # (`tidy` reads a folder without its record as a killed run's)
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.onboard-"))
+        (staging / _WRITER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     return staging
 
 

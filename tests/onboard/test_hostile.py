@@ -268,6 +268,17 @@ def test_a_killed_adapt_leaves_nothing_the_next_run_does_not_tidy(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"] and is_bundle(out)
 
 
+def test_a_staging_folder_without_its_record_is_a_killed_runs(tmp_path):
+    """Killed between making its staging folder and writing who writes it (a busy machine hit this window in the
+    test above): the folder is made and recorded under the lock `tidy` reads it under, so one without a record
+    is a killed run's, and tidied (it was left for good)."""
+    from onboard.bundle.target import tidy
+
+    (tmp_path / ".b.onboard-1a2b").mkdir()
+    assert tidy(tmp_path / "b") == ["removed .b.onboard-1a2b, left by a killed run"]
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_bundle_moved_aside_by_a_killed_run_is_moved_back(bundle, tmp_path):
     """Killed between moving the old bundle aside and moving the new one in: the next run puts the old one
     back (and then, without --force, keeps it)."""
