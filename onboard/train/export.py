@@ -26,6 +26,22 @@ def _launch(launch_file: Path) -> tuple[LaunchRecord, Plan]:
     return record, plan
 
 
+def _check_lora(launch_file: Path, plan, newest: Path, trust: bool) -> None:
+    """The plan must train what the checkpoint holds: LoRA adapters exactly where it has them (launch.json edited
+    to LoRA on a full fine-tune failed inside every rank, a DCP traceback in the line)."""
+    if trust:
+        return  # (a trusted checkpoint's index is torch's to read; its own error then says what differs)
+    from runtime.lora import PREFIX
+    from runtime.train.checkpoint_reader import read_metadata
+
+    keys = read_metadata(newest).state_dict_metadata
+    adapters = any(f".{PREFIX}" in key for key in keys if key.startswith("model."))
+    if adapters != (plan.lora is not None):
+        raise OnboardError(f"{launch_file}: its plan {'trains LoRA adapters' if plan.lora else 'is a full fine-tune'}"
+                           f" but {newest.name} {'holds none' if plan.lora else 'holds LoRA adapters'}: launch.json "
+                           f"was edited, or is another run's")
+
+
 def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote_code: bool = False,
            trust_checkpoint: bool = False) -> int:
     """`onboard export CHECKPOINT_DIR --format peft|hf --out DIR [--bundle B] [--weights W]`: the newest checkpoint
@@ -69,6 +85,7 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
     if broken:  # resuming would pass over it and train from an older state, or from the released weights
         raise OnboardError(f"{saved[-1][1]} is incomplete ({broken}): export needs the newest checkpoint whole; "
                            f"move it away to export an older one")
+    _check_lora(launch_file, plan, saved[-1][1], trust_checkpoint)
     print(f"running {bundle / 'adapter.py'} (the bundle's generated code) to rebuild the trained model", flush=True)
     recorded = folder / JOB_FILE
     try:  # the run's own options (its resume check needs them); never its consent or the code it ran
@@ -82,4 +99,4 @@ def export(checkpoint, fmt: str, out, *, bundle=None, weights=None, trust_remote
                                   runlog=str(Path(scratch) / "export.jsonl"), data=None, eval_data=None, **exports)
         request = TrainRequest(bundle=str(bundle), weights=weights or launch.weights,
                                trust_remote_code=trust_remote_code)
-        return run(request, job)
+        return run(request, job, record=False)  # launch.json is the run's record: export never rewrites it

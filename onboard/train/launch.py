@@ -48,11 +48,11 @@ def command(job_file, world: int) -> list[str]:
     return ["torchrun", "--standalone", f"--nproc-per-node={world}", "-m", "runtime.train", "--job", str(job_file)]
 
 
-def run(request: TrainRequest, job: TrainJob) -> int:
+def run(request: TrainRequest, job: TrainJob, *, record: bool = True) -> int:
     """`onboard train`: check the bundle, the plan and the job, then train in this process or through torchrun.
     `request.weights` (MODEL): the released model instead of the twin (`weights_source`); `job.data` /
     `job.eval_data`: token files, or text tokenised with the model's tokenizer into packed corpora
-    (`onboard.train.data`)."""
+    (`onboard.train.data`). `record=False` (an export, which reads launch.json) leaves launch.json as it is."""
     bundle, _, _ = read_bundle(request.bundle)
     weights = request.weights
     if (job.export_hf or job.export_peft) and weights is None:
@@ -85,7 +85,7 @@ def run(request: TrainRequest, job: TrainJob) -> int:
     why = why_not_appendable(runlog)  # before anything is built or any rank starts
     if why:
         raise OnboardError(why)
-    if weights is not None:
+    if weights is not None and record:
         record_launch(checkpoint_dir, bundle, weights, plan)
     kwargs = {"bundle": str(bundle), "layers": request.layers, "width": request.width,
               "trust_remote_code": request.trust_remote_code, "weights": weights}

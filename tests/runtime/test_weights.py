@@ -268,10 +268,21 @@ def test_onboard_export_writes_from_a_saved_checkpoint_what_the_run_exported(rel
     (ck / "launch.json").write_text(json.dumps({**launch, "bundle": str(tmp_path)}))
     assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "later"), "--bundle", str(bundle)]) == 0
     assert f"running {bundle / 'adapter.py'}" in capsys.readouterr().out
+    assert json.loads((ck / "launch.json").read_text())["bundle"] == str(tmp_path)  # export never rewrites it
     at_end = load_file(tmp_path / "at-end" / "adapter_model.safetensors")
     later = load_file(tmp_path / "later" / "adapter_model.safetensors")
     assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in at_end)
     capsys.readouterr()
+    # issue 55: launch.json's plan edited to a full fine-tune of this LoRA run: refused in one line before any rank
+    # (each rank failed inside DCP, its traceback in the line), and the refused export leaves launch.json as it was
+    edited = json.dumps({**launch, "plan": {**launch["plan"], "lora": None}})
+    (ck / "launch.json").write_text(edited)
+    capsys.readouterr()
+    assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "x"), "--bundle", str(bundle)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a full fine-tune but" in err[0] and "holds LoRA adapters" in err[0], err
+    assert (ck / "launch.json").read_text() == edited
+    (ck / "launch.json").write_text(json.dumps(launch))
     assert main(["export", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "x")]) == 1
     assert "launch.json is missing" in capsys.readouterr().err
     # the bundle must be the one that wrote the checkpoints, named on the command line
@@ -291,6 +302,20 @@ def test_onboard_export_writes_from_a_saved_checkpoint_what_the_run_exported(rel
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "launch.json" in err[0] and "Traceback" not in err[0], err
     assert not (tmp_path / "x").exists()
+    # issue 55: the newest checkpoint's index a pickle that names code, as a checkpoint handed over may: refused
+    # in one line, and nothing ran (torch's reader runs it: tests/runtime/test_checkpoint_reader.py)
+    import pickle
+
+    from runtime.train.checkpoint import checkpoints
+
+    (ck / "launch.json").write_text(json.dumps(launch))
+    marker = tmp_path / "ran"
+    planted = type("Planted", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})
+    (checkpoints(ck)[-1][1] / ".metadata").write_bytes(pickle.dumps(planted()))
+    assert main(["export", str(ck), "--format", "peft", "--out", str(tmp_path / "x"), "--bundle", str(bundle)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "posix.system" in err[0] and "--trust-checkpoint" in err[0], err
+    assert not marker.exists() and not (tmp_path / "x").exists()
 
 
 def test_exports_are_checked_before_training(released, tmp_path, capsys):
@@ -421,11 +446,3 @@ def test_a_fine_tune_on_released_weights_survives_sigkill_and_exports_what_it_tr
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "hf2"), "--bundle", str(bundle)]) == 1
     assert not (tmp_path / "hf2").exists()
-    # issue 55: its index a pickle that names code (as a checkpoint handed over may): refused, and nothing ran
-    import pickle
-
-    marker = tmp_path / "ran"
-    planted = type("Planted", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})
-    (newest / ".metadata").write_bytes(pickle.dumps(planted()))
-    assert main(["export", str(ck), "--format", "hf", "--out", str(tmp_path / "hf3"), "--bundle", str(bundle)]) == 1
-    assert not (tmp_path / "hf3").exists() and not marker.exists()
