@@ -29,6 +29,7 @@ CAPS = {
     "bundle file": 64 << 20,  # a bundle's JSON, code and text
     "job": 1 << 20,  # a training job file
     "checkpoint metadata": 256 << 20,  # DCP's index of a checkpoint (a pickle: `runtime.train.checkpoint_reader`)
+    "checkpoint state": 1 << 20,  # a rank's random-number state in a checkpoint (a few kilobytes)
 }
 MAX_DEPTH = 64  # JSON nesting: onboard's own files nest a handful of levels
 

@@ -18,19 +18,23 @@ that way before it reads the rows back.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from runtime import bounded
 from runtime.bounded import Refused
+from runtime.errors import InputError
 from runtime.train.checkpoint_reader import Planner, Reader, Unsafe, read_metadata
 
 _NAME = re.compile(r"step-(\d{8})")
@@ -214,11 +218,48 @@ def incomplete(path: Path, trust: bool = False) -> str | None:
         needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
     for name, size in sorted(needed.items()):
         file = path / name
-        if not file.is_file():
+        if not file.is_file() and not file.is_symlink():
             return f"{name} is missing"
-        if file.stat().st_size < size:
-            return f"{name} is truncated ({file.stat().st_size} of {size} bytes)"
+        seen = file.lstat()
+        if not stat.S_ISREG(seen.st_mode):  # a link (to another run's weights, a device, a FIFO) is not read
+            return f"{name} is not a file of the checkpoint's own"
+        if seen.st_size < size:
+            return f"{name} is truncated ({seen.st_size} of {size} bytes)"
     return None
+
+
+def _load(state: dict, path: Path, reader, planner) -> None:
+    """dcp.load, its failure one line (DCP raises a CheckpointException, a BaseException, with each rank's
+    traceback in its text)."""
+    try:
+        dcp.load(state, storage_reader=reader(str(path)), planner=planner)
+    except CheckpointException as exc:
+        first = next((line for line in str(exc).splitlines() if "Error" in line), str(exc).splitlines()[0])
+        raise InputError(f"checkpoint {path}: DCP could not load it ({first.strip()[:200]})") from None
+
+
+def _check_items(path: Path, items: dict, kinds: dict) -> None:
+    for name, kind in kinds.items():
+        value = items.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise InputError(f"checkpoint {path}: its {name} is {type(value).__name__} {str(value)[:40]}, not "
+                             f"{'a whole number' if kind is int else 'text'}")
+
+
+def _rng(file: Path) -> dict:
+    """A rank's saved RNG state: a regular file of the checkpoint's own, of bounded size, holding a byte tensor."""
+    data = bounded.read_bytes(file, "checkpoint state") if not file.is_symlink() else None
+    if data is None:
+        raise InputError(f"{file}: not a file of the checkpoint's own (a link)")
+    try:
+        saved = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises
+        raise InputError(f"{file}: not a random-number state ({type(exc).__name__})") from None
+    states = saved.values() if isinstance(saved, dict) else ()
+    if not (isinstance(saved, dict) and "cpu" in saved and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in states)):
+        raise InputError(f"{file}: not a random-number state")
+    return saved
 
 
 def _check_tensors(path: Path, metadata: dict, expected: dict) -> None:
@@ -262,7 +303,8 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
     shards = _expert_shards(model)
     layout = {"train": {"ep": 1, "pp": 1, "expert_placement": "{}"}}  # older checkpoints recorded none of these
     reader, planner = (FileSystemReader, DefaultLoadPlanner) if trust else (Reader, Planner)
-    dcp.load(layout, storage_reader=reader(str(path)), planner=planner(allow_partial_load=True))
+    _load(layout, path, reader, planner(allow_partial_load=True))
+    _check_items(path, layout["train"], {"ep": int, "pp": int, "expert_placement": str})
     for name, kind, here in (("ep", "expert", _ep(shards)), ("pp", "pipeline", _pp(model))):
         if layout["train"][name] != here:
             raise ValueError(f"checkpoint {path} was saved with {kind} parallelism {name}={layout['train'][name]} and "
@@ -281,7 +323,8 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
                                     **{f"optim.state.{k}.{n}": v for k, s in optim_view["state"].items()
                                        for n, v in s.items()}})
     state = {"model": model_view, "optim": optim_view, "train": {"step": 0, "data_position": 0}}
-    dcp.load(state, storage_reader=reader(str(path)), planner=planner())
+    _load(state, path, reader, planner())
+    _check_items(path, state["train"], {"step": int, "data_position": int})
     for key in absent:
         optim_view["state"][key] = {}
     model_state, optim_state = _local_view(model_state, optim_state, (state["model"], state["optim"]), shards, groups,
@@ -293,8 +336,8 @@ def load_latest(directory, model: torch.nn.Module, optimizer: torch.optim.Optimi
     for name in stateless:
         optimizer.state.pop(by_name[name], None)
     rng = path / f"rng-{_rank()}.pt"
-    if rng.is_file():
-        saved = torch.load(rng, weights_only=True)
+    if rng.is_file() or rng.is_symlink():
+        saved = _rng(rng)
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved and torch.cuda.is_available():
             torch.cuda.set_rng_state(saved["cuda"])
