@@ -30,6 +30,7 @@ CAPS = {
     "job": 1 << 20,  # a training job file
     "checkpoint metadata": 256 << 20,  # DCP's index of a checkpoint (a pickle: `runtime.train.checkpoint_reader`)
     "checkpoint state": 1 << 20,  # a rank's random-number state in a checkpoint (a few kilobytes)
+    "key": 4096,  # a key of the user's (`onboard/user_key.py`): 32 bytes
 }
 MAX_DEPTH = 64  # JSON nesting: onboard's own files nest a handful of levels
 

@@ -20,6 +20,8 @@ _key = os.path.join(tempfile.mkdtemp(prefix="onboard-judge-"), "judge.key")
 with open(_key, "wb") as _f:
     _f.write(bytes(range(32)))
 os.environ.setdefault("ONBOARD_JUDGE_KEY", _key)
+# the key that seals inspection-cache entries: the session's own (made on first use in an empty folder)
+os.environ.setdefault("ONBOARD_CACHE_KEY", os.path.join(tempfile.mkdtemp(prefix="onboard-cache-key-"), "cache.key"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["OMP_NUM_THREADS"] = "1"  # two workers share two cores; every process they start inherits it

@@ -135,7 +135,7 @@ def test_the_checks_see_a_planted_violation(tmp_path):
 # The stages of onboard/ in data-flow order (onboard/__init__.py): each imports only stages before it, and the
 # stages at the end (review, plan, train, report) do not import one another. The agent's sandbox builds the
 # reference twin and checks candidates with the agent's guard, so it is a stage of its own before the bundle.
-STAGES = [("shared", ("onboard", "onboard.errors", "onboard.outputs", "onboard.contract")),
+STAGES = [("shared", ("onboard", "onboard.errors", "onboard.outputs", "onboard.contract", "onboard.user_key")),
           ("source", ("onboard.source", "onboard.catalogue")),  # the catalogue: model configs and code, as data
           ("twin", ("onboard.twin",)), ("inspect", ("onboard.inspect",)), ("adapt", ("onboard.adapt",)),
           ("sandbox", ("onboard.agent.sandbox", "onboard.agent.guard", "onboard.agent.capabilities")),

@@ -6,7 +6,10 @@ An entry is named by the digest of everything the spec is made from: the model's
 for remote code, every Python file beside it), whether remote code was trusted, the code of onboard and of the
 runtime that inspection runs (every `.py` file of both packages: a change to any matcher makes new entries), and
 the torch and transformers versions. So an entry is never stale: a changed input is another name. What is read
-back is checked as any spec file is (`ModelSpec.from_dict`); an entry that does not parse is made again.
+back is checked as any spec file is (`ModelSpec.from_dict`); an entry that does not parse is made again. An entry
+carries an HMAC of its spec under a key of the user's (`onboard.user_key`, `$ONBOARD_CACHE_KEY` or
+~/.cache/onboard/cache.key): one someone else wrote, or edited (a forged entry with parameter counts x1000 changed a
+plan silently), is a miss, and made again.
 
 The cache lives in `$ONBOARD_CACHE_DIR`, else `$XDG_CACHE_HOME/onboard`, else `~/.cache/onboard`, under
 `specs/`; `ONBOARD_CACHE_DIR=off` keeps nothing. In-memory configs (the families, tests) are never cached: they
@@ -22,6 +25,7 @@ today's onboard makes is what `tests/onboard/test_spec_cache.py` checks, as `onb
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from functools import lru_cache
@@ -30,8 +34,11 @@ from pathlib import Path
 from onboard.errors import OnboardError
 from onboard.inspect.spec import ModelSpec
 from onboard.source import ModelSource
+from onboard.user_key import user_key
+from runtime import bounded
 
 CACHE_ENV = "ONBOARD_CACHE_DIR"
+KEY_ENV, KEY_NAME = "ONBOARD_CACHE_KEY", "cache.key"  # the key that seals entries (`onboard.user_key`)
 
 
 def cache_dir() -> Path | None:
@@ -140,14 +147,37 @@ def cached_spec(source: ModelSource) -> tuple[ModelSpec, bool]:
     entry = folder / f"{key}.json" if folder is not None and key is not None else None
     if entry is not None and entry.is_file():
         try:
-            return ModelSpec.from_json(entry.read_text()), True
+            opened = unsealed(bounded.read_text(entry, "cache entry"), str(entry))
+            if opened is not None:
+                return ModelSpec.from_dict(opened), True
         except (OSError, ValueError, RecursionError):
             pass  # made again below
     spec = inspect_source(source)[0]
     if entry is not None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomically(entry, spec.to_json())
+            write_atomically(entry, sealed(spec.to_dict()))
         except OSError:
             pass
     return spec, False
+
+
+def _seal(body: str) -> str:
+    return hmac.new(user_key(KEY_NAME, KEY_ENV), body.encode(), hashlib.sha256).hexdigest()
+
+
+def sealed(spec: dict) -> str:
+    """A cache entry: the spec and an HMAC of it under the user's cache key."""
+    body = json.dumps(spec, sort_keys=True)
+    return json.dumps({"seal": _seal(body), "spec": spec}, sort_keys=True)
+
+
+def unsealed(text: str, where: str) -> dict | None:
+    """The spec a cache entry holds, or None where its seal is not this user's key's over it (an entry someone
+    else wrote or edited is a miss, never a result)."""
+    record = bounded.loads(text, where, "cache entry")
+    if not isinstance(record, dict) or not isinstance(record.get("seal"), str) or not isinstance(
+            record.get("spec"), dict):
+        return None
+    body = json.dumps(record["spec"], sort_keys=True)
+    return record["spec"] if hmac.compare_digest(record["seal"], _seal(body)) else None

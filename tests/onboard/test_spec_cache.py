@@ -5,6 +5,7 @@ entry; an entry that does not parse is made again; ONBOARD_CACHE_DIR=off keeps n
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -58,9 +59,30 @@ def test_remote_code_beside_the_config_is_part_of_the_name(tmp_path, monkeypatch
 def test_an_entry_that_does_not_parse_is_made_again(model, tmp_path):
     spec, _ = cached_spec(resolve(str(model)))
     entry = next((tmp_path / "cache" / "specs").glob("*.json"))
+    kept = entry.read_text()
     entry.write_text("{not json")
     again, hit = cached_spec(resolve(str(model)))
-    assert not hit and again.to_json() == spec.to_json() and entry.read_text() == spec.to_json()
+    assert not hit and again.to_json() == spec.to_json() and entry.read_text() == kept
+
+
+def test_a_forged_entry_is_a_miss_never_a_result(model, tmp_path, monkeypatch):
+    """Issue 55: an entry with its parameter counts x1000 changed a plan silently (the cache checked that an entry
+    parses, not that it is genuine). Each entry is sealed with an HMAC under the user's key: an edited entry, and
+    one sealed under another user's key, are made again; a FIFO in an entry's place is a miss, not a hang."""
+    spec, _ = cached_spec(resolve(str(model)))
+    entry = next((tmp_path / "cache" / "specs").glob("*.json"))
+    genuine = entry.read_text()
+    record = json.loads(genuine)
+    record["spec"]["params_total"] *= 1000
+    entry.write_text(json.dumps(record))
+    again, hit = cached_spec(resolve(str(model)))
+    assert not hit and again.to_json() == spec.to_json() and entry.read_text() == genuine
+    assert cached_spec(resolve(str(model)))[1]  # the genuine entry is taken
+    monkeypatch.setenv("ONBOARD_CACHE_KEY", str(tmp_path / "another-users.key"))
+    assert not cached_spec(resolve(str(model)))[1]  # sealed under another key: made again (and sealed anew)
+    entry.unlink()
+    os.mkfifo(entry)
+    assert not cached_spec(resolve(str(model)))[1]
 
 
 def test_caching_off_keeps_nothing(model, tmp_path, monkeypatch):

@@ -39,15 +39,14 @@ import hashlib
 import hmac
 import os
 import random
-import secrets
 import time
-from pathlib import Path
 
 import torch
 
 from onboard.agent.sandbox import wire
 from onboard.agent.sandbox.calls import SEQUENCE_CALLS, conditions
 from onboard.agent.sandbox.process import Stopped, Worker
+from onboard.user_key import user_key
 
 TOLERANCE = 1e-4  # fp32, relative to the tensor's largest value: a reading of the wrong thing is off by O(1)
 TWIN_SEQ = 160  # the longest sequence the twin is verified at (onboard.adapt.verify.WIDE_SEQ)
@@ -72,27 +71,9 @@ PRECISE, COARSE = (1e-4, 1e-3, 1e-2), (1e3, 1e4)  # magnitudes far from the mode
 
 
 def judge_key() -> bytes:
-    """The installation's judge key (made on first use, readable by the user alone); a key for this process
-    only where no file can be kept."""
-    path = Path(os.environ.get(KEY_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                / "onboard" / "judge.key")
-    try:
-        data = path.read_bytes()
-        if len(data) >= 32:
-            return data[:32]
-    except OSError:
-        pass
-    key = secrets.token_bytes(32)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-    except FileExistsError:
-        return path.read_bytes()[:32]
-    except OSError:
-        pass
-    return key
+    """The installation's judge key (`onboard.user_key`: made on first use, readable by the user alone); a key for
+    this process only where no file can be kept."""
+    return user_key("judge.key", KEY_ENV)
 
 
 def draw(key: bytes, *parts: str) -> list[dict]:
