@@ -275,6 +275,7 @@ def zygote(control_fd: int, serve=None) -> None:
         if not data:
             break
         try:
+            reap()  # (as well as on SIGCHLD: a child that has ended is swept before this request, whenever it ended)
             while ended:
                 pid = ended.pop()
                 shutil.rmtree(folders.pop(pid, ""), ignore_errors=True)
