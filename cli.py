@@ -310,9 +310,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from onboard.plan import hardware, load_plan, load_spec, predict_plan
+    from onboard.plan import hardware, load_spec, predict_plan
+    from runtime.plan import Plan
 
-    load_plan(args.plan), hardware(args.hardware)  # the quick checks first
+    Plan.load(args.plan), hardware(args.hardware)  # the quick checks first
     spec = load_spec(args.model, trust_remote_code=args.trust_remote_code, online=args.online)
     out = predict_plan(spec, args.plan, hardware_name=args.hardware, predictor=args.predictor)
     if args.json:

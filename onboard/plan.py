@@ -219,17 +219,8 @@ def write_plan(plan: Plan, path) -> Path:
     return write_atomically(Path(path), plan.to_json())
 
 
-def load_plan(path) -> Plan:
-    """A plan file, its fields checked (`runtime.plan.Plan.from_dict`); one-line errors naming the file."""
-    try:
-        return Plan.load(path)
-    except ValueError as e:
-        message = str(e)
-        raise OnboardError(message if str(path) in message else f"plan {path}: {message}") from None
-
-
 def predict_plan(spec: ModelSpec, plan_path, *, hardware_name: str, predictor: str | None = None) -> dict:
-    plan = load_plan(plan_path)
+    plan = Plan.load(plan_path)
     d = dims_of(spec)
     problems = plan.problems(d.experts or None)
     if problems:

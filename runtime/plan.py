@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 
 from runtime import bounded
+from runtime.errors import InputError
 
 SCHEMA_VERSION = 4  # 2: the field `swap` is called `offload`; 3: pipeline fields `pp_schedule`, `pp_layers`;
 # 4: `etp` (MoE parallel folding). Version 1 differs only in that name, and measured run logs
@@ -168,10 +169,15 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> Plan:
-        d = bounded.read_json(path, "plan")  # a regular file, bounded in size and depth (Refused: a ValueError)
+        """A plan file: a regular file, bounded in size and depth, its fields checked; `InputError` (one line naming
+        the file) otherwise: the one reader every verb that takes a plan file uses."""
+        d = bounded.read_json(path, "plan")  # (Refused: an InputError naming the file)
         if not isinstance(d, dict):
-            raise ValueError(f"{path}: a plan is a JSON object")
-        return cls.from_dict(d)
+            raise InputError(f"plan {path}: a plan is a JSON object")
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as exc:
+            raise InputError(f"plan {path}: {exc}") from None
 
 
 def _whole(value) -> bool:

@@ -36,13 +36,6 @@ from runtime.train.job import TrainJob
 
 
 
-def read_plan(path) -> Plan:
-    try:
-        return Plan.load(path)
-    except (ValueError, TypeError) as exc:
-        message = str(exc)
-        raise OnboardError(message if str(path) in message else f"plan {path}: {message}") from None
-
 def command(job_file, world: int) -> list[str]:
     """The torchrun command line of a job whose file is `job_file`, for `world` processes."""
     return ["torchrun", "--standalone", f"--nproc-per-node={world}", "-m", "runtime.train", "--job", str(job_file)]
@@ -65,7 +58,7 @@ def run(request: TrainRequest, job: TrainJob, *, record: bool = True) -> int:
     data, eval_data = (_prepared(bundle, path, weights, request.mask_prompt, request.text_field)
                        for path in (job.data, job.eval_data))
     plan = Plan.from_dict(job.plan) if job.plan is not None else (
-        read_plan(bundle / "plan.json") if (bundle / "plan.json").is_file() else Plan(dtype="fp32", seq_len=32))
+        Plan.load(bundle / "plan.json") if (bundle / "plan.json").is_file() else Plan(dtype="fp32", seq_len=32))
     from runtime.parallel.runnable import not_runnable
 
     problems = not_runnable(plan)  # what runtime.train would refuse on every rank, said once before it starts

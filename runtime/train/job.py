@@ -82,9 +82,8 @@ def _plan_file(text: str) -> dict:
 
     try:
         return Plan.load(text).to_dict()
-    except (OSError, ValueError) as exc:
-        message = str(exc)  # the bounded reader's own message names the file already
-        raise argparse.ArgumentTypeError(message if message.startswith(f"{text}: ") else f"{text}: {message}") from None
+    except (OSError, ValueError) as exc:  # (Plan.load's own message names the file)
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 KINDS = {"positive": whole_number(1), "non_negative": whole_number(0), "float": float,
