@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 
 from onboard.errors import OnboardError
+from runtime import bounded
 
 
 class Document:
@@ -36,9 +37,14 @@ class Document:
 
 
 def load(path: Path):
-    """The JSON value of the file `path`; one line naming it when it is not JSON."""
+    """The JSON value of the file `path` (a regular file of at most a bundle file's size, `runtime.bounded`); one
+    line naming it when it is not that, or not JSON."""
     try:
-        return json.loads(Path(path).read_text())
+        text = bounded.read_text(path, "bundle file")
+    except bounded.Refused as exc:
+        raise OnboardError(str(exc)) from None
+    try:
+        return json.loads(text)
     except (ValueError, UnicodeDecodeError):
         raise OnboardError(f"{path}: not JSON") from None
     except RecursionError:

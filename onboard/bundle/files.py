@@ -13,6 +13,7 @@ from pathlib import Path
 from onboard.bundle.source_record import FILE, SourceRecord
 from onboard.contract import load
 from onboard.errors import OnboardError, one_line
+from runtime import bounded
 
 MARKER = ".onboard-bundle"  # every bundle holds it: what `onboard adapt --force` may replace
 # what `onboard adapt` writes (kernels themselves go to the runtime's kernel store; kernels.json names them)
@@ -63,8 +64,8 @@ def read_bundle(bundle) -> tuple[Path, dict, SourceRecord]:
     if missing:
         raise OnboardError(f"{bundle} is not a bundle: missing {', '.join(missing)}")
     try:
-        spec = json.loads((bundle / "spec.json").read_text())
-        origin = json.loads((bundle / "source.json").read_text())
+        spec = json.loads(bounded.read_text(bundle / "spec.json", "bundle file"))  # (Refused: a ValueError)
+        origin = json.loads(bounded.read_text(bundle / "source.json", "bundle file"))
     except (ValueError, OSError, RecursionError) as exc:
         raise OnboardError(f"{bundle}: unreadable bundle ({one_line(exc)})") from None
     if not isinstance(spec, dict):
@@ -88,7 +89,7 @@ def read_decision(bundle: Path):
     if not path.is_file():
         raise OnboardError(f"{bundle} has no decision.json (written by an older onboard): adapt the model again")
     try:
-        return Decision.from_json(path.read_text())
+        return Decision.from_json(bounded.read_text(path, "bundle file"))
     except (ValueError, KeyError, TypeError) as exc:
         raise OnboardError(f"{path}: unreadable decision ({one_line(exc)})") from None
 
