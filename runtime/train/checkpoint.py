@@ -248,9 +248,9 @@ def _check_items(path: Path, items: dict, kinds: dict) -> None:
 
 def _rng(file: Path) -> dict:
     """A rank's saved RNG state: a regular file of the checkpoint's own, of bounded size, holding a byte tensor."""
-    data = bounded.read_bytes(file, "checkpoint state") if not file.is_symlink() else None
-    if data is None:
+    if file.is_symlink():
         raise InputError(f"{file}: not a file of the checkpoint's own (a link)")
+    data = bounded.read_bytes(file, "checkpoint state")
     try:
         saved = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises
